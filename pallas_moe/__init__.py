@@ -1,0 +1,1 @@
+"""pallas_moe: Pallas TPU kernels for Mixture-of-Experts training in JAX."""

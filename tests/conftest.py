@@ -1,0 +1,34 @@
+"""Test setup: CPU only (libtpu is installed for AOT checks), 8 CPU devices, hypothesis profiles."""
+
+import os
+
+# With libtpu installed, `import jax` would try to open a TPU. Tests run on the CPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_enable_x64", False)
+
+settings.register_profile(
+  "default",
+  max_examples=12,
+  deadline=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+  derandomize=True,
+)
+settings.register_profile(
+  "ci",
+  max_examples=25,
+  deadline=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+  derandomize=True,
+)
+settings.register_profile(
+  "deep",
+  max_examples=200,
+  deadline=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
