@@ -1,0 +1,195 @@
+"""Shared argument checks and Pallas plumbing for the gmm and tgmm kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core as jax_core
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_moe import _jax_compat
+
+_jax_compat.install_interpret_vma_workaround()
+
+# Block shapes on TPU: the last dim a multiple of 128 (lanes), the second-last a multiple of 8
+# (sublanes), unless the block spans the whole array dimension.
+SUBLANE = 8
+LANE = 128
+
+Interpret = bool | pltpu.InterpretParams | None
+
+
+def concrete_or_none(x: Any) -> np.ndarray | None:
+  """The value of `x` as numpy when it is known at trace time, else None."""
+  if x is None:
+    return None
+  try:
+    return np.asarray(jax_core.concrete_or_error(None, x))
+  except (jax.errors.ConcretizationTypeError, TypeError):
+    return None
+
+
+def check_int_array(name: str, x: Any, *, ndim: int) -> jax.Array:
+  """Checks that `x` is an integer array of rank `ndim` and returns it as int32."""
+  if not hasattr(x, "dtype") or not hasattr(x, "ndim"):
+    x = np.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(
+      f"`{name}` must be an integer array (int32), got dtype {x.dtype}; "
+      f"convert it with `{name}.astype(jnp.int32)`."
+    )
+  if x.ndim != ndim:
+    raise ValueError(f"`{name}` must be a {ndim}-d array, got shape {tuple(x.shape)}.")
+  return jnp.asarray(x, jnp.int32)
+
+
+def check_group_sizes(group_sizes: Any, *, m: int) -> jax.Array:
+  """Checks `group_sizes`: 1-d integers; when concrete, non-negative and summing to at most m."""
+  group_sizes = check_int_array("group_sizes", group_sizes, ndim=1)
+  if group_sizes.shape[0] == 0:
+    raise ValueError("`group_sizes` must hold at least one group, got an empty array.")
+  value = concrete_or_none(group_sizes)
+  if value is not None:
+    if (value < 0).any():
+      raise ValueError(
+        f"`group_sizes` must be non-negative, got {value.tolist()[:16]}: a negative count of rows "
+        "has no meaning; check how the sizes were computed."
+      )
+    if int(value.astype(np.int64).sum()) > m:
+      raise ValueError(
+        f"`group_sizes` sums to {int(value.sum())}, more rows than the {m} rows of lhs; pass sizes "
+        "that sum to at most m (rows past the sum are left as zeros)."
+      )
+  return group_sizes
+
+
+def check_group_offset(group_offset: Any, *, num_groups_total: int, num_local_groups: int):
+  """Checks `group_offset`: an int scalar (or shape-(1,)); when concrete, within range."""
+  if group_offset is None:
+    return jnp.zeros((), jnp.int32)
+  if isinstance(group_offset, (int, np.integer)):
+    group_offset = np.int32(group_offset)
+  group_offset = jnp.asarray(group_offset)
+  if not jnp.issubdtype(group_offset.dtype, jnp.integer):
+    raise TypeError(f"`group_offset` must be an integer scalar, got dtype {group_offset.dtype}.")
+  if group_offset.size != 1 or group_offset.ndim > 1:
+    raise ValueError(f"`group_offset` must be a scalar, got shape {tuple(group_offset.shape)}.")
+  group_offset = group_offset.reshape(()).astype(jnp.int32)
+  value = concrete_or_none(group_offset)
+  if value is not None and not 0 <= int(value) <= num_groups_total - num_local_groups:
+    raise ValueError(
+      f"`group_offset`={int(value)} is out of range: with {num_local_groups} local groups and "
+      f"{num_groups_total} groups in `group_sizes` it must lie in "
+      f"[0, {num_groups_total - num_local_groups}]."
+    )
+  return group_offset
+
+
+def check_float_array(name: str, x: Any, *, ndim: int) -> None:
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    raise TypeError(f"`{name}` must be a jax or numpy array, got {type(x).__name__}.")
+  if x.ndim != ndim:
+    raise ValueError(f"`{name}` must be a {ndim}-d array, got shape {tuple(x.shape)}.")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"`{name}` must be a floating-point array (f32, bf16, ...), got {x.dtype}.")
+
+
+def check_existing_out(existing_out: Any, *, shape: tuple[int, ...], dtype: Any) -> None:
+  if existing_out is None:
+    return
+  if not hasattr(existing_out, "shape") or tuple(existing_out.shape) != tuple(shape):
+    got = getattr(existing_out, "shape", type(existing_out).__name__)
+    raise ValueError(f"`existing_out` must have shape {tuple(shape)}, got {got}.")
+  if jnp.dtype(existing_out.dtype) != jnp.dtype(dtype):
+    raise TypeError(
+      f"`existing_out` has dtype {existing_out.dtype} but the output dtype is {jnp.dtype(dtype)}; "
+      "pass preferred_element_type equal to existing_out.dtype."
+    )
+
+
+def fit_tiles(
+  tiles: Any,
+  *,
+  dims: tuple[int, int, int],
+  names: tuple[str, str, str],
+  aligns: tuple[int, int, int],
+) -> tuple[int, int, int]:
+  """Validates a (t0, t1, t2) tiling against dims and clamps each tile to its dim.
+
+  A tile larger than its dimension becomes the whole dimension (always a legal TPU block). Other
+  tiles must be multiples of `aligns`: 8 where the tile is the second-last dim of a block (TPU
+  sublanes), 128 where it is the last dim of some block (lanes).
+  """
+  if not isinstance(tiles, (tuple, list)) or len(tiles) != 3:
+    raise TypeError(f"`tiling` must be a 3-tuple of ints ({', '.join(names)}), got {tiles!r}.")
+  out = []
+  for t, d, name, align in zip(tiles, dims, names, aligns, strict=True):
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+      raise TypeError(f"`tiling` entry {name} must be an int, got {t!r}.")
+    t = int(t)
+    if t <= 0:
+      raise ValueError(f"`tiling` entry {name}={t} must be positive.")
+    t = min(t, d)
+    if t != d and t % align:
+      raise ValueError(
+        f"`tiling` entry {name}={t} is not a multiple of {align}: TPU blocks need (8, 128)-aligned "
+        f"tiles (second-last block dims a multiple of 8, last dims a multiple of 128) unless the "
+        f"tile spans the whole dimension ({d}). Use {max(align, t // align * align)} or {d}."
+      )
+    out.append(t)
+  return tuple(out)
+
+
+def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
+  """An output ShapeDtypeStruct that varies over the manual mesh axes any operand varies over.
+
+  NOTE: inside `jax.shard_map(check_vma=True)` a pallas_call's outputs must declare the manual axes
+  they vary over; without it the call is rejected (upstream megablox's failure mode).
+  """
+  varying = frozenset()
+  for x in operands:
+    if x is None:
+      continue
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    if mat is not None:
+      varying |= mat.varying
+  if not varying:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(
+    shape, dtype, manual_axis_type=jax_core.ManualAxisType(varying=varying)
+  )
+
+
+def pvary_like(x: jax.Array, *operands) -> jax.Array:
+  """Marks `x` as varying over every manual axis any of `operands` varies over."""
+  varying = frozenset()
+  for y in operands:
+    if y is None:
+      continue
+    mat = getattr(jax.typeof(y), "manual_axis_type", None)
+    if mat is not None:
+      varying |= mat.varying
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  missing = tuple(sorted(varying - (mat.varying if mat is not None else frozenset())))
+  if missing:
+    x = jax.lax.pcast(x, missing, to="varying")
+  return x
+
+
+def run_kernel(build: Callable[[Interpret], Callable[..., Any]], interpret: Interpret, *args):
+  """Runs a kernel compiled on TPU and in interpret mode elsewhere.
+
+  Args:
+    build: maps an `interpret` value to the pallas_call to run.
+    interpret: None picks per lowering platform: compiled Mosaic when lowering for TPU (also when
+      compiling ahead of time for a TPU topology from a CPU host), interpret mode otherwise. True or
+      a `pltpu.InterpretParams` force interpret mode; False forces compiled Mosaic.
+    *args: the pallas_call operands.
+  """
+  if interpret is None:
+    return jax.lax.platform_dependent(*args, tpu=build(False), default=build(True))
+  return build(interpret)(*args)

@@ -1,0 +1,201 @@
+"""Pallas TPU grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g].
+
+The raw (non-differentiable) kernel. `pallas_moe.ops.gmm` wraps it with a VJP.
+
+Grid: (tiles_n, visits, tiles_k). The visit axis walks the schedule of `metadata.make_schedule`;
+k is innermost so one f32 accumulator block collects a visit's dot products. Every m-tile of the
+output is visited, so the kernel alone writes the whole output: rows of the local groups get the
+product, every other row gets `existing_out` or exact zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_moe import common, metadata
+
+
+def _dot_dims(transpose_rhs: bool):
+  # NOTE: rhs blocks are [tk, tn], or [tn, tk] when transposed; contract lhs's k with rhs's k.
+  return (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+
+
+def _mask_k(x: jax.Array, *, valid_k: int, axis: int) -> jax.Array:
+  """Zeros the columns (along `axis`) past `valid_k` of a ragged last k-tile.
+
+  NOTE: the part of an edge block outside the array holds whatever was in VMEM (NaN under
+  interpret mode's poisoning). Both operands are masked: 0 * NaN would still be NaN.
+  """
+  k_ids = lax.broadcasted_iota(jnp.int32, x.shape, axis)
+  return jnp.where(k_ids < valid_k, x, jnp.zeros_like(x))
+
+
+def gmm_pallas(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  tiling: tuple[int, int, int],
+  out_dtype: Any,
+  group_offset: jax.Array,
+  existing_out: jax.Array | None = None,
+  transpose_rhs: bool = False,
+  interpret: common.Interpret = None,
+) -> jax.Array:
+  """Runs the gmm kernel on validated arguments.
+
+  Args:
+    lhs: [m, k].
+    rhs: [num_local_groups, k, n], or [num_local_groups, n, k] with `transpose_rhs`.
+    group_sizes: [num_groups_total] int32.
+    tiling: (tm, tk, tn), already clamped to the dims and aligned.
+    out_dtype: dtype of the result.
+    group_offset: [] int32, the first global group that rhs holds.
+    existing_out: optional [m, n] of `out_dtype`; rows outside the local groups keep its values.
+    transpose_rhs: whether rhs is [G, n, k].
+    interpret: see `common.run_kernel`.
+
+  Returns:
+    [m, n] of `out_dtype`.
+  """
+  m, k = lhs.shape
+  num_local_groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tm, tk, tn = tiling
+  tiles_n, tiles_k = metadata.cdiv(n, tn), metadata.cdiv(k, tk)
+  k_rem = k % tk
+  compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+
+  schedule = metadata.make_schedule(
+    group_sizes=group_sizes,
+    group_offset=group_offset,
+    num_local_groups=num_local_groups,
+    m=m,
+    tm=tm,
+    fill_uncovered_tiles=True,
+    visit_empty_groups=False,
+  )
+  prefetch = (
+    schedule.group_offsets,
+    schedule.visit_group,
+    schedule.visit_m_tile,
+    schedule.visit_load_tile,
+    schedule.visit_active,
+    group_offset.reshape((1,)),
+  )
+  has_existing = existing_out is not None
+
+  def kernel(offsets_ref, group_ref, m_tile_ref, _load_ref, active_ref, goff_ref, *refs):
+    if has_existing:
+      lhs_ref, rhs_ref, existing_ref, out_ref, acc_ref = refs
+    else:
+      lhs_ref, rhs_ref, out_ref, acc_ref = refs
+      existing_ref = None
+    visit = pl.program_id(1)
+    k_i = pl.program_id(2)
+    active = active_ref[visit] == 1
+
+    @pl.when(k_i == 0)
+    def _zero_acc():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    def accumulate(last_k: bool):
+      lhs_blk, rhs_blk = lhs_ref[...], rhs_ref[...]
+      if last_k and k_rem:
+        lhs_blk = _mask_k(lhs_blk, valid_k=k_rem, axis=1)
+        rhs_blk = _mask_k(rhs_blk, valid_k=k_rem, axis=1 if transpose_rhs else 0)
+      acc_ref[...] += lax.dot_general(
+        lhs_blk.astype(compute_dtype),
+        rhs_blk.astype(compute_dtype),
+        dimension_numbers=_dot_dims(transpose_rhs),
+        preferred_element_type=jnp.float32,
+      )
+
+    if k_rem:
+      pl.when(active & (k_i == tiles_k - 1))(functools.partial(accumulate, True))
+      pl.when(active & (k_i != tiles_k - 1))(functools.partial(accumulate, False))
+    else:
+      pl.when(active)(functools.partial(accumulate, False))
+
+    @pl.when(k_i == tiles_k - 1)
+    def _store():
+      m_tile = m_tile_ref[visit]
+      # NOTE: visits of an m-tile are consecutive; the first one starts the output block from
+      # existing_out (or zeros), later ones add their group's rows to what is already there.
+      prev_tile = m_tile_ref[jnp.maximum(visit - 1, 0)]
+      first = (visit == 0) | (prev_tile != m_tile)
+      group = group_ref[visit] + goff_ref[0]
+      # NOTE: rows of this tile inside [start, end) belong to the visit's group.
+      start, end = offsets_ref[group], offsets_ref[group + 1]
+      rows = m_tile * tm + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+      mine = active & (rows >= start) & (rows < end)
+      if existing_ref is None:
+        fresh = jnp.zeros((tm, tn), jnp.float32)
+      else:
+        fresh = existing_ref[...].astype(jnp.float32)
+      base = jnp.where(first, fresh, out_ref[...].astype(jnp.float32))
+      out_ref[...] = jnp.where(mine, acc_ref[...], base).astype(out_ref.dtype)
+
+  # Index maps get (n_i, visit, k_i, *prefetch refs).
+  def lhs_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
+    # NOTE: non-computing visits pin k to 0 and load the first compute visit's tile, so their
+    # block index never changes and they trigger no DMA.
+    return load_tile[visit], k_i * active[visit]
+
+  def rhs_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
+    # NOTE: rhs holds only the local groups; visit_group is already local.
+    k_blk = k_i * active[visit]
+    if transpose_rhs:
+      return group[visit], n_i, k_blk
+    return group[visit], k_blk, n_i
+
+  def out_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
+    return m_tile[visit], n_i
+
+  rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+  in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
+  operands = [lhs, rhs]
+  if has_existing:
+    in_specs.append(pl.BlockSpec((tm, tn), out_map))
+    operands.append(existing_out)
+
+  out_bytes = m * n * jnp.dtype(out_dtype).itemsize
+  cost = pl.CostEstimate(
+    flops=2 * m * k * n,
+    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+    + rhs.size * rhs.dtype.itemsize
+    + out_bytes * (2 if has_existing else 1),
+    transcendentals=0,
+  )
+  out_shape = common.out_struct(
+    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
+  )
+
+  def build(interpret):
+    return pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((tm, tn), out_map),
+        grid=(tiles_n, schedule.num_visits, tiles_k),
+        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+      ),
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=("parallel", "arbitrary", "arbitrary")
+      ),
+      input_output_aliases={len(prefetch) + 2: 0} if has_existing else {},
+      cost_estimate=cost,
+      interpret=interpret,
+      name="pallas_moe_gmm",
+    )
+
+  return common.run_kernel(build, interpret, *prefetch, *operands)

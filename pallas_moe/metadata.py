@@ -1,0 +1,180 @@
+"""Group metadata: which (group, m-tile) pairs a grouped-matmul kernel visits, in what order.
+
+This module decides *what to visit*; `gmm.py` and `tgmm.py` decide *how to compute* a visit. Both
+kernels share one schedule so that their tiles, masks and edge cases agree.
+
+Rows of `lhs` are sorted by group: group `g` owns rows `[starts[g], ends[g])` with
+`ends = cumsum(group_sizes)`. A kernel that holds only a shard of the groups (expert parallelism)
+works on the *local* groups `group_offset .. group_offset + num_local_groups - 1`.
+
+A *visit* is one pass of the kernel over one m-tile on behalf of one local group. A visit carries:
+
+- `visit_m_tile`: the m-tile whose output block (gmm) the visit writes. Visits of one m-tile are
+  consecutive, so a Pallas output block is written back exactly once.
+- `visit_group`: the local group whose weights (gmm) or output block (tgmm) the visit uses.
+- `visit_load_tile`: the m-tile whose lhs/rhs rows are loaded. It equals `visit_m_tile` for compute
+  visits; for visits that compute nothing it repeats a neighbouring compute visit's tile so the
+  Pallas pipeline sees an unchanged block index and issues no DMA.
+- `visit_active`: 1 when the visit multiplies, 0 when it only initialises or zeroes an output.
+
+Two kinds of non-computing visits exist:
+
+- gmm *fill* visits (`fill_uncovered_tiles=True`): every m-tile with no row of a local group (rows
+  of other shards' groups and rows past `sum(group_sizes)`) is visited once so that its output
+  block is written (zeros or `existing_out`) inside the kernel, with no extra pass over the
+  output. Fill visits come first, before all compute visits.
+- tgmm *empty-group* visits (`visit_empty_groups=True`): every empty local group is visited once so
+  that its weight-gradient block is written (zeros or `existing_out`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Schedule:
+  """A tile schedule, as int32 arrays that a kernel scalar-prefetches into SMEM.
+
+  Attributes:
+    group_offsets: [num_groups_total + 1] row at which each (global) group starts; the last entry is
+      the end of the last group. Clipped to [0, m].
+    visit_group: [max_visits] local group index of each visit.
+    visit_m_tile: [max_visits] m-tile each visit writes (gmm) or reduces over (tgmm).
+    visit_load_tile: [max_visits] m-tile each visit loads rows from.
+    visit_active: [max_visits] 1 if the visit multiplies, else 0.
+    num_visits: [] number of leading entries of the visit arrays that are real; the rest repeat the
+      last real visit.
+  """
+
+  group_offsets: jax.Array
+  visit_group: jax.Array
+  visit_m_tile: jax.Array
+  visit_load_tile: jax.Array
+  visit_active: jax.Array
+  num_visits: jax.Array
+
+  @property
+  def max_visits(self) -> int:
+    return self.visit_group.shape[0]
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def max_visits(*, m: int, tm: int, num_local_groups: int) -> int:
+  """Static upper bound on the number of visits of any schedule for these shapes.
+
+  NOTE: each local group adds at most one visit beyond the m-tiles it covers (its first tile may be
+  shared with the previous group), and an empty group or an uncovered tile adds one visit. So
+  visits <= tiles_m + num_local_groups.
+  """
+  return cdiv(m, tm) + num_local_groups
+
+
+def make_schedule(
+  *,
+  group_sizes: jax.Array,
+  group_offset: jax.Array | int,
+  num_local_groups: int,
+  m: int,
+  tm: int,
+  fill_uncovered_tiles: bool,
+  visit_empty_groups: bool,
+) -> Schedule:
+  """Computes the visit schedule for a shard of groups.
+
+  Args:
+    group_sizes: [num_groups_total] int32 rows per group. Negative sizes are treated as 0 and rows
+      past `m` are clipped (inputs are validated by the callers when concrete).
+    group_offset: first global group held by this shard (scalar, may be traced).
+    num_local_groups: number of groups held by this shard (static).
+    m: number of rows.
+    tm: m-tile size.
+    fill_uncovered_tiles: add one non-computing visit for each m-tile that holds no row of a local
+      group (gmm: so that every output block is written inside the kernel).
+    visit_empty_groups: add one non-computing visit for each empty local group (tgmm: so that its
+      output block is written).
+
+  Returns:
+    The `Schedule`.
+  """
+  tiles_m = cdiv(m, tm)
+  group_sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  group_offset = jnp.asarray(group_offset, jnp.int32).reshape(())
+  # NOTE: clipping to m keeps every offset inside lhs even when traced sizes overflow it.
+  ends = jnp.minimum(jnp.cumsum(group_sizes), m).astype(jnp.int32)
+  group_offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+
+  local_starts = jax.lax.dynamic_slice_in_dim(group_offsets, group_offset, num_local_groups)
+  local_ends = jax.lax.dynamic_slice_in_dim(group_offsets, group_offset + 1, num_local_groups)
+  nonempty = local_ends > local_starts
+  # NOTE: a group covering rows [s, e) touches m-tiles s // tm .. (e - 1) // tm.
+  first_tile = local_starts // tm
+  last_tile = (jnp.maximum(local_ends, 1) - 1) // tm
+  group_visits = jnp.where(nonempty, last_tile - first_tile + 1, 0)
+  if visit_empty_groups:
+    group_visits = jnp.where(nonempty, group_visits, 1)
+
+  # Rows of the local groups form one contiguous range [rows_start, rows_end).
+  rows_start = local_starts[0]
+  rows_end = local_ends[-1]
+  any_rows = rows_end > rows_start
+  covered_first = rows_start // tm
+  covered_last = (jnp.maximum(rows_end, 1) - 1) // tm
+  num_covered = jnp.where(any_rows, covered_last - covered_first + 1, 0)
+  num_fill = (tiles_m - num_covered) if fill_uncovered_tiles else jnp.int32(0)
+
+  total = max_visits(m=m, tm=tm, num_local_groups=num_local_groups)
+  visit = jnp.arange(total, dtype=jnp.int32)
+  visit_ends = jnp.cumsum(group_visits)
+  num_visits = num_fill + visit_ends[-1]
+
+  # Compute (and empty-group) visits: visit `num_fill + j` belongs to the group whose cumulative
+  # visit count first exceeds j, and walks that group's tiles in order.
+  j = jnp.clip(visit - num_fill, 0, jnp.maximum(visit_ends[-1] - 1, 0))
+  group = jnp.searchsorted(visit_ends, j, side="right").astype(jnp.int32)
+  group = jnp.minimum(group, num_local_groups - 1)
+  within = j - (visit_ends[group] - group_visits[group])
+  # NOTE: an empty group's single visit loads the tile holding the row before its start (the tile
+  # the previous visit loaded), so the pipeline sees no new block index and fetches nothing.
+  empty_tile = (jnp.maximum(local_starts[group], 1) - 1) // tm
+  tile = jnp.where(nonempty[group], first_tile[group] + within, empty_tile)
+  tile = jnp.clip(tile, 0, tiles_m - 1)
+  active = nonempty[group]
+
+  if fill_uncovered_tiles:
+    # NOTE: the uncovered tiles are 0 .. covered_first - 1 and covered_last + 1 .. tiles_m - 1, or
+    # every tile when the shard has no rows. Fill visit f maps to the f-th uncovered tile.
+    skip = jnp.where(any_rows & (visit >= covered_first), num_covered, 0)
+    fill_tile = jnp.clip(visit + skip, 0, tiles_m - 1)
+    is_fill = visit < num_fill
+    # NOTE: fill visits load the first compute visit's blocks, so that visit reuses them.
+    first_compute = jnp.minimum(num_fill, total - 1)
+    group = jnp.where(is_fill, group[first_compute], group)
+    load_tile = jnp.where(is_fill, tile[first_compute], tile)
+    tile = jnp.where(is_fill, fill_tile, tile)
+    active = jnp.where(is_fill, False, active)
+  else:
+    load_tile = tile
+
+  # NOTE: entries past num_visits repeat the last real visit: no new block index, no DMA, no write.
+  last = jnp.maximum(num_visits - 1, 0)
+  pad = visit >= num_visits
+
+  def repeat_last(x):
+    return jnp.where(pad, x[last], x).astype(jnp.int32)
+
+  return Schedule(
+    group_offsets=group_offsets,
+    visit_group=repeat_last(group),
+    visit_m_tile=repeat_last(tile),
+    visit_load_tile=repeat_last(load_tile),
+    visit_active=jnp.where(pad, 0, active).astype(jnp.int32),
+    num_visits=num_visits.astype(jnp.int32),
+  )

@@ -1,0 +1,350 @@
+"""Public grouped matmuls: differentiable `gmm` and `tgmm`, with argument checks and tilings.
+
+`gmm` keeps the positional signature of megablox's `ops.gmm`, so MaxText-like code switches by
+changing an import:
+
+  gmm(lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset, existing_out,
+      transpose_rhs, interpret)
+
+Its VJP runs three kernels, each with its own tiles (`Tiling(fwd=, dlhs=, drhs=)`):
+  fwd:  out  = gmm(lhs, rhs)                      tiles (tm, tk, tn) over (m, k, n)
+  dlhs: dlhs = gmm(dout, rhs, transposed rhs)     tiles (tm, tk, tn) over (m, n, k)
+  drhs: drhs = tgmm(lhs^T, dout)                  tiles (tm, tk, tn) over (m, k, n) of rhs's k, n
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_moe import common
+from pallas_moe.gmm_kernel import gmm_pallas
+from pallas_moe.tgmm_kernel import tgmm_pallas
+
+Tiles = tuple[int, int, int]
+TileFn = Callable[[int, int, int], Tiles | None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tiling:
+  """Tiles for each pass of the differentiable gmm.
+
+  Each entry is (tm, tk, tn) in that pass's own (rows, contraction, output columns) coordinates
+  (see the module docstring), a callable (m, k, n) -> (tm, tk, tn) like megablox's tiling LUT, or
+  None for the heuristic.
+  """
+
+  fwd: Tiles | TileFn | None = None
+  dlhs: Tiles | TileFn | None = None
+  drhs: Tiles | TileFn | None = None
+
+  @classmethod
+  def of(cls, tiling: Tiling | Tiles | TileFn | None) -> Tiling:
+    """A Tiling from a Tiling, one (tm, tk, tn) for all passes, a callable, or None."""
+    if isinstance(tiling, Tiling):
+      return tiling
+    if tiling is None or callable(tiling) or isinstance(tiling, (tuple, list)):
+      if isinstance(tiling, list):
+        tiling = tuple(tiling)
+      return cls(fwd=tiling, dlhs=tiling, drhs=tiling)
+    raise TypeError(
+      "`tiling` must be a (tm, tk, tn) tuple, a Tiling(fwd=, dlhs=, drhs=), a callable "
+      f"(m, k, n) -> (tm, tk, tn), or None; got {type(tiling).__name__}."
+    )
+
+
+def default_tiles(*, m: int, k: int, n: int) -> Tiles:
+  """Heuristic tiles when none are given: large k and n tiles to cut weight re-reads."""
+  tm = 512 if m >= 512 else m
+  return (tm, min(k, 1024), min(n, 1024))
+
+
+# Required multiples of (tm, tk, tn) by kernel, from the block layouts:
+# gmm: lhs [tm, tk], rhs [tk, tn] (or [tn, tk]), out [tm, tn].
+# tgmm: lhs [tk, tm], rhs [tm, tn], out [tk, tn]: tm is a lane dim there.
+GMM_ALIGN = (common.SUBLANE, common.LANE, common.LANE)
+TGMM_ALIGN = (common.LANE, common.SUBLANE, common.LANE)
+_NAMES = ("tm", "tk", "tn")
+
+
+def _resolve_tiles(
+  spec: Tiles | TileFn | None, *, dims: tuple[int, int, int], aligns: tuple[int, int, int]
+) -> Tiles:
+  m, k, n = dims
+  if spec is None:
+    spec = default_tiles(m=m, k=k, n=n)
+  elif callable(spec):
+    looked_up = spec(m, k, n)
+    if looked_up is None:
+      raise ValueError(f"The `tiling` callable found no tiles for (m, k, n) = {dims}.")
+    spec = looked_up
+  return common.fit_tiles(spec, dims=dims, names=_NAMES, aligns=aligns)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _GmmStatic:
+  """Static (hashable) configuration of one differentiable gmm call."""
+
+  out_dtype: Any
+  fwd: Tiles
+  dlhs: Tiles
+  drhs: Tiles  # In tgmm's coordinates: (tm, tn, tk) of the rhs when transpose_rhs.
+  transpose_rhs: bool
+  interpret: Any
+
+
+def _swap_kn(fn: TileFn) -> TileFn:
+  def swapped(m: int, k: int, n: int) -> Tiles | None:
+    tiles = fn(m, n, k)
+    return None if tiles is None else (tiles[0], tiles[2], tiles[1])
+
+  return swapped
+
+
+def _local_rows_mask(group_sizes, group_offset, num_local_groups: int, m: int) -> jax.Array:
+  """[m] True for rows owned by the local groups (those the kernel overwrites)."""
+  ends = jnp.cumsum(jnp.maximum(group_sizes, 0))
+  offsets = jnp.concatenate([jnp.zeros((1,), ends.dtype), ends])
+  start = offsets[group_offset]
+  end = offsets[group_offset + num_local_groups]
+  rows = jnp.arange(m)
+  return (rows >= start) & (rows < end)
+
+
+def _gmm_fwd_impl(static: _GmmStatic, lhs, rhs, group_sizes, group_offset, existing_out):
+  return gmm_pallas(
+    lhs,
+    rhs,
+    group_sizes,
+    tiling=static.fwd,
+    out_dtype=static.out_dtype,
+    group_offset=group_offset,
+    existing_out=existing_out,
+    transpose_rhs=static.transpose_rhs,
+    interpret=static.interpret,
+  )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gmm_diff(static, lhs, rhs, group_sizes, group_offset, existing_out):
+  return _gmm_fwd_impl(static, lhs, rhs, group_sizes, group_offset, existing_out)
+
+
+def _gmm_diff_fwd(static, lhs, rhs, group_sizes, group_offset, existing_out):
+  out = _gmm_fwd_impl(static, lhs, rhs, group_sizes, group_offset, existing_out)
+  return out, (lhs, rhs, group_sizes, group_offset, existing_out is not None)
+
+
+def _gmm_diff_bwd(static, residuals, dout):
+  lhs, rhs, group_sizes, group_offset, has_existing = residuals
+  m = lhs.shape[0]
+  num_local_groups = rhs.shape[0]
+  # NOTE: the backward kernels multiply in the forward's compute dtype (bf16 for bf16 inputs), as
+  # the forward does; the accumulators stay f32.
+  compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  dout_c = dout.astype(compute_dtype)
+  dlhs = gmm_pallas(
+    dout_c,
+    rhs,
+    group_sizes,
+    tiling=static.dlhs,
+    out_dtype=lhs.dtype,
+    group_offset=group_offset,
+    transpose_rhs=not static.transpose_rhs,
+    interpret=static.interpret,
+  )
+  # NOTE: tgmm contracts over rows; pick operands so its output is rhs's own layout and no weight
+  # gradient needs a transpose: [G, k, n] = lhs^T @ dout, or [G, n, k] = dout^T @ lhs.
+  if static.transpose_rhs:
+    t_lhs, t_rhs = dout_c.T, lhs
+  else:
+    t_lhs, t_rhs = lhs.T, dout_c
+  drhs = tgmm_pallas(
+    t_lhs,
+    t_rhs,
+    group_sizes,
+    tiling=static.drhs,
+    out_dtype=rhs.dtype,
+    group_offset=group_offset,
+    num_actual_groups=num_local_groups,
+    interpret=static.interpret,
+  )
+  dexisting = None
+  if has_existing:
+    written = _local_rows_mask(group_sizes, group_offset, num_local_groups, m)
+    dexisting = jnp.where(written[:, None], jnp.zeros_like(dout), dout)
+  return dlhs, drhs, None, None, dexisting
+
+
+_gmm_diff.defvjp(_gmm_diff_fwd, _gmm_diff_bwd)
+
+
+def gmm(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  preferred_element_type: Any = None,
+  tiling: Tiling | Tiles | TileFn | None = None,
+  group_offset: jax.Array | int | None = None,
+  existing_out: jax.Array | None = None,
+  transpose_rhs: bool = False,
+  interpret: common.Interpret = None,
+) -> jax.Array:
+  """Grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g - group_offset]. Differentiable.
+
+  Rows are sorted by group: group g owns rows [cumsum[g-1], cumsum[g]). `rhs` holds the groups
+  group_offset .. group_offset + G - 1 (an expert-parallel shard). Rows of other groups keep
+  `existing_out` (or are 0); rows past sum(group_sizes) are 0 (or keep `existing_out`), and so is
+  their lhs gradient. m, k and n need not be multiples of the tiles.
+
+  Args:
+    lhs: [m, k] float array.
+    rhs: [G, k, n] float array, or [G, n, k] with `transpose_rhs`.
+    group_sizes: [G_total] integer rows per group, G_total >= G.
+    preferred_element_type: output dtype; None means the promoted dtype of lhs and rhs.
+    tiling: (tm, tk, tn) for all passes, a `Tiling(fwd=, dlhs=, drhs=)`, a callable
+      (m, k, n) -> (tm, tk, tn), or None for the heuristic.
+    group_offset: first group of `group_sizes` that rhs holds (scalar, may be traced). Default 0.
+    existing_out: optional [m, n] array of the output dtype whose rows outside the local groups are
+      kept (chaining expert shards). Differentiable.
+    transpose_rhs: rhs is [G, n, k] and is used transposed.
+    interpret: None: compiled on TPU, interpret mode elsewhere (decided per lowering platform).
+      True or a `pltpu.InterpretParams`: interpret mode. False: compiled.
+
+  Returns:
+    [m, n] array of `preferred_element_type`.
+  """
+  common.check_float_array("lhs", lhs, ndim=2)
+  common.check_float_array("rhs", rhs, ndim=3)
+  m, k = lhs.shape
+  num_local_groups = rhs.shape[0]
+  rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+  if rhs_k != k:
+    layout = "[G, n, k] (transpose_rhs=True)" if transpose_rhs else "[G, k, n]"
+    raise ValueError(
+      f"k mismatch: lhs is [m, k] = {tuple(lhs.shape)} but rhs {tuple(rhs.shape)} read as "
+      f"{layout} has k = {rhs_k}; check `transpose_rhs`."
+    )
+  if num_local_groups == 0:
+    raise ValueError("`rhs` must hold at least one group (rhs.shape[0] == 0).")
+  group_sizes = common.check_group_sizes(group_sizes, m=m)
+  num_groups_total = group_sizes.shape[0]
+  if num_local_groups > num_groups_total:
+    raise ValueError(
+      f"rhs holds {num_local_groups} groups but `group_sizes` has only {num_groups_total}; "
+      "group_sizes must list every group (all shards)."
+    )
+  group_offset = common.check_group_offset(
+    group_offset, num_groups_total=num_groups_total, num_local_groups=num_local_groups
+  )
+  out_dtype = jnp.dtype(
+    jnp.promote_types(lhs.dtype, rhs.dtype)
+    if preferred_element_type is None
+    else preferred_element_type
+  )
+  common.check_existing_out(existing_out, shape=(m, n), dtype=out_dtype)
+  tilings = Tiling.of(tiling)
+  # NOTE: with transpose_rhs the weight gradient is [G, n, k]: tgmm's (tk, tn) tile (n, k).
+  if transpose_rhs:
+    drhs_spec = tilings.drhs
+    if isinstance(drhs_spec, tuple) and len(drhs_spec) == 3:
+      drhs_spec = (drhs_spec[0], drhs_spec[2], drhs_spec[1])
+    elif callable(drhs_spec):
+      drhs_spec = _swap_kn(drhs_spec)
+    drhs = _resolve_tiles(drhs_spec, dims=(m, n, k), aligns=TGMM_ALIGN)
+  else:
+    drhs = _resolve_tiles(tilings.drhs, dims=(m, k, n), aligns=TGMM_ALIGN)
+  static = _GmmStatic(
+    out_dtype=out_dtype,
+    fwd=_resolve_tiles(tilings.fwd, dims=(m, k, n), aligns=GMM_ALIGN),
+    dlhs=_resolve_tiles(tilings.dlhs, dims=(m, n, k), aligns=GMM_ALIGN),
+    drhs=drhs,
+    transpose_rhs=bool(transpose_rhs),
+    interpret=interpret,
+  )
+  operands = (lhs, rhs, group_sizes, group_offset, existing_out)
+  # NOTE: inside shard_map, give every operand the union of their varying axes here, outside the
+  # custom_vjp, so JAX transposes the broadcast (a psum) for operands that were replicated.
+  lhs, rhs, group_sizes, group_offset = (common.pvary_like(x, *operands) for x in operands[:4])
+  if existing_out is not None:
+    existing_out = common.pvary_like(existing_out, *operands)
+  return _gmm_diff(static, lhs, rhs, group_sizes, group_offset, existing_out)
+
+
+def tgmm(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  preferred_element_type: Any = None,
+  tiling: Tiles | TileFn | None = None,
+  group_offset: jax.Array | int | None = None,
+  num_actual_groups: int | None = None,
+  existing_out: jax.Array | None = None,
+  interpret: common.Interpret = None,
+) -> jax.Array:
+  """Transposed grouped matmul: out[g] = lhs[:, rows of g] @ rhs[rows of g] (+ existing_out[g]).
+
+  The weight gradient of gmm. Empty groups give exact zeros (or `existing_out`).
+
+  Args:
+    lhs: [k, m] float array.
+    rhs: [m, n] float array.
+    group_sizes: [G_total] integer rows per group.
+    preferred_element_type: output dtype; None means the promoted dtype of lhs and rhs.
+    tiling: (tm, tk, tn) over (m, k, n), a callable (m, k, n) -> tiles, or None.
+    group_offset: first group to compute (scalar, may be traced). Default 0.
+    num_actual_groups: number of groups to compute (the output's leading dim); default G_total.
+    existing_out: optional [num_actual_groups, k, n] array of the output dtype, added.
+    interpret: as in `gmm`.
+
+  Returns:
+    [num_actual_groups, k, n] array.
+  """
+  common.check_float_array("lhs", lhs, ndim=2)
+  common.check_float_array("rhs", rhs, ndim=2)
+  k, m = lhs.shape
+  if rhs.shape[0] != m:
+    raise ValueError(
+      f"m mismatch: tgmm's lhs is [k, m] = {tuple(lhs.shape)} and rhs is [m, n] = "
+      f"{tuple(rhs.shape)}; pass lhs transposed (x.T)."
+    )
+  n = rhs.shape[1]
+  group_sizes = common.check_group_sizes(group_sizes, m=m)
+  num_groups_total = group_sizes.shape[0]
+  if num_actual_groups is None:
+    num_actual_groups = num_groups_total
+  if not isinstance(num_actual_groups, (int,)) or not 1 <= num_actual_groups <= num_groups_total:
+    raise ValueError(
+      f"`num_actual_groups`={num_actual_groups!r} must be an int in [1, {num_groups_total}] "
+      "(the number of groups in group_sizes)."
+    )
+  group_offset = common.check_group_offset(
+    group_offset, num_groups_total=num_groups_total, num_local_groups=num_actual_groups
+  )
+  out_dtype = jnp.dtype(
+    jnp.promote_types(lhs.dtype, rhs.dtype)
+    if preferred_element_type is None
+    else preferred_element_type
+  )
+  common.check_existing_out(existing_out, shape=(num_actual_groups, k, n), dtype=out_dtype)
+  tiles = _resolve_tiles(tiling, dims=(m, k, n), aligns=TGMM_ALIGN)
+  operands = (lhs, rhs, group_sizes, group_offset, existing_out)
+  lhs, rhs, group_sizes, group_offset = (common.pvary_like(x, *operands) for x in operands[:4])
+  if existing_out is not None:
+    existing_out = common.pvary_like(existing_out, *operands)
+  return tgmm_pallas(
+    lhs,
+    rhs,
+    group_sizes,
+    tiling=tiles,
+    out_dtype=out_dtype,
+    group_offset=group_offset,
+    num_actual_groups=num_actual_groups,
+    existing_out=existing_out,
+    interpret=interpret,
+  )

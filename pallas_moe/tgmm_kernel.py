@@ -1,0 +1,168 @@
+"""Pallas TPU transposed grouped matmul: out[g] = lhs[:, rows of g] @ rhs[rows of g].
+
+The weight-gradient kernel: with lhs = x^T [k, m] and rhs = dy [m, n], out[g] is dW of group g.
+
+Grid: (tiles_k, tiles_n, visits). The visit axis is innermost: it reduces over the m-tiles of each
+local group into one f32 accumulator and writes the group's [tk, tn] block when the group's last
+visit ends. Every local group is visited, empty ones once, so every output block is written (zeros
+or `existing_out` for empty groups).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_moe import common, metadata
+
+
+def tgmm_pallas(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  tiling: tuple[int, int, int],
+  out_dtype: Any,
+  group_offset: jax.Array,
+  num_actual_groups: int,
+  existing_out: jax.Array | None = None,
+  interpret: common.Interpret = None,
+) -> jax.Array:
+  """Runs the tgmm kernel on validated arguments.
+
+  Args:
+    lhs: [k, m].
+    rhs: [m, n].
+    group_sizes: [num_groups_total] int32.
+    tiling: (tm, tk, tn), already clamped to the dims and aligned.
+    out_dtype: dtype of the result.
+    group_offset: [] int32, the first global group to compute.
+    num_actual_groups: number of local groups to compute (static).
+    existing_out: optional [num_actual_groups, k, n] of `out_dtype`, added to the result.
+    interpret: see `common.run_kernel`.
+
+  Returns:
+    [num_actual_groups, k, n] of `out_dtype`.
+  """
+  k, m = lhs.shape
+  n = rhs.shape[1]
+  tm, tk, tn = tiling
+  tiles_k, tiles_n = metadata.cdiv(k, tk), metadata.cdiv(n, tn)
+  compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+
+  schedule = metadata.make_schedule(
+    group_sizes=group_sizes,
+    group_offset=group_offset,
+    num_local_groups=num_actual_groups,
+    m=m,
+    tm=tm,
+    fill_uncovered_tiles=False,
+    visit_empty_groups=True,
+  )
+  prefetch = (
+    schedule.group_offsets,
+    schedule.visit_group,
+    schedule.visit_load_tile,
+    schedule.visit_active,
+    group_offset.reshape((1,)),
+  )
+  has_existing = existing_out is not None
+
+  def kernel(offsets_ref, group_ref, tile_ref, active_ref, goff_ref, *refs):
+    if has_existing:
+      lhs_ref, rhs_ref, existing_ref, out_ref, acc_ref = refs
+    else:
+      lhs_ref, rhs_ref, out_ref, acc_ref = refs
+      existing_ref = None
+    visit = pl.program_id(2)
+    num_visits = pl.num_programs(2)
+    group = group_ref[visit]
+    prev_group = group_ref[jnp.maximum(visit - 1, 0)]
+    next_group = group_ref[jnp.minimum(visit + 1, num_visits - 1)]
+    # NOTE: a group's visits are consecutive; its first visit starts the accumulator and its last
+    # one writes the output block.
+    first = (visit == 0) | (prev_group != group)
+    last = (visit == num_visits - 1) | (next_group != group)
+
+    @pl.when(first)
+    def _zero_acc():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(active_ref[visit] == 1)
+    def _accumulate():
+      g = group + goff_ref[0]
+      start, end = offsets_ref[g], offsets_ref[g + 1]
+      row0 = tile_ref[visit] * tm
+      # NOTE: only the rows of this tile that belong to the group contribute. Mask both operands:
+      # rows of a ragged last m-tile are uninitialized (NaN under interpret mode) and 0 * NaN = NaN.
+      lhs_cols = row0 + lax.broadcasted_iota(jnp.int32, (tk, tm), 1)
+      rhs_rows = row0 + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+      lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_ref[...], 0)
+      rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_ref[...], 0)
+      acc_ref[...] += jnp.dot(
+        lhs_blk.astype(compute_dtype),
+        rhs_blk.astype(compute_dtype),
+        preferred_element_type=jnp.float32,
+      )
+
+    @pl.when(last)
+    def _store():
+      acc = acc_ref[...]
+      if existing_ref is not None:
+        acc = acc + existing_ref[...].astype(jnp.float32)
+      out_ref[...] = acc.astype(out_ref.dtype)
+
+  # Index maps get (k_i, n_i, visit, *prefetch refs).
+  def lhs_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return k_i, tile[visit]
+
+  def rhs_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return tile[visit], n_i
+
+  def out_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    # NOTE: the output holds only the local groups; visit_group is already local.
+    return group[visit], k_i, n_i
+
+  in_specs = [pl.BlockSpec((tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map)]
+  operands = [lhs, rhs]
+  if has_existing:
+    in_specs.append(pl.BlockSpec((None, tk, tn), out_map))
+    operands.append(existing_out)
+
+  out_bytes = num_actual_groups * k * n * jnp.dtype(out_dtype).itemsize
+  cost = pl.CostEstimate(
+    flops=2 * m * k * n,
+    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+    + rhs.size * rhs.dtype.itemsize * tiles_k
+    + out_bytes * (2 if has_existing else 1),
+    transcendentals=0,
+  )
+  out_shape = common.out_struct(
+    (num_actual_groups, k, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
+  )
+
+  def build(interpret):
+    return pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, tk, tn), out_map),
+        grid=(tiles_k, tiles_n, schedule.num_visits),
+        scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+      ),
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "arbitrary")
+      ),
+      cost_estimate=cost,
+      interpret=interpret,
+      name="pallas_moe_tgmm",
+    )
+
+  return common.run_kernel(build, interpret, *prefetch, *operands)
