@@ -36,7 +36,8 @@ class Tiling:
 
   Each entry is (tm, tk, tn) in that pass's own (rows, contraction, output columns) coordinates
   (see the module docstring), a callable (m, k, n) -> (tm, tk, tn) like megablox's tiling LUT, or
-  None for the heuristic.
+  None for the heuristic. drhs's tm must be a multiple of 128 (or all of m): it is the last dim of
+  tgmm's lhs block. A single (tm, tk, tn) given for all passes has its drhs tm rounded up to that.
   """
 
   fwd: Tiles | TileFn | None = None
@@ -48,9 +49,14 @@ class Tiling:
     """A Tiling from a Tiling, one (tm, tk, tn) for all passes, a callable, or None."""
     if isinstance(tiling, Tiling):
       return tiling
-    if tiling is None or callable(tiling) or isinstance(tiling, (tuple, list)):
-      if isinstance(tiling, list):
-        tiling = tuple(tiling)
+    if isinstance(tiling, list):
+      tiling = tuple(tiling)
+    if isinstance(tiling, tuple) and len(tiling) == 3 and isinstance(tiling[0], int):
+      # NOTE: tgmm's tm is the lane (last) dim of its [tk, tm] lhs block, so it must be a multiple
+      # of 128; one tuple meant for all passes gets its tm rounded up to that for drhs.
+      drhs = (-(-tiling[0] // common.LANE) * common.LANE, *tiling[1:]) if tiling[0] > 0 else tiling
+      return cls(fwd=tiling, dlhs=tiling, drhs=drhs)
+    if tiling is None or callable(tiling) or isinstance(tiling, tuple):
       return cls(fwd=tiling, dlhs=tiling, drhs=tiling)
     raise TypeError(
       "`tiling` must be a (tm, tk, tn) tuple, a Tiling(fwd=, dlhs=, drhs=), a callable "
@@ -183,6 +189,48 @@ def _gmm_diff_bwd(static, residuals, dout):
 
 _gmm_diff.defvjp(_gmm_diff_fwd, _gmm_diff_bwd)
 
+# NOTE: jit with the validated static configuration as the cache key: eager calls would otherwise
+# re-trace and re-lower the kernel on every call (a new kernel closure each time).
+_gmm_jit = jax.jit(_gmm_diff, static_argnums=(0,))
+
+
+@functools.partial(
+  jax.jit, static_argnames=("tiling", "out_dtype", "num_actual_groups", "interpret")
+)
+def _tgmm_jit(
+  lhs,
+  rhs,
+  group_sizes,
+  group_offset,
+  existing_out,
+  *,
+  tiling,
+  out_dtype,
+  num_actual_groups,
+  interpret,
+):
+  return tgmm_pallas(
+    lhs,
+    rhs,
+    group_sizes,
+    tiling=tiling,
+    out_dtype=out_dtype,
+    group_offset=group_offset,
+    num_actual_groups=num_actual_groups,
+    existing_out=existing_out,
+    interpret=interpret,
+  )
+
+
+def _vary_together(lhs, rhs, group_sizes, group_offset, existing_out):
+  """Gives every operand the union of their varying manual axes (a no-op outside shard_map).
+
+  NOTE: done outside the custom_vjp so that JAX transposes the implicit broadcast of a replicated
+  operand into a psum of its gradient.
+  """
+  operands = (lhs, rhs, group_sizes, group_offset, existing_out)
+  return tuple(None if x is None else common.pvary_like(x, *operands) for x in operands)
+
 
 def gmm(
   lhs: jax.Array,
@@ -267,13 +315,7 @@ def gmm(
     transpose_rhs=bool(transpose_rhs),
     interpret=interpret,
   )
-  operands = (lhs, rhs, group_sizes, group_offset, existing_out)
-  # NOTE: inside shard_map, give every operand the union of their varying axes here, outside the
-  # custom_vjp, so JAX transposes the broadcast (a psum) for operands that were replicated.
-  lhs, rhs, group_sizes, group_offset = (common.pvary_like(x, *operands) for x in operands[:4])
-  if existing_out is not None:
-    existing_out = common.pvary_like(existing_out, *operands)
-  return _gmm_diff(static, lhs, rhs, group_sizes, group_offset, existing_out)
+  return _gmm_jit(static, *_vary_together(lhs, rhs, group_sizes, group_offset, existing_out))
 
 
 def tgmm(
@@ -333,18 +375,10 @@ def tgmm(
   )
   common.check_existing_out(existing_out, shape=(num_actual_groups, k, n), dtype=out_dtype)
   tiles = _resolve_tiles(tiling, dims=(m, k, n), aligns=TGMM_ALIGN)
-  operands = (lhs, rhs, group_sizes, group_offset, existing_out)
-  lhs, rhs, group_sizes, group_offset = (common.pvary_like(x, *operands) for x in operands[:4])
-  if existing_out is not None:
-    existing_out = common.pvary_like(existing_out, *operands)
-  return tgmm_pallas(
-    lhs,
-    rhs,
-    group_sizes,
+  return _tgmm_jit(
+    *_vary_together(lhs, rhs, group_sizes, group_offset, existing_out),
     tiling=tiles,
     out_dtype=out_dtype,
-    group_offset=group_offset,
     num_actual_groups=num_actual_groups,
-    existing_out=existing_out,
     interpret=interpret,
   )

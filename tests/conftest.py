@@ -10,6 +10,9 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", False)
+# Interpret-mode kernels compile to large XLA:CPU while loops; compiling them without most
+# optimizations makes the suite ~1.5x faster and does not change what is computed.
+jax.config.update("jax_disable_most_optimizations", True)
 
 settings.register_profile(
   "default",

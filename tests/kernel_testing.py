@@ -1,0 +1,111 @@
+"""Shared test helpers: float64 numpy loops, hypothesis strategies, interpret modes."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
+from jax.experimental.pallas import tpu as pltpu
+
+# The two interpret modes every kernel test runs under: plain HLO interpretation, and the TPU
+# simulator (memory spaces, DMAs, out-of-bounds reads raise, uninitialized memory is NaN).
+INTERPRET_MODES = {
+  "hlo": True,
+  "tpu": pltpu.InterpretParams(),
+}
+# The simulator with the race detector and 2 cores, so "parallel" grid axes are split.
+RACE_PARAMS = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+
+
+def np_gmm(lhs, rhs, group_sizes, *, group_offset=0, existing_out=None, transpose_rhs=False):
+  """float64 loop over groups: out[rows of g] = lhs[rows of g] @ rhs[g - group_offset]."""
+  lhs = np.asarray(lhs, np.float64)
+  rhs = np.asarray(rhs, np.float64)
+  if transpose_rhs:
+    rhs = rhs.transpose(0, 2, 1)
+  m, n = lhs.shape[0], rhs.shape[2]
+  out = np.zeros((m, n)) if existing_out is None else np.array(existing_out, np.float64)
+  start = 0
+  for g, size in enumerate(np.asarray(group_sizes)):
+    local = g - group_offset
+    if 0 <= local < rhs.shape[0]:
+      out[start : start + size] = lhs[start : start + size] @ rhs[local]
+    start += size
+  return out
+
+
+def np_tgmm(lhs, rhs, group_sizes, *, group_offset=0, num_actual_groups=None, existing_out=None):
+  """float64 loop: out[g] = lhs[:, rows of g] @ rhs[rows of g]; lhs is [k, m]."""
+  lhs = np.asarray(lhs, np.float64)
+  rhs = np.asarray(rhs, np.float64)
+  sizes = np.asarray(group_sizes)
+  num = len(sizes) if num_actual_groups is None else num_actual_groups
+  out = np.zeros((num, lhs.shape[0], rhs.shape[1]))
+  starts = np.concatenate([[0], np.cumsum(sizes)])
+  for local in range(num):
+    g = local + group_offset
+    s, e = starts[g], starts[g + 1]
+    out[local] = lhs[:, s:e] @ rhs[s:e]
+  if existing_out is not None:
+    out = out + np.asarray(existing_out, np.float64)
+  return out
+
+
+def tolerance(*, in_dtype, out_dtype, k) -> dict:
+  """assert_allclose tolerances for a k-long dot of N(0, 1) values.
+
+  f32 everywhere: rounding of the f32 accumulation, ~1e-6 relative per term, grows like sqrt(k).
+  bf16 output: one rounding to 8 mantissa bits (relative 2^-8) dominates. Inputs are rounded to
+  their dtype before the float64 reference is computed, so input dtype adds no error of its own.
+  """
+  scale = float(np.sqrt(k))
+  if jnp.dtype(out_dtype) == jnp.bfloat16:
+    return dict(rtol=1.6e-2, atol=1.6e-2 * scale)
+  del in_dtype
+  return dict(rtol=2e-5, atol=2e-5 * scale)
+
+
+def rounded(x, dtype):
+  """x rounded to dtype, as float64 numpy (what the kernel really multiplies)."""
+  return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
+
+
+@st.composite
+def group_sizes_strategy(draw, *, m: int, num_groups: int):
+  """Group sizes over m rows: random splits, empty groups, one full group, sums below m."""
+  kind = draw(st.sampled_from(["random", "one_group", "short", "sparse"]))
+  if kind == "one_group":
+    sizes = np.zeros(num_groups, np.int32)
+    sizes[draw(st.integers(0, num_groups - 1))] = m
+    return sizes
+  total = m if kind != "short" else draw(st.integers(0, max(m - 1, 0)))
+  if kind == "sparse":
+    # Cuts from a few points only: most groups come out empty.
+    points = st.sampled_from(sorted({0, total // 3, total // 2, total}))
+  else:
+    points = st.integers(0, total)
+  cuts = sorted(draw(st.lists(points, min_size=num_groups - 1, max_size=num_groups - 1)))
+  return np.diff(np.array([0, *cuts, total])).astype(np.int32)
+
+
+def random_array(seed: int, shape, dtype):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+@contextlib.contextmanager
+def no_races_or_oob(capfd):
+  """Asserts that the TPU simulator reports no race inside the block (OOB reads raise)."""
+  pltpu.reset_tpu_interpret_mode_state()
+  try:
+    yield
+    jax.effects_barrier()
+    out, _ = capfd.readouterr()
+    assert "RACE DETECTED" not in out, out
+    races = tpu_interpret.races
+    assert races is None or not races.races_found
+  finally:
+    pltpu.reset_tpu_interpret_mode_state()

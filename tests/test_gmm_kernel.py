@@ -1,0 +1,159 @@
+"""gmm forward: kernel vs the jnp reference and a float64 numpy loop, in both interpret modes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kernel_testing import (
+  INTERPRET_MODES,
+  RACE_PARAMS,
+  group_sizes_strategy,
+  no_races_or_oob,
+  np_gmm,
+  random_array,
+  rounded,
+  tolerance,
+)
+
+import pallas_moe
+from pallas_moe import reference
+
+# (m, k, n, tiling): ragged m, k and n, k below 128, k = 1408 with tk = 256, tiny m.
+SHAPES = [
+  (200, 1408, 100, (64, 256, 128)),
+  (200, 96, 256, (32, 128, 128)),
+  (37, 300, 130, (16, 128, 128)),
+  (128, 128, 128, (128, 128, 128)),
+  (8, 64, 40, (8, 128, 128)),
+]
+DTYPES = [
+  (jnp.float32, jnp.float32),
+  (jnp.bfloat16, jnp.float32),
+  (jnp.bfloat16, jnp.bfloat16),
+  (jnp.float32, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("mode", INTERPRET_MODES)
+@given(
+  data=st.data(),
+  shape=st.sampled_from(SHAPES),
+  dtypes=st.sampled_from(DTYPES),
+  num_groups=st.integers(1, 32),
+  transpose_rhs=st.booleans(),
+)
+def test_gmm_matches_references(mode, data, shape, dtypes, num_groups, transpose_rhs):
+  m, k, n, tiling = shape
+  in_dtype, out_dtype = dtypes
+  sizes = data.draw(group_sizes_strategy(m=m, num_groups=num_groups))
+  seed = data.draw(st.integers(0, 2**16))
+  lhs = random_array(seed, (m, k), in_dtype)
+  rhs_shape = (num_groups, n, k) if transpose_rhs else (num_groups, k, n)
+  rhs = random_array(seed + 1, rhs_shape, in_dtype)
+
+  out = pallas_moe.gmm(
+    lhs,
+    rhs,
+    jnp.asarray(sizes),
+    preferred_element_type=out_dtype,
+    tiling=tiling,
+    transpose_rhs=transpose_rhs,
+    interpret=INTERPRET_MODES[mode],
+  )
+  assert out.shape == (m, n) and out.dtype == out_dtype
+  out = np.asarray(out.astype(jnp.float32))
+  tol = tolerance(in_dtype=in_dtype, out_dtype=out_dtype, k=k)
+  expected = np_gmm(rounded(lhs, in_dtype), rounded(rhs, in_dtype), sizes, transpose_rhs=transpose_rhs)
+  np.testing.assert_allclose(out, expected, **tol)
+  ref = reference.gmm(lhs, rhs, jnp.asarray(sizes), out_dtype, transpose_rhs=transpose_rhs)
+  np.testing.assert_allclose(out, np.asarray(ref.astype(jnp.float32)), **tol)
+  # Rows past sum(group_sizes) are exactly zero.
+  assert not np.any(out[int(sizes.sum()) :])
+
+
+@pytest.mark.parametrize("mode", INTERPRET_MODES)
+@pytest.mark.parametrize("existing", [False, True])
+def test_rows_past_sum_exact(mode, existing):
+  """Rows past sum(group_sizes) are 0 (or existing_out), never NaN, under both interpreters.
+
+  The TPU simulator fills uninitialized VMEM and output buffers with NaN: an unwritten row shows.
+  """
+  m, k, n = 72, 128, 128
+  sizes = jnp.array([10, 0, 21, 5], jnp.int32)  # 36 of 72 rows
+  lhs = random_array(0, (m, k), jnp.float32)
+  rhs = random_array(1, (4, k, n), jnp.float32)
+  existing_out = random_array(2, (m, n), jnp.float32) if existing else None
+  out = np.asarray(
+    pallas_moe.gmm(
+      lhs, rhs, sizes, tiling=(16, 128, 128), existing_out=existing_out,
+      interpret=INTERPRET_MODES[mode],
+    )
+  )
+  assert not np.isnan(out).any()
+  tail = out[36:]
+  if existing:
+    np.testing.assert_array_equal(tail, np.asarray(existing_out)[36:])
+  else:
+    np.testing.assert_array_equal(tail, np.zeros_like(tail))
+  np.testing.assert_allclose(out[:36], np_gmm(lhs, rhs, sizes)[:36], rtol=2e-5, atol=3e-4)
+
+
+@pytest.mark.parametrize("mode", INTERPRET_MODES)
+@given(data=st.data(), num_shards=st.sampled_from([2, 4]), transpose_rhs=st.booleans())
+def test_sharded_groups_chain_to_unsharded(mode, data, num_shards, transpose_rhs):
+  """Splitting groups into shards via group_offset and chaining existing_out = unsharded gmm."""
+  m, k, n, num_groups = 100, 200, 130, 8
+  sizes = jnp.asarray(data.draw(group_sizes_strategy(m=m, num_groups=num_groups)))
+  lhs = random_array(3, (m, k), jnp.float32)
+  rhs = random_array(4, (num_groups, n, k) if transpose_rhs else (num_groups, k, n), jnp.float32)
+  kw = dict(tiling=(32, 128, 128), transpose_rhs=transpose_rhs, interpret=INTERPRET_MODES[mode])
+  full = pallas_moe.gmm(lhs, rhs, sizes, **kw)
+  per = num_groups // num_shards
+  out = None
+  for shard in range(num_shards):
+    local_rhs = rhs[shard * per : (shard + 1) * per]
+    out = pallas_moe.gmm(lhs, local_rhs, sizes, group_offset=shard * per, existing_out=out, **kw)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(full), rtol=1e-6, atol=1e-5)
+  expected = np_gmm(lhs, rhs, np.asarray(sizes), transpose_rhs=transpose_rhs)
+  np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=4e-4)
+
+
+def test_traced_group_offset_under_jit():
+  m, k, n = 64, 128, 128
+  sizes = jnp.array([10, 20, 0, 30], jnp.int32)
+  lhs = random_array(5, (m, k), jnp.float32)
+  rhs = random_array(6, (4, k, n), jnp.float32)
+
+  @jax.jit
+  def shard_out(offset):
+    return pallas_moe.gmm(lhs, rhs[2:], sizes, group_offset=offset, tiling=(16, 128, 128))
+
+  out = np.asarray(shard_out(jnp.int32(2)))
+  np.testing.assert_allclose(
+    out, np_gmm(lhs, rhs[2:], sizes, group_offset=2), rtol=2e-5, atol=3e-4
+  )
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_no_race_no_oob_two_cores(capfd, transpose_rhs):
+  """TPU simulator with the race detector on 2 cores: no race, no out-of-bounds access."""
+  m, k, n = 50, 300, 260  # ragged m, k and n: edge blocks everywhere
+  sizes = jnp.array([7, 0, 20, 13, 0], jnp.int32)
+  lhs = random_array(7, (m, k), jnp.bfloat16)
+  rhs = random_array(8, (5, n, k) if transpose_rhs else (5, k, n), jnp.bfloat16)
+  existing_out = random_array(9, (m, n), jnp.float32)
+  with no_races_or_oob(capfd):
+    out = pallas_moe.gmm(
+      lhs, rhs[1:4], sizes, jnp.float32, (16, 128, 128), 1, existing_out, transpose_rhs,
+      RACE_PARAMS,
+    )
+    out = np.asarray(out)
+  expected = np_gmm(
+    rounded(lhs, jnp.bfloat16), rounded(rhs[1:4], jnp.bfloat16), sizes, group_offset=1,
+    existing_out=existing_out, transpose_rhs=transpose_rhs,
+  )
+  np.testing.assert_allclose(out, expected, rtol=2e-5, atol=1e-3)
