@@ -358,6 +358,8 @@ def _cpu_impl(operand, output, input_offsets, send_sizes, output_offsets, recv_s
   g = len(groups[0])
   s = input_offsets.shape[0] // g
   n, m = operand.shape[0], output.shape[0]
+  if n == 0 or m == 0:
+    return output  # NOTE: nothing to send or nowhere to write.
   c = min(n, m)
   whole = n <= s * c  # NOTE: send the operand itself when padded chunks would not be smaller.
   position = np.zeros(axis_size, np.int32)

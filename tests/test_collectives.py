@@ -290,6 +290,22 @@ def test_transpose_of_transpose_is_the_op():
                                 np.asarray(f((operand, output))))
 
 
+def test_grad_through_scan_and_checkpoint():
+  """As a layer stack would use it: jax.checkpoint inside lax.scan, differentiated."""
+  case = _case(17, mode="random", groups=None)
+  operand, output, *idx = _flat(case)
+
+  def body(x, out, *idx):
+    layer = jax.checkpoint(lambda h: C.ragged_all_to_all(h, out, *idx, axis_name="x")[:N] * 2)
+    return jax.lax.scan(lambda h, _: (layer(h), None), x, None, length=2)[0]
+
+  f = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=(P("x"),) * 6, out_specs=P("x")))
+  got = jax.jit(jax.grad(lambda x: jnp.sum(f(x, output, *idx) ** 2)))(operand)
+  ref = lambda x: _op(None)(x, output, *idx).reshape(D, M, F)[:, :N].reshape(-1, F) * 2
+  want = jax.grad(lambda x: jnp.sum(ref(ref(x)) ** 2))(operand)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
 # --- 3./4. expert-parallel helpers --------------------------------------------------------------
 
 
