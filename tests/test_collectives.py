@@ -407,6 +407,36 @@ def test_overflow_drops_are_counted_and_clipped(adversarial):
   assert np.isnan(out[~delivered]).all() and (~delivered).sum() == n_dropped
 
 
+@pytest.mark.parametrize("grouping", ["halves", "interleaved"])
+def test_plan_from_send_counts_with_groups(grouping):
+  groups = [list(g) for g in GROUPINGS[grouping]]
+  g, n = 4, 24
+  counts = np.random.default_rng(2).integers(0, 4, (D, g * S)).astype(np.int32)
+  rows = C.exact_buffer_rows(counts, axis_index_groups=groups)
+  x = np.random.default_rng(3).standard_normal((D, n, F)).astype(np.float32)
+
+  def body(x, c):
+    plan = C.plan_from_send_counts(c, axis_name="x", buffer_rows=rows, axis_index_groups=groups)
+    buf = C.dispatch(x, plan, axis_name="x", axis_index_groups=groups)
+    back = C.combine(buf, plan, num_rows=n, axis_name="x", axis_index_groups=groups)
+    return buf, back, plan.num_dropped[None]
+
+  f = jax.jit(jax.shard_map(body, mesh=_mesh(), in_specs=P("x"), out_specs=P("x")))
+  buf, back, dropped = f(x.reshape(D * n, F), counts.reshape(-1))
+  assert not np.asarray(dropped).any()
+  sent = np.cumsum(counts, axis=1)[:, -1]
+  for d in range(D):
+    np.testing.assert_array_equal(np.asarray(back).reshape(D, n, F)[d, :sent[d]], x[d, :sent[d]])
+  # NOTE: receiver layout is (slot, sender position); sender chunks start at cumsum of counts.
+  starts = np.cumsum(counts, axis=1) - counts
+  for grp in groups:
+    for q, dst in enumerate(grp):
+      want = [x[src, starts[src, q * S + e] + j] for e in range(S) for src in grp
+              for j in range(counts[src, q * S + e])]
+      got = np.asarray(buf).reshape(D, rows, F)[dst, :len(want)]
+      np.testing.assert_array_equal(got, np.array(want).reshape(-1, F))
+
+
 def test_buffer_policy_rows():
   kw = dict(tokens_per_device=100, top_k=2, axis_size=8)
   assert C.BufferPolicy.worst_case().rows(**kw) == 1600
