@@ -1,5 +1,27 @@
 """pallas_moe: Pallas TPU kernels for Mixture-of-Experts training in JAX."""
 
+from pallas_moe.collectives import (
+  BufferPolicy,
+  RaggedPlan,
+  combine,
+  dispatch,
+  exact_buffer_rows,
+  plan_from_group_sizes,
+  plan_from_send_counts,
+  ragged_all_to_all,
+)
 from pallas_moe.ops import Tiling, gmm, tgmm
 
-__all__ = ["Tiling", "gmm", "tgmm"]
+__all__ = [
+  "BufferPolicy",
+  "RaggedPlan",
+  "Tiling",
+  "combine",
+  "dispatch",
+  "exact_buffer_rows",
+  "gmm",
+  "plan_from_group_sizes",
+  "plan_from_send_counts",
+  "ragged_all_to_all",
+  "tgmm",
+]
