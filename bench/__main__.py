@@ -34,8 +34,9 @@ _SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Shapes: {', '.join(SHAPES)
 _OPS = flags.DEFINE_list("ops", list(OPS), "Ops: fwd, dlhs, drhs.")
 _IMPLS = flags.DEFINE_list("impls", None, "Implementations (default: all registered).")
 _TOKENS = flags.DEFINE_list(
-  "tokens", ["native", str(SMALL_BATCH_TOKENS)], f"Token counts: 'native' (the shape's own) and/or integers, e.g. "
-  f"{SMALL_BATCH_TOKENS} for the small-batch variant.")
+  "tokens", ["native", str(SMALL_BATCH_TOKENS)],
+  f"Token counts: 'native' (the shape's own) and/or integers ({SMALL_BATCH_TOKENS} is the "
+  "small-batch variant).")
 _ROUTING = flags.DEFINE_list("routing", ["uniform"], f"Routings: {', '.join(ROUTINGS)}.")
 _JSON = flags.DEFINE_string("json", None, "Write one JSON record per case here.")
 _MARKDOWN = flags.DEFINE_string("markdown", None, "Write the tables as markdown here.")
