@@ -244,13 +244,16 @@ def _pow2_floor(x: float) -> int:
   return 1 << max(0, int(math.floor(math.log2(max(x, 1.0)))))
 
 
-def _dim_candidates(dim: int) -> list[int]:
-  """Tile sizes for a k or n dimension: the full dim, and 128-multiples up to 4096."""
-  cands = {dim}
-  for t in (4096, 3072, 2048, 1536, 1024, 768, 512, 384, 256, 128):
-    if t < dim:
-      cands.add(t)
-  return sorted(cands, reverse=True)
+def _dim_candidates(dim: int, mxu: int) -> list[int]:
+  """Tile sizes for a k or n dimension: the full dim, and multiples of the MXU edge up to 4096
+  that divide it (a ragged last tile, or a tile that is not a multiple of the MXU edge, still
+  costs full MXU tiles); failing that 128-multiples that divide it; failing that any."""
+  for step, need_divisor in ((mxu, True), (128, True), (128, False)):
+    cands = [t for t in range(step, min(dim, 4096 + 1), step)
+             if t < dim and (dim % t == 0 or not need_divisor)]
+    if cands:
+      return sorted({dim, *cands}, reverse=True)
+  return [dim]
 
 
 def pick_tiling(*, m: int, k: int, n: int, num_groups: int, kind: str, lhs_dtype, rhs_dtype,
@@ -264,7 +267,8 @@ def pick_tiling(*, m: int, k: int, n: int, num_groups: int, kind: str, lhs_dtype
   should be well below the mean group; below the MXU size the systolic array idles; above ~512
   the extra DMA efficiency is small.
 
-  tk, tn: every candidate (the full dim, or a multiple of 128 up to 4096) that fits the VMEM
+  tk, tn: every candidate (the full dim, or a divisor that is a multiple of the MXU edge, else
+  of 128, up to 4096) that fits the VMEM
   budget is scored by its modeled HBM traffic plus per-step overhead expressed in bytes
   (overhead x bandwidth); the cheapest wins. For gmm: lhs is re-read once per n tile, and the
   expert's weight block is re-read for every m tile unless tk == k (then consecutive m tiles of
@@ -299,8 +303,8 @@ def pick_tiling(*, m: int, k: int, n: int, num_groups: int, kind: str, lhs_dtype
   overhead_bytes = step_overhead_s * gen.hbm_bytes_per_s
   tiles_m = -(-m // tm) + num_groups  # upper bound on visited m tiles
   best = None
-  for tk in _dim_candidates(k):
-    for tn in _dim_candidates(n):
+  for tk in _dim_candidates(k, gen.mxu_size):
+    for tn in _dim_candidates(n, gen.mxu_size):
       est = vmem_estimate_bytes(tm=tm, tk=tk, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
                                 out_dtype=out_dtype, kind=kind)
       if est > budget:
