@@ -6,6 +6,11 @@ one kernel use when `pltpu.CompilerParams(vmem_limit_bytes=...)` is not set; it 
 than the physical VMEM. jax does not ship these defaults (libtpu owns them). The figures below
 are the ones publicly reported for the XLA flag `--xla_tpu_scoped_vmem_limit_kib`
 (16 MiB on v4/v5e/v5p, 32 MiB on v6e and tpu7x); tpu7x's is the least certain.
+AOT check (libtpu for jax 0.10.2, upstream megablox gmm bf16, no vmem_limit_bytes): on v5e:2x2
+(512,1024,1024) compiles and (512,2048,1024) fails with CompileTimeScopedVmemOom (its blocks +
+accumulator alone are 16 MiB); on v6e:2x2 (512,2048,2048) compiles (blocks + acc 28 MiB) and
+(1024,2048,2048) fails. `vmem_estimate_bytes` says 14.2 / 20.8 / 36.2 / 53.8 MiB for these, so
+it is on the safe side (by up to ~8 MiB at large tiles).
 
 When a tiling needs more than the scoped default, a kernel must pass
 `pltpu.CompilerParams(vmem_limit_bytes=...)` (jax documents that it overrides the default limit;
