@@ -1,0 +1,222 @@
+"""`python -m bench`: modeled TPU time of grouped matmuls (and measured time on a TPU).
+
+For each shape / op / chip / implementation: modeled_us (bench.costmodel over the real
+pallas_call schedule), roofline_us, achievable_us, modeled/achievable, MXU row waste
+(executed / useful rows) and HBM bytes / minimum. On a TPU (jax.default_backend() == "tpu")
+cases for the local chip are also timed: warm-up, several runs, median, TFLOP/s, % of peak.
+
+Example: python -m bench --chip v5e,v6e --ops fwd,dlhs,drhs --tokens native,4096 --json out.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/accel0"):
+  # libtpu is installed for AOT checks; without a TPU, don't let `import jax` probe for one.
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from bench import costmodel  # noqa: E402
+from bench.impls import IMPLS, OPS, Unsupported  # noqa: E402
+from bench.shapes import ROUTINGS, SHAPES, SMALL_BATCH_TOKENS, get_shape, group_sizes  # noqa: E402
+from pallas_moe.tiling import current_generation, get_generation  # noqa: E402
+
+_CHIP = flags.DEFINE_list("chip", ["v5e", "v6e"], "TPU generations to model.")
+_SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Shapes: {', '.join(SHAPES)}.")
+_OPS = flags.DEFINE_list("ops", list(OPS), "Ops: fwd, dlhs, drhs.")
+_IMPLS = flags.DEFINE_list("impls", None, "Implementations (default: all registered).")
+_TOKENS = flags.DEFINE_list(
+  "tokens", ["native", str(SMALL_BATCH_TOKENS)],
+  f"Token counts: 'native' (the shape's own) and/or integers ({SMALL_BATCH_TOKENS} is the "
+  "small-batch variant).")
+_ROUTING = flags.DEFINE_list("routing", ["uniform"], f"Routings: {', '.join(ROUTINGS)}.")
+_JSON = flags.DEFINE_string("json", None, "Write one JSON record per case here.")
+_MARKDOWN = flags.DEFINE_string("markdown", None, "Write the tables as markdown here.")
+_RUNS = flags.DEFINE_integer("runs", 10, "Timed runs per case on TPU (median is reported).")
+_WARMUP = flags.DEFINE_integer("warmup", 3, "Warm-up runs per case on TPU.")
+
+
+def _log(msg: str) -> None:
+  print(msg, file=sys.stderr, flush=True)
+
+
+def _min_bytes(shape) -> int:
+  """Each operand read once and the output written once (bf16): same for all three ops."""
+  m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
+  return 2 * (m * k + m * n + g * k * n)
+
+
+def _measure_us(fn, args, *, runs: int, warmup: int) -> float:
+  """Median wall time of a jitted call on real (random) operands, in µs."""
+  keys = iter(jax.random.split(jax.random.key(0), len(args)))
+  real = []
+  for a in args:
+    if isinstance(a, jax.ShapeDtypeStruct):
+      real.append(jax.random.normal(next(keys), a.shape, jnp.float32).astype(a.dtype))
+    else:
+      real.append(jnp.asarray(a))
+  f = jax.jit(fn)
+  for _ in range(warmup):
+    jax.block_until_ready(f(*real))
+  times = []
+  for _ in range(runs):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*real))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times) * 1e6)
+
+
+def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10,
+        warmup=3) -> list[dict]:
+  """Models (and on TPU times) every case.
+
+  Args:
+    chips: generation names.
+    shape_names: keys of `bench.shapes.SHAPES`.
+    ops: subset of ("fwd", "dlhs", "drhs").
+    impl_names: registry keys.
+    tokens: "native" or token counts.
+    routings: subset of ("uniform", "zipf").
+    runs: timed runs on TPU.
+    warmup: warm-up runs on TPU.
+
+  Returns:
+    One record (dict) per (impl, shape, routing, op, chip).
+  """
+  gens = [get_generation(c) for c in chips]
+  on_tpu = jax.default_backend() == "tpu"
+  local = current_generation().name if on_tpu else None
+  impls = []
+  for name in impl_names:
+    if name not in IMPLS:
+      raise app.UsageError(f"unknown impl {name!r}; registered: {sorted(IMPLS)}")
+    why = IMPLS[name].available()
+    if why:
+      _log(f"note: skipping impl {name}: {why}")
+      continue
+    impls.append(IMPLS[name])
+  shapes = []
+  for s in shape_names:
+    for t in tokens:
+      shapes.append(get_shape(s, tokens=None if t == "native" else int(t)))
+  total = len(impls) * len(shapes) * len(routings) * len(ops)
+  records, done, cache = [], 0, {}
+  t_start = time.time()
+  for shape in shapes:
+    for routing in routings:
+      gs = group_sizes(shape, routing=routing)
+      for op in ops:
+        for impl in impls:
+          done += 1
+          for gen in gens:
+            key = (impl.name, shape.label, routing, op,
+                   gen.name if impl.tiling_depends_on_generation else None)
+            try:
+              case = impl.build(op=op, shape=shape, group_sizes=gs, generation=gen)
+            except Unsupported as e:
+              _log(f"[{done}/{total}] {impl.name} {shape.label} {op}: skipped ({e})")
+              break
+            if key not in cache:
+              t0 = time.time()
+              cache[key] = costmodel.analyze(case.fn, *case.args, step_scale=case.step_scale)
+              steps = sum(s.steps for s in cache[key])
+              _log(f"[{done}/{total}] {impl.name} {shape.label}/{routing} {op} "
+                   f"tiling={case.tiling}: {steps} grid steps, analyzed in "
+                   f"{time.time() - t0:.1f}s (elapsed {time.time() - t_start:.0f}s)")
+            rep = costmodel.cost(
+              cache[key], generation=gen,
+              row_macs=case.row_macs(gen.mxu_size) if case.row_macs else None,
+              mxu_rows_useful=int(gs.sum()), useful_row_macs=shape.k * shape.n,
+              floor_rows_count=costmodel.floor_rows(gs, gen.mxu_size),
+              min_hbm_bytes=_min_bytes(shape))
+            measured = tflops = pct = None
+            if on_tpu and gen.name == local:
+              measured = _measure_us(case.fn, case.args, runs=runs, warmup=warmup)
+              tflops = 2 * int(gs.sum()) * shape.k * shape.n / (measured * 1e-6) / 1e12
+              pct = 100 * tflops * 1e12 / gen.peak_bf16_flops
+            records.append(dict(
+              impl=impl.name, shape=shape.label, model=shape.name, tokens=shape.tokens,
+              routing=routing, op=op, chip=gen.name, tiling=list(case.tiling),
+              modeled_us=rep.modeled_us, roofline_us=rep.roofline_us,
+              achievable_us=rep.achievable_us, mxu_rows_executed=rep.mxu_rows_executed,
+              mxu_rows_useful=rep.mxu_rows_useful, hbm_bytes=rep.hbm_bytes,
+              min_hbm_bytes=rep.min_hbm_bytes, measured_us=measured, measured_tflops=tflops,
+              measured_pct_peak=pct, steps=sum(c.steps for c in rep.calls),
+              mxu_us=sum(c.mxu_us for c in rep.calls), dma_us=sum(c.dma_us for c in rep.calls),
+              notes=sorted({n for c in rep.calls for n in c.notes})))
+  _log(f"done: {len(records)} records in {time.time() - t_start:.0f}s")
+  return records
+
+
+_COLUMNS = ("chip", "impl", "tiling", "steps", "modeled_us", "roofline_us", "achievable_us",
+            "mod/ach", "row_waste", "hbm/min", "mxu_us", "dma_us", "measured_us", "%peak")
+
+
+def _row(r: dict) -> list[str]:
+  f = lambda x, p=1: "-" if x is None else f"{x:,.{p}f}"
+  waste = (r["mxu_rows_executed"] / r["mxu_rows_useful"]
+           if r["mxu_rows_executed"] is not None and r["mxu_rows_useful"] else None)
+  ratio = r["modeled_us"] / r["achievable_us"] if r["achievable_us"] else None
+  return [r["chip"], r["impl"], "x".join(map(str, r["tiling"])), str(r["steps"]),
+          f(r["modeled_us"]), f(r["roofline_us"]), f(r["achievable_us"]), f(ratio, 2),
+          f(waste, 2), f(r["hbm_bytes"] / r["min_hbm_bytes"], 2), f(r["mxu_us"]),
+          f(r["dma_us"]), f(r["measured_us"]), f(r["measured_pct_peak"])]
+
+
+def tables(records: list[dict], *, markdown: bool) -> str:
+  """Formats records as one table per (shape, routing, op).
+
+  Args:
+    records: from `run`.
+    markdown: markdown tables instead of aligned text.
+
+  Returns:
+    The text.
+  """
+  out = []
+  groups: dict[tuple, list[dict]] = {}
+  for r in records:
+    groups.setdefault((r["shape"], r["routing"], r["op"]), []).append(r)
+  for (shape, routing, op), rs in groups.items():
+    rows = [_row(r) for r in rs]
+    title = f"{shape} ({routing} routing) {op}"
+    if markdown:
+      out.append(f"### {title}\n")
+      out.append("| " + " | ".join(_COLUMNS) + " |")
+      out.append("|" + "---|" * len(_COLUMNS))
+      out.extend("| " + " | ".join(row) + " |" for row in rows)
+    else:
+      widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(_COLUMNS)]
+      out.append(f"== {title}")
+      out.append("  ".join(c.rjust(w) for c, w in zip(_COLUMNS, widths, strict=True)))
+      out.extend("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True))
+                 for row in rows)
+    out.append("")
+  return "\n".join(out)
+
+
+def main(argv) -> None:
+  del argv
+  impl_names = _IMPLS.value or list(IMPLS)
+  records = run(chips=_CHIP.value, shape_names=_SHAPES.value, ops=_OPS.value,
+                impl_names=impl_names, tokens=_TOKENS.value, routings=_ROUTING.value,
+                runs=_RUNS.value, warmup=_WARMUP.value)
+  print(tables(records, markdown=False))
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(records, f, indent=1)
+  if _MARKDOWN.value:
+    with open(_MARKDOWN.value, "w") as f:
+      f.write(tables(records, markdown=True))
+
+
+if __name__ == "__main__":
+  app.run(main)

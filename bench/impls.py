@@ -1,0 +1,239 @@
+"""Registry of grouped-matmul implementations the bench models (and times on TPU).
+
+An implementation turns (op, shape, group sizes, generation) into a `Case`: the function that
+launches its Pallas kernel(s), its arguments (big operands as `jax.ShapeDtypeStruct`,
+`group_sizes` concrete), the tiling it uses, and optionally a `step_scale` hook for kernels
+that skip MXU work inside a step (see `bench.costmodel`).
+
+To plug in a kernel, write `build(*, op, shape, group_sizes, generation) -> Case` and call
+`register(Impl(name=..., build=..., available=...))`. `available()` returns None when the
+implementation can run, else the reason it is skipped. `build` raises `Unsupported(reason)` for
+a case the implementation cannot do (e.g. megablox's m % tm rule).
+
+Ops (DESIGN.md): fwd = gmm lhs[m,k] x rhs[G,k,n]; dlhs = gmm grad[m,n] x rhs[G,k,n]^T (the
+transposed rhs); drhs = tgmm lhs^T[k,m] x grad[m,n] -> [G,k,n]. Inputs and outputs are bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.costmodel import StepContext
+from bench.shapes import Shape
+from pallas_moe.tiling import TpuGeneration, pick_tiling
+
+__all__ = ["Case", "Impl", "Unsupported", "IMPLS", "register", "op_arrays", "OPS"]
+
+OPS = ("fwd", "dlhs", "drhs")
+DTYPE = jnp.bfloat16
+
+
+class Unsupported(Exception):
+  """The implementation cannot run this case."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+  """One runnable case.
+
+  Attributes:
+    fn: launches the kernel; called as fn(*args).
+    args: its arguments (ShapeDtypeStruct for big operands, concrete group_sizes).
+    tiling: (tm, tk, tn) as the implementation uses them (for the report).
+    step_scale: optional per-step MXU-work hook for the cost model.
+    row_macs: MACs per token row of one full sweep, padded as the kernel pads (tile grid and
+      MXU); makes `mxu_rows_executed` a pure row count. Callable of the MXU size.
+  """
+
+  fn: Callable[..., Any]
+  args: tuple[Any, ...]
+  tiling: tuple[int, int, int]
+  step_scale: Callable[[StepContext], np.ndarray] | None = None
+  row_macs: Callable[[int], float] | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Impl:
+  """A registered implementation.
+
+  Attributes:
+    name: registry key (`--impls`).
+    build: (*, op, shape, group_sizes, generation) -> Case.
+    available: () -> None if usable, else the reason it is skipped.
+    tiling_depends_on_generation: whether `build` picks tiles per generation (cache key).
+  """
+
+  name: str
+  build: Callable[..., Case]
+  available: Callable[[], str | None] = lambda: None
+  tiling_depends_on_generation: bool = False
+
+
+IMPLS: dict[str, Impl] = {}
+
+
+def register(impl: Impl) -> Impl:
+  """Adds (or replaces) an implementation in the registry.
+
+  Args:
+    impl: the implementation.
+
+  Returns:
+    The same implementation.
+  """
+  IMPLS[impl.name] = impl
+  return impl
+
+
+def op_arrays(*, op: str, shape: Shape, group_sizes: np.ndarray) -> tuple[Any, ...]:
+  """Abstract operands of an op, plus the concrete group sizes.
+
+  Args:
+    op: "fwd", "dlhs" or "drhs".
+    shape: the problem.
+    group_sizes: int32 [G].
+
+  Returns:
+    fwd: (lhs[m,k], rhs[G,k,n], gs); dlhs: (grad[m,n], rhs[G,k,n], gs);
+    drhs: (lhs^T[k,m], grad[m,n], gs).
+  """
+  m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
+  sds = lambda *s: jax.ShapeDtypeStruct(s, DTYPE)
+  gs = np.asarray(group_sizes, np.int32)
+  if op == "fwd":
+    return sds(m, k), sds(g, k, n), gs
+  if op == "dlhs":
+    return sds(m, n), sds(g, k, n), gs
+  if op == "drhs":
+    return sds(k, m), sds(m, n), gs
+  raise ValueError(f"op must be one of {OPS}, got {op!r}")
+
+
+def _pad(x: int, t: int) -> int:
+  return -(-x // t) * t
+
+
+def _gmm_row_macs(contract: int, out: int, tk: int, tn: int) -> Callable[[int], float]:
+  """gmm step dot [tm,tk]x[tk,tn]: per row, Σ over k tiles and n tiles of tk'·tn'."""
+  return lambda mxu: (-(-contract // tk)) * _pad(tk, mxu) * (-(-out // tn)) * _pad(tn, mxu)
+
+
+def _tgmm_row_macs(k: int, n: int, tk: int, tn: int) -> Callable[[int], float]:
+  """tgmm step dot [tk,tm]x[tm,tn]: rows are the contraction; per row max(tk,mxu)·tn'."""
+  return lambda mxu: (-(-k // tk)) * max(tk, mxu) * (-(-n // tn)) * _pad(tn, mxu)
+
+
+# ----------------------------------------------------------------------------------------------
+# Upstream megablox.
+
+
+def _megablox_module():
+  # The package __init__ shadows the `gmm` module with the `gmm` function: import the module.
+  return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+
+def _megablox_tgmm_scale(ctx: StepContext) -> np.ndarray:
+  """megablox tgmm runs its dot only when the step's group is non-empty (`dont_skip`)."""
+  group_offsets, group_ids, _, _ = ctx.index_operands
+  grid_id = ctx.program_ids[2]
+  gid = group_ids[grid_id]
+  return (group_offsets[gid + 1] - group_offsets[gid] > 0).astype(np.float64)
+
+
+def _megablox_build(tiling: tuple[int, int, int]):
+  def build(*, op: str, shape: Shape, group_sizes: np.ndarray,
+            generation: TpuGeneration) -> Case:
+    del generation
+    mb = _megablox_module()
+    m, k, n = shape.m, shape.k, shape.n
+    tm, tk, tn = tiling
+    args = op_arrays(op=op, shape=shape, group_sizes=group_sizes)
+    # Like MaxText, clamp each tile to its dimension.
+    if op == "fwd":
+      til = (min(tm, m), min(tk, k), min(tn, n))
+      fn = functools.partial(mb.gmm, preferred_element_type=DTYPE, tiling=til)
+      row_macs = _gmm_row_macs(k, n, til[1], til[2])
+      scale = None
+    elif op == "dlhs":
+      til = (min(tm, m), min(tk, n), min(tn, k))
+      fn = functools.partial(mb.gmm, preferred_element_type=DTYPE, tiling=til,
+                             transpose_rhs=True)
+      row_macs = _gmm_row_macs(n, k, til[1], til[2])
+      scale = None
+    else:
+      til = (min(tm, m), min(tk, k), min(tn, n))
+      fn = functools.partial(mb.tgmm, preferred_element_type=DTYPE, tiling=til)
+      row_macs = _tgmm_row_macs(k, n, til[1], til[2])
+      scale = _megablox_tgmm_scale
+    if m % til[0]:
+      raise Unsupported(f"megablox needs m % tm == 0 (m={m}, tm={til[0]})")
+    return Case(fn=fn, args=args, tiling=til, step_scale=scale, row_macs=row_macs)
+
+  return build
+
+
+register(Impl(name="megablox-maxtext", build=_megablox_build((512, 1024, 1024))))
+register(Impl(name="megablox-default", build=_megablox_build((128, 128, 128))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Our kernels (pallas_moe), once they exist.
+
+
+def _pallas_moe_available() -> str | None:
+  try:
+    importlib.import_module("pallas_moe.gmm")
+    importlib.import_module("pallas_moe.tgmm")
+  except ImportError as e:
+    return f"pallas_moe kernels not importable yet ({e})"
+  return None
+
+
+def _pallas_moe_api():
+  """The public API (DESIGN.md): pallas_moe.ops.gmm / tgmm, else pallas_moe.gmm / tgmm."""
+  for mod_name in ("pallas_moe.ops", "pallas_moe"):
+    try:
+      mod = importlib.import_module(mod_name)
+    except ImportError:
+      continue
+    gmm, tgmm = getattr(mod, "gmm", None), getattr(mod, "tgmm", None)
+    if callable(gmm) and callable(tgmm):
+      return gmm, tgmm
+  raise Unsupported("pallas_moe exposes no callable gmm/tgmm")
+
+
+def _pallas_moe_build(*, op: str, shape: Shape, group_sizes: np.ndarray,
+                      generation: TpuGeneration) -> Case:
+  gmm, tgmm = _pallas_moe_api()
+  m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
+  args = op_arrays(op=op, shape=shape, group_sizes=group_sizes)
+  dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE, generation=generation)
+  if op == "fwd":
+    til = pick_tiling(m=m, k=k, n=n, num_groups=g, kind="gmm", **dt)
+    fn = functools.partial(gmm, preferred_element_type=DTYPE, tiling=til)
+    row_macs = _gmm_row_macs(k, n, til[1], til[2])
+  elif op == "dlhs":
+    til = pick_tiling(m=m, k=n, n=k, num_groups=g, kind="gmm", **dt)
+    fn = functools.partial(gmm, preferred_element_type=DTYPE, tiling=til, transpose_rhs=True)
+    row_macs = _gmm_row_macs(n, k, til[1], til[2])
+  else:
+    til = pick_tiling(m=m, k=k, n=n, num_groups=g, kind="tgmm", **dt)
+    fn = functools.partial(tgmm, preferred_element_type=DTYPE, tiling=til)
+    row_macs = _tgmm_row_macs(k, n, til[1], til[2])
+  # If the kernel skips MXU work inside a step, give it a step_scale hook here (or export one
+  # as pallas_moe.gmm.cost_step_scale / pallas_moe.tgmm.cost_step_scale).
+  mod = importlib.import_module("pallas_moe.tgmm" if op == "drhs" else "pallas_moe.gmm")
+  scale = getattr(mod, "cost_step_scale", None)
+  return Case(fn=fn, args=args, tiling=til, step_scale=scale, row_macs=row_macs)
+
+
+register(Impl(name="pallas_moe", build=_pallas_moe_build, available=_pallas_moe_available,
+              tiling_depends_on_generation=True))

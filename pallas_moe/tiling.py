@@ -1,0 +1,333 @@
+"""TPU generation facts and tile heuristics for the grouped matmuls.
+
+Facts (per chip) come from DESIGN.md, which agrees with jax's own table in
+`jax/_src/pallas/mosaic/tpu_info.py` (jax 0.10.2). The *scoped* VMEM default is what Mosaic lets
+one kernel use when `pltpu.CompilerParams(vmem_limit_bytes=...)` is not set; it is much smaller
+than the physical VMEM. jax does not ship these defaults (libtpu owns them). The figures below
+are the ones publicly reported for the XLA flag `--xla_tpu_scoped_vmem_limit_kib`
+(16 MiB on v4/v5e/v5p, 32 MiB on v6e and tpu7x); tpu7x's is the least certain.
+AOT check (libtpu for jax 0.10.2, upstream megablox gmm bf16, no vmem_limit_bytes): on v5e:2x2
+(512,1024,1024) compiles and (512,2048,1024) fails with CompileTimeScopedVmemOom (its blocks +
+accumulator alone are 16 MiB); on v6e:2x2 (512,2048,2048) compiles (blocks + acc 28 MiB) and
+(1024,2048,2048) fails. `vmem_estimate_bytes` says 14.2 / 20.8 / 36.2 / 53.8 MiB for these, so
+it is on the safe side (by up to ~8 MiB at large tiles).
+
+When a tiling needs more than the scoped default, a kernel must pass
+`pltpu.CompilerParams(vmem_limit_bytes=...)` (jax documents that it overrides the default limit;
+on older libtpu builds the XLA flag also had to be raised). `pick_tiling` therefore stays within
+the scoped default unless it is given a larger `vmem_budget_bytes`; a kernel that passes a larger
+budget should set `vmem_limit_bytes` to the same figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+__all__ = [
+  "TpuGeneration",
+  "GENERATIONS",
+  "get_generation",
+  "current_generation",
+  "vmem_estimate_bytes",
+  "check_fits_vmem",
+  "pick_tiling",
+]
+
+_MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TpuGeneration:
+  """Per-chip facts of one TPU generation.
+
+  Attributes:
+    name: short name ("v5e", "v6e", ...).
+    vmem_bytes: physical VMEM per TensorCore.
+    scoped_vmem_default_bytes: Mosaic's default per-kernel VMEM limit (no `vmem_limit_bytes`).
+    mxu_size: systolic array edge (rows per MXU pass, and weight tile edge).
+    peak_bf16_flops: chip peak bf16 flop/s.
+    supports_int8: native int8 x int8 MXU matmul.
+    supports_fp8: native fp8 MXU matmul.
+    hbm_bytes_per_s: chip HBM bandwidth.
+    cores_per_chip: TensorCores per chip.
+    aot_topology: topology name for ahead-of-time compilation (`get_topology_desc`).
+    device_kinds: `jax.Device.device_kind` strings of this generation.
+  """
+
+  name: str
+  vmem_bytes: int
+  scoped_vmem_default_bytes: int
+  mxu_size: int
+  peak_bf16_flops: float
+  supports_int8: bool
+  supports_fp8: bool
+  hbm_bytes_per_s: float
+  cores_per_chip: int
+  aot_topology: str
+  device_kinds: tuple[str, ...] = ()
+
+
+GENERATIONS: dict[str, TpuGeneration] = {
+  g.name: g
+  for g in (
+    TpuGeneration(
+      name="v4", vmem_bytes=16 * _MIB, scoped_vmem_default_bytes=16 * _MIB, mxu_size=128,
+      peak_bf16_flops=275e12, supports_int8=False, supports_fp8=False, hbm_bytes_per_s=1200e9,
+      cores_per_chip=2, aot_topology="v4:2x2x1", device_kinds=("TPU v4",),
+    ),
+    TpuGeneration(
+      name="v5e", vmem_bytes=128 * _MIB, scoped_vmem_default_bytes=16 * _MIB, mxu_size=128,
+      peak_bf16_flops=197e12, supports_int8=True, supports_fp8=False, hbm_bytes_per_s=819e9,
+      cores_per_chip=1, aot_topology="v5e:2x2", device_kinds=("TPU v5e", "TPU v5 lite"),
+    ),
+    TpuGeneration(
+      name="v5p", vmem_bytes=64 * _MIB, scoped_vmem_default_bytes=16 * _MIB, mxu_size=128,
+      peak_bf16_flops=459e12, supports_int8=True, supports_fp8=False, hbm_bytes_per_s=2765e9,
+      cores_per_chip=2, aot_topology="v5p:2x2x1", device_kinds=("TPU v5", "TPU v5p"),
+    ),
+    TpuGeneration(
+      name="v6e", vmem_bytes=128 * _MIB, scoped_vmem_default_bytes=32 * _MIB, mxu_size=256,
+      peak_bf16_flops=918e12, supports_int8=True, supports_fp8=True, hbm_bytes_per_s=1638e9,
+      cores_per_chip=1, aot_topology="v6e:2x2", device_kinds=("TPU v6e", "TPU v6 lite"),
+    ),
+    TpuGeneration(
+      name="tpu7x", vmem_bytes=64 * _MIB, scoped_vmem_default_bytes=32 * _MIB, mxu_size=256,
+      peak_bf16_flops=2307e12, supports_int8=False, supports_fp8=True, hbm_bytes_per_s=7380e9,
+      cores_per_chip=2, aot_topology="tpu7x:2x2x1", device_kinds=("TPU7x",),
+    ),
+  )
+}
+
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "7x": "tpu7x", "v7x": "tpu7x"}
+
+
+def get_generation(name: str | TpuGeneration) -> TpuGeneration:
+  """Looks up a TPU generation by short name.
+
+  Args:
+    name: "v4", "v5e", "v5p", "v6e" or "tpu7x" (a few aliases accepted), or a `TpuGeneration`
+      (returned as is).
+
+  Returns:
+    The `TpuGeneration`.
+  """
+  if isinstance(name, TpuGeneration):
+    return name
+  key = _ALIASES.get(name.lower(), name.lower())
+  if key not in GENERATIONS:
+    raise ValueError(f"Unknown TPU generation {name!r}; known: {sorted(GENERATIONS)}")
+  return GENERATIONS[key]
+
+
+def current_generation() -> TpuGeneration:
+  """The generation of `jax.devices()[0]` on TPU; v5e on any other backend.
+
+  Returns:
+    The `TpuGeneration`.
+  """
+  import jax
+
+  try:
+    kind = jax.devices()[0].device_kind
+  except RuntimeError:
+    return GENERATIONS["v5e"]
+  for gen in GENERATIONS.values():
+    if kind in gen.device_kinds:
+      return gen
+  return GENERATIONS["v5e"]
+
+
+# Headroom for Mosaic's internal scratch (relayout buffers, spills, semaphores): a fixed amount
+# plus a fraction of the explicit buffers. Conservative by design.
+_MOSAIC_FIXED_MARGIN = 1 * _MIB
+_MOSAIC_FRACTION_MARGIN = 0.10
+
+
+def _itemsize(dtype) -> int:
+  return np.dtype(dtype).itemsize
+
+
+def vmem_estimate_bytes(*, tm: int, tk: int, tn: int, lhs_dtype, rhs_dtype, out_dtype,
+                        kind: str) -> int:
+  """Estimates the VMEM a gmm/tgmm tiling needs.
+
+  Counts: every pipelined input/output block twice (double buffering), the f32 accumulator
+  scratch, the f32 dot result temporary, and for tgmm the f32 masked copies of the two input
+  blocks (a kernel that zeroes rows outside the group materializes them); then a safety margin
+  for Mosaic's internal scratch (1 MiB + 10%).
+
+  Args:
+    tm: rows (tokens) per tile.
+    tk: contraction (gmm) / output-row (tgmm) tile of the k dimension.
+    tn: output-column tile.
+    lhs_dtype: lhs element type.
+    rhs_dtype: rhs element type.
+    out_dtype: output element type.
+    kind: "gmm" (blocks lhs[tm,tk], rhs[tk,tn], out[tm,tn], acc f32[tm,tn]) or "tgmm"
+      (blocks lhs[tm,tk], rhs[tm,tn], out[tk,tn], acc f32[tk,tn]).
+
+  Returns:
+    Estimated bytes.
+  """
+  li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+  if kind == "gmm":
+    blocks = tm * tk * li + tk * tn * ri + tm * tn * oi
+    acc = tm * tn * 4
+    temps = tm * tn * 4
+  elif kind == "tgmm":
+    blocks = tm * tk * li + tm * tn * ri + tk * tn * oi
+    acc = tk * tn * 4
+    temps = tk * tn * 4 + tm * (tk + tn) * 4
+  else:
+    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+  explicit = 2 * blocks + acc + temps
+  return int(explicit * (1 + _MOSAIC_FRACTION_MARGIN) + _MOSAIC_FIXED_MARGIN)
+
+
+def check_fits_vmem(*, tm: int, tk: int, tn: int, lhs_dtype, rhs_dtype, out_dtype, kind: str,
+                    generation: str | TpuGeneration, vmem_limit_bytes: int | None = None) -> int:
+  """Raises if a tiling's VMEM estimate exceeds the budget.
+
+  Args:
+    tm: m tile.
+    tk: k tile.
+    tn: n tile.
+    lhs_dtype: lhs element type.
+    rhs_dtype: rhs element type.
+    out_dtype: output element type.
+    kind: "gmm" or "tgmm".
+    generation: TPU generation (name or `TpuGeneration`).
+    vmem_limit_bytes: the kernel's `vmem_limit_bytes`, if it sets one; else the generation's
+      scoped default is the budget.
+
+  Returns:
+    The estimate in bytes (when it fits).
+
+  Raises:
+    ValueError: naming the tiling, the estimate, the budget, and a smaller tiling to try.
+  """
+  gen = get_generation(generation)
+  budget = vmem_limit_bytes if vmem_limit_bytes is not None else gen.scoped_vmem_default_bytes
+  est = vmem_estimate_bytes(tm=tm, tk=tk, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
+                            out_dtype=out_dtype, kind=kind)
+  if est > budget:
+    smaller = _shrink(tm=tm, tk=tk, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
+                      out_dtype=out_dtype, kind=kind, budget=budget)
+    hint = f"try {smaller}" if smaller else "no (8,128)-aligned tiling fits; raise the limit"
+    src = "vmem_limit_bytes" if vmem_limit_bytes is not None else "scoped VMEM default"
+    raise ValueError(
+      f"{kind} tiling (tm, tk, tn)={(tm, tk, tn)} needs ~{est / _MIB:.1f} MiB of VMEM "
+      f"(double-buffered blocks + f32 accumulator + margin) but the {gen.name} budget "
+      f"({src}) is {budget / _MIB:.1f} MiB (physical {gen.vmem_bytes / _MIB:.0f} MiB); "
+      f"use smaller tiles ({hint}) or pass pltpu.CompilerParams(vmem_limit_bytes=...).")
+  return est
+
+
+def _shrink(*, tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, kind, budget):
+  """Halves the largest of tn, tk, tm (keeping alignment) until the estimate fits."""
+  t = [tm, tk, tn]
+  mins = [8, 128, 128]
+  while True:
+    est = vmem_estimate_bytes(tm=t[0], tk=t[1], tn=t[2], lhs_dtype=lhs_dtype,
+                              rhs_dtype=rhs_dtype, out_dtype=out_dtype, kind=kind)
+    if est <= budget:
+      return tuple(t)
+    order = sorted(range(3), key=lambda i: (t[i], i == 0), reverse=True)
+    for i in order:
+      half = t[i] // 2 // mins[i] * mins[i]
+      if half >= mins[i]:
+        t[i] = half
+        break
+    else:
+      return None
+
+
+def _pow2_floor(x: float) -> int:
+  return 1 << max(0, int(math.floor(math.log2(max(x, 1.0)))))
+
+
+def _dim_candidates(dim: int, mxu: int) -> list[int]:
+  """Tile sizes for a k or n dimension: the full dim, and multiples of the MXU edge up to 4096
+  that divide it (a ragged last tile, or a tile that is not a multiple of the MXU edge, still
+  costs full MXU tiles); failing that 128-multiples that divide it; failing that any."""
+  for step, need_divisor in ((mxu, True), (128, True), (128, False)):
+    cands = [t for t in range(step, min(dim, 4096 + 1), step)
+             if t < dim and (dim % t == 0 or not need_divisor)]
+    if cands:
+      return sorted({dim, *cands}, reverse=True)
+  return [dim]
+
+
+def pick_tiling(*, m: int, k: int, n: int, num_groups: int, kind: str, lhs_dtype, rhs_dtype,
+                out_dtype, generation: str | TpuGeneration,
+                vmem_budget_bytes: int | None = None,
+                step_overhead_s: float = 0.35e-6) -> tuple[int, int, int]:
+  """Chooses (tm, tk, tn) for a gmm or tgmm.
+
+  tm: the largest power of two <= half the mean group size, clamped to [MXU size, 512] (or m if
+  smaller). Tiles that straddle a group boundary are computed once per group, so tm
+  should be well below the mean group; below the MXU size the systolic array idles; above ~512
+  the extra DMA efficiency is small.
+
+  tk, tn: every candidate (the full dim, or a divisor that is a multiple of the MXU edge, else
+  of 128, up to 4096) that fits the VMEM
+  budget is scored by its modeled HBM traffic plus per-step overhead expressed in bytes
+  (overhead x bandwidth); the cheapest wins. For gmm: lhs is re-read once per n tile, and the
+  expert's weight block is re-read for every m tile unless tk == k (then consecutive m tiles of
+  one group keep the same rhs block index, so it is fetched once per group and n tile). For
+  tgmm: lhs is re-read per n tile, rhs per k tile. Full k and large tn therefore win whenever
+  they fit.
+
+  Args:
+    m: rows (tokens x top_k on this device).
+    k: contraction dim of gmm (d_model).
+    n: output dim of gmm (expert ffn).
+    num_groups: local experts.
+    kind: "gmm" or "tgmm" (for tgmm, m is the contraction dim; out is [G, k, n]).
+    lhs_dtype: lhs element type.
+    rhs_dtype: rhs element type.
+    out_dtype: output element type.
+    generation: TPU generation (name or `TpuGeneration`).
+    vmem_budget_bytes: VMEM budget; default the generation's scoped default. Pass a larger one
+      only together with `vmem_limit_bytes` in the kernel's compiler params.
+    step_overhead_s: per grid step overhead used to score tilings.
+
+  Returns:
+    (tm, tk, tn): tm a multiple of 8 (or m), tk and tn multiples of 128 or the full dim.
+  """
+  gen = get_generation(generation)
+  budget = vmem_budget_bytes if vmem_budget_bytes is not None else gen.scoped_vmem_default_bytes
+  mean_rows = m / max(num_groups, 1)
+  tm = min(max(_pow2_floor(mean_rows / 2), gen.mxu_size), 512)
+  if m < tm:
+    tm = m  # a full dim is always a legal block
+  li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+  overhead_bytes = step_overhead_s * gen.hbm_bytes_per_s
+  tiles_m = -(-m // tm) + num_groups  # upper bound on visited m tiles
+  best = None
+  for tk in _dim_candidates(k, gen.mxu_size):
+    for tn in _dim_candidates(n, gen.mxu_size):
+      est = vmem_estimate_bytes(tm=tm, tk=tk, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
+                                out_dtype=out_dtype, kind=kind)
+      if est > budget:
+        continue
+      nk, nn = -(-k // tk), -(-n // tn)
+      if kind == "gmm":
+        rhs_reads = num_groups if nk == 1 else tiles_m
+        traffic = m * k * li * nn + rhs_reads * k * n * ri + m * n * oi
+      elif kind == "tgmm":
+        traffic = m * k * li * nn + m * n * ri * nk + num_groups * k * n * oi
+      else:
+        raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+      score = traffic + tiles_m * nk * nn * overhead_bytes
+      key = (score, -tk * tn)
+      if best is None or key < best[0]:
+        best = (key, (tm, tk, tn))
+  if best is None:
+    raise ValueError(
+      f"no {kind} tiling with tm={tm} fits {budget / _MIB:.1f} MiB of VMEM on {gen.name} "
+      f"for (m, k, n)={(m, k, n)}")
+  return best[1]

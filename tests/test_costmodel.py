@@ -1,0 +1,220 @@
+"""Tests of bench.costmodel and pallas_moe.tiling against hand-computed schedules."""
+
+import functools
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+
+from bench import costmodel as cm
+from bench.impls import IMPLS
+from bench.shapes import SHAPES, SMALL_BATCH_TOKENS, get_shape, group_sizes
+from pallas_moe import tiling
+
+mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+BF16 = jnp.bfloat16
+V5E = tiling.get_generation("v5e")
+V6E = tiling.get_generation("v6e")
+
+
+def _sds(*shape, dtype=BF16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _visited_tiles(gs, tm, *, visit_empty=False):
+  """megablox's m-tile visits, computed independently: each non-empty group [s, e) visits the
+  tiles it touches, ceil(e/tm) - floor(s/tm); with visit_empty, an empty group visits one."""
+  gs = np.asarray(gs, np.int64)
+  ends = np.cumsum(gs)
+  starts = ends - gs
+  touched = -(-ends // tm) - starts // tm
+  return int(np.where(gs > 0, touched, 1 if visit_empty else 0).sum())
+
+
+# (a) ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tk", [128, 256])
+def test_single_dense_group_bytes(tk):
+  m, k, n, tm, tn = 512, 256, 384, 128, 128
+  gs = np.array([m], np.int32)
+  fn = functools.partial(mb.gmm, preferred_element_type=BF16, tiling=(tm, tk, tn))
+  (s,) = cm.analyze(fn, _sds(m, k), _sds(1, k, n), gs)
+  tiles_m, tiles_k, tiles_n = m // tm, k // tk, n // tn
+  assert s.grid == (tiles_n, tiles_m, tiles_k)
+  steps = tiles_n * tiles_m * tiles_k
+  # lhs block (m_tile, k_tile) changes every step (k innermost; or m_tile when tiles_k == 1).
+  lhs = steps * tm * tk * 2
+  # rhs block (0, k_tile, n_tile): every step when tiles_k > 1, else once per n tile.
+  rhs = (steps if tiles_k > 1 else tiles_n) * tk * tn * 2
+  out = tiles_n * tiles_m * tm * tn * 2
+  assert sorted(s.operand_bytes.values()) == sorted([lhs, rhs, out])
+  assert s.hbm_bytes == lhs + rhs + out
+  assert s.min_hbm_bytes == 2 * (m * k + k * n + m * n)
+
+
+# (b) ------------------------------------------------------------------------------------------
+
+
+def test_megablox_gmm_rows_equal_visited_tiles():
+  m, k, n, tm = 1024, 256, 256, 128
+  gs = np.array([100, 0, 300, 0, 0, 500, 124], np.int32)
+  fn = functools.partial(mb.gmm, preferred_element_type=BF16, tiling=(tm, 128, 128))
+  scheds = cm.analyze(fn, _sds(m, k), _sds(len(gs), k, n), gs)
+  visited = _visited_tiles(gs, tm)
+  assert scheds[0].grid == (n // 128, visited, k // 128)
+  rep = cm.cost(scheds, generation=V5E, row_macs=k * n, mxu_rows_useful=m)
+  assert rep.mxu_rows_executed == visited * tm
+  # On v6e (256-row MXU) a 128-row tile still costs 256 row-passes; with the row sweep padded
+  # as the kernel pads it (each 128-wide k and n tile fills a 256-wide weight tile), that is all.
+  padded_row_macs = (k // 128) * 256 * (n // 128) * 256
+  rep6 = cm.cost(scheds, generation=V6E, row_macs=padded_row_macs, mxu_rows_useful=m)
+  assert rep6.mxu_rows_executed == visited * 256
+  # Against the true k·n the column padding shows up too (4x more MACs per row).
+  rep6_true = cm.cost(scheds, generation=V6E, row_macs=k * n, mxu_rows_useful=m)
+  assert rep6_true.mxu_rows_executed == visited * 256 * 4
+
+
+def test_megablox_tgmm_rows_with_skip_hook():
+  m, k, n, tm = 1024, 256, 256, 128
+  gs = np.array([100, 0, 300, 0, 0, 500, 124], np.int32)
+  fn = functools.partial(mb.tgmm, preferred_element_type=BF16, tiling=(tm, 128, 128))
+  hook = IMPLS["megablox-default"].build(
+    op="drhs", shape=SHAPES["qwen3-30b-a3b"], group_sizes=np.ones(128, np.int32) * 1024,
+    generation=V5E).step_scale
+  args = (_sds(k, m), _sds(m, n), gs)
+  with_hook = cm.analyze(fn, *args, step_scale=hook)
+  visits = _visited_tiles(gs, tm, visit_empty=True)
+  assert with_hook[0].grid == (n // 128, k // 128, visits)
+  rep = cm.cost(with_hook, generation=V5E, row_macs=k * n, mxu_rows_useful=m)
+  assert rep.mxu_rows_executed == _visited_tiles(gs, tm) * tm
+  no_hook = cm.cost(cm.analyze(fn, *args), generation=V5E, row_macs=k * n)
+  assert no_hook.mxu_rows_executed == visits * tm
+
+
+# (c) ------------------------------------------------------------------------------------------
+
+
+def _matmul(x, y, *, bm, bn, bk):
+  def kernel(x_ref, y_ref, o_ref):
+    @pl.when(pl.program_id(2) == 0)
+    def _():
+      o_ref[...] = jnp.zeros_like(o_ref)
+
+    o_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+  m, kk = x.shape
+  n = y.shape[1]
+  return pl.pallas_call(
+    kernel,
+    out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+    grid=(m // bm, n // bn, kk // bk),
+    in_specs=[pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
+              pl.BlockSpec((bk, bn), lambda i, j, k: (k, j))],
+    out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
+  )(x, y)
+
+
+@pytest.mark.parametrize("gen", [V5E, V6E], ids=lambda g: g.name)
+def test_tiled_matmul_by_hand(gen):
+  m, k, n, bm, bn, bk = 256, 512, 256, 128, 128, 256
+  fn = functools.partial(_matmul, bm=bm, bn=bn, bk=bk)
+  (s,) = cm.analyze(fn, _sds(m, k), _sds(k, n))
+  assert s.grid == (2, 2, 2)
+  x_blk, y_blk, o_blk = bm * bk * 2, bk * bn * 2, bm * bn * 4
+  # Steps (i, j, kk): x and y blocks change every step; out is written when kk == 1.
+  per_step = np.array([x_blk + y_blk + (o_blk if kk == 1 else 0)
+                       for _ in range(4) for kk in range(2)])
+  np.testing.assert_array_equal(s.step_bytes, per_step)
+  rep = cm.cost([s], generation=gen)
+  mxu = gen.mxu_size
+  pad = lambda v: -(-v // mxu) * mxu
+  mxu_t = 2 * max(bm, mxu) * pad(bk) * pad(bn) / gen.peak_bf16_flops
+  expect = sum(max(mxu_t, b / gen.hbm_bytes_per_s) + 0.35e-6 for b in per_step)
+  assert rep.modeled_us == pytest.approx(expect * 1e6, rel=1e-9)
+  assert rep.hbm_bytes == per_step.sum()
+  assert rep.min_hbm_bytes == 2 * m * k + 2 * k * n + 4 * m * n
+
+
+def test_floor_rows_by_hand():
+  # Groups [0,100) [100,100) [100,400) [400,1024) on a 128-row MXU: 128 + 0 + 512 + 640.
+  assert cm.floor_rows([100, 0, 300, 624], 128) == 1280
+  assert cm.floor_rows([256, 256], 128) == 512
+  assert cm.floor_rows([1, 1], 256) == 512
+
+
+# (d) ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["gmm", "tgmm"])
+def test_vmem_estimate_monotonic(kind):
+  dt = dict(lhs_dtype=BF16, rhs_dtype=BF16, out_dtype=BF16, kind=kind)
+  base = tiling.vmem_estimate_bytes(tm=256, tk=512, tn=512, **dt)
+  for bigger in [dict(tm=512, tk=512, tn=512), dict(tm=256, tk=1024, tn=512),
+                 dict(tm=256, tk=512, tn=1024)]:
+    assert tiling.vmem_estimate_bytes(**bigger, **dt) > base
+  f32 = dict(dt, lhs_dtype=jnp.float32)
+  assert tiling.vmem_estimate_bytes(tm=256, tk=512, tn=512, **f32) > base
+
+
+def test_check_fits_vmem_raises_for_oversized():
+  dt = dict(lhs_dtype=BF16, rhs_dtype=BF16, out_dtype=BF16, kind="gmm")
+  assert tiling.check_fits_vmem(tm=128, tk=128, tn=128, generation="v5e", **dt) > 0
+  with pytest.raises(ValueError, match=r"\(2048, 4096, 4096\).*MiB.*v5e.*try \("):
+    tiling.check_fits_vmem(tm=2048, tk=4096, tn=4096, generation="v5e", **dt)
+  # A raised limit admits a tiling the scoped default rejects.
+  with pytest.raises(ValueError):
+    tiling.check_fits_vmem(tm=512, tk=2048, tn=2048, generation="v5e", **dt)
+  tiling.check_fits_vmem(tm=512, tk=2048, tn=2048, generation="v5e",
+                         vmem_limit_bytes=100 * 2**20, **dt)
+
+
+def _aligned(t, dim, align):
+  return t == dim or (t % align == 0 and t <= dim)
+
+
+@pytest.mark.parametrize("gen", sorted(tiling.GENERATIONS))
+def test_pick_tiling_aligned_and_fits(gen):
+  g = tiling.get_generation(gen)
+  dt = dict(lhs_dtype=BF16, rhs_dtype=BF16, out_dtype=BF16)
+  for name in SHAPES:
+    for tokens in (None, SMALL_BATCH_TOKENS):
+      s = get_shape(name, tokens=tokens)
+      # fwd (k contracted), dlhs (n contracted), drhs (tgmm).
+      for kind, kk, nn in (("gmm", s.k, s.n), ("gmm", s.n, s.k), ("tgmm", s.k, s.n)):
+        tm, tk, tn = tiling.pick_tiling(m=s.m, k=kk, n=nn, num_groups=s.num_groups, kind=kind,
+                                        generation=g, **dt)
+        assert _aligned(tm, s.m, 8) and _aligned(tk, kk, 128) and _aligned(tn, nn, 128)
+        est = tiling.check_fits_vmem(tm=tm, tk=tk, tn=tn, kind=kind, generation=g, **dt)
+        assert est <= g.scoped_vmem_default_bytes
+
+
+def test_generations_table():
+  assert tiling.get_generation("v6e").mxu_size == 256
+  assert tiling.get_generation("v5e").peak_bf16_flops == 197e12
+  assert tiling.current_generation().name == "v5e"  # CPU default
+  with pytest.raises(ValueError, match="Unknown TPU generation"):
+    tiling.get_generation("v9z")
+
+
+# DESIGN.md figures ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,tokens,expected", [
+  ("deepseek-v2-lite", 16384, 1.33), ("qwen3-30b-a3b", 16384, 1.50),
+  ("deepseek-v2-lite", 4096, 2.31), ("qwen3-30b-a3b", 4096, 2.98),
+])
+def test_design_megablox_row_waste(name, tokens, expected):
+  """Row waste = rows pushed through the MXU per full (k, n) sweep / sum(group_sizes), with
+  column padding excluded (row_macs = the padded per-row sweep); megablox tiling 512x1024x1024
+  clamped to the dims as MaxText does; uniform routing, seed 0, v5e."""
+  shape = get_shape(name, tokens=tokens)
+  gs = group_sizes(shape, routing="uniform")
+  case = IMPLS["megablox-maxtext"].build(op="fwd", shape=shape, group_sizes=gs, generation=V5E)
+  rep = cm.model(case.fn, *case.args, generation=V5E, row_macs=case.row_macs(128),
+                 mxu_rows_useful=int(gs.sum()))
+  assert rep.row_waste == pytest.approx(expected, rel=0.03)
+  assert rep.mxu_rows_executed == _visited_tiles(gs, 512) * 512
