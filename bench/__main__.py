@@ -34,9 +34,11 @@ _SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Shapes: {', '.join(SHAPES)
 _OPS = flags.DEFINE_list("ops", list(OPS), "Ops: fwd, dlhs, drhs.")
 _IMPLS = flags.DEFINE_list("impls", None, "Implementations (default: all registered).")
 _TOKENS = flags.DEFINE_list(
-  "tokens", ["native", str(SMALL_BATCH_TOKENS)],
+  "tokens",
+  ["native", str(SMALL_BATCH_TOKENS)],
   f"Token counts: 'native' (the shape's own) and/or integers ({SMALL_BATCH_TOKENS} is the "
-  "small-batch variant).")
+  "small-batch variant).",
+)
 _ROUTING = flags.DEFINE_list("routing", ["uniform"], f"Routings: {', '.join(ROUTINGS)}.")
 _JSON = flags.DEFINE_string("json", None, "Write one JSON record per case here.")
 _MARKDOWN = flags.DEFINE_string("markdown", None, "Write the tables as markdown here.")
@@ -74,8 +76,7 @@ def _measure_us(fn, args, *, runs: int, warmup: int) -> float:
   return float(np.median(times) * 1e6)
 
 
-def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10,
-        warmup=3) -> list[dict]:
+def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10, warmup=3) -> list[dict]:
   """Models (and on TPU times) every case.
 
   Args:
@@ -117,8 +118,13 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10,
         for impl in impls:
           done += 1
           for gen in gens:
-            key = (impl.name, shape.label, routing, op,
-                   gen.name if impl.tiling_depends_on_generation else None)
+            key = (
+              impl.name,
+              shape.label,
+              routing,
+              op,
+              gen.name if impl.tiling_depends_on_generation else None,
+            )
             try:
               case = impl.build(op=op, shape=shape, group_sizes=gs, generation=gen)
             except Unsupported as e:
@@ -128,47 +134,97 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10,
               t0 = time.time()
               cache[key] = costmodel.analyze(case.fn, *case.args, step_scale=case.step_scale)
               steps = sum(s.steps for s in cache[key])
-              _log(f"[{done}/{total}] {impl.name} {shape.label}/{routing} {op} "
-                   f"tiling={case.tiling}: {steps} grid steps, analyzed in "
-                   f"{time.time() - t0:.1f}s (elapsed {time.time() - t_start:.0f}s)")
+              _log(
+                f"[{done}/{total}] {impl.name} {shape.label}/{routing} {op} "
+                f"tiling={case.tiling}: {steps} grid steps, analyzed in "
+                f"{time.time() - t0:.1f}s (elapsed {time.time() - t_start:.0f}s)"
+              )
             rep = costmodel.cost(
-              cache[key], generation=gen,
+              cache[key],
+              generation=gen,
               row_macs=case.row_macs(gen.mxu_size) if case.row_macs else None,
-              mxu_rows_useful=int(gs.sum()), useful_row_macs=shape.k * shape.n,
+              mxu_rows_useful=int(gs.sum()),
+              useful_row_macs=shape.k * shape.n,
               floor_rows_count=costmodel.floor_rows(gs, gen.mxu_size),
-              min_hbm_bytes=_min_bytes(shape))
+              min_hbm_bytes=_min_bytes(shape),
+            )
             measured = tflops = pct = None
             if on_tpu and gen.name == local:
               measured = _measure_us(case.fn, case.args, runs=runs, warmup=warmup)
               tflops = 2 * int(gs.sum()) * shape.k * shape.n / (measured * 1e-6) / 1e12
               pct = 100 * tflops * 1e12 / gen.peak_bf16_flops
-            records.append(dict(
-              impl=impl.name, shape=shape.label, model=shape.name, tokens=shape.tokens,
-              routing=routing, op=op, chip=gen.name, tiling=list(case.tiling),
-              modeled_us=rep.modeled_us, roofline_us=rep.roofline_us,
-              achievable_us=rep.achievable_us, mxu_rows_executed=rep.mxu_rows_executed,
-              mxu_rows_useful=rep.mxu_rows_useful, hbm_bytes=rep.hbm_bytes,
-              min_hbm_bytes=rep.min_hbm_bytes, measured_us=measured, measured_tflops=tflops,
-              measured_pct_peak=pct, steps=sum(c.steps for c in rep.calls),
-              mxu_us=sum(c.mxu_us for c in rep.calls), dma_us=sum(c.dma_us for c in rep.calls),
-              notes=sorted({n for c in rep.calls for n in c.notes})))
+            records.append(
+              dict(
+                impl=impl.name,
+                shape=shape.label,
+                model=shape.name,
+                tokens=shape.tokens,
+                routing=routing,
+                op=op,
+                chip=gen.name,
+                tiling=list(case.tiling),
+                modeled_us=rep.modeled_us,
+                roofline_us=rep.roofline_us,
+                achievable_us=rep.achievable_us,
+                mxu_rows_executed=rep.mxu_rows_executed,
+                mxu_rows_useful=rep.mxu_rows_useful,
+                hbm_bytes=rep.hbm_bytes,
+                min_hbm_bytes=rep.min_hbm_bytes,
+                measured_us=measured,
+                measured_tflops=tflops,
+                measured_pct_peak=pct,
+                steps=sum(c.steps for c in rep.calls),
+                mxu_us=sum(c.mxu_us for c in rep.calls),
+                dma_us=sum(c.dma_us for c in rep.calls),
+                notes=sorted({n for c in rep.calls for n in c.notes}),
+              )
+            )
   _log(f"done: {len(records)} records in {time.time() - t_start:.0f}s")
   return records
 
 
-_COLUMNS = ("chip", "impl", "tiling", "steps", "modeled_us", "roofline_us", "achievable_us",
-            "mod/ach", "row_waste", "hbm/min", "mxu_us", "dma_us", "measured_us", "%peak")
+_COLUMNS = (
+  "chip",
+  "impl",
+  "tiling",
+  "steps",
+  "modeled_us",
+  "roofline_us",
+  "achievable_us",
+  "mod/ach",
+  "row_waste",
+  "hbm/min",
+  "mxu_us",
+  "dma_us",
+  "measured_us",
+  "%peak",
+)
 
 
 def _row(r: dict) -> list[str]:
   f = lambda x, p=1: "-" if x is None else f"{x:,.{p}f}"
-  waste = (r["mxu_rows_executed"] / r["mxu_rows_useful"]
-           if r["mxu_rows_executed"] is not None and r["mxu_rows_useful"] else None)
+  waste = (
+    r["mxu_rows_executed"] / r["mxu_rows_useful"]
+    if r["mxu_rows_executed"] is not None and r["mxu_rows_useful"]
+    else None
+  )
   ratio = r["modeled_us"] / r["achievable_us"] if r["achievable_us"] else None
-  return [r["chip"], r["impl"], "x".join(map(str, r["tiling"])), str(r["steps"]),
-          f(r["modeled_us"]), f(r["roofline_us"]), f(r["achievable_us"]), f(ratio, 2),
-          f(waste, 2), f(r["hbm_bytes"] / r["min_hbm_bytes"], 2), f(r["mxu_us"]),
-          f(r["dma_us"]), f(r["measured_us"]), f(r["measured_pct_peak"])]
+  return [
+    r["chip"],
+    r["impl"],
+    "x".join(map(str, r["tiling"])),
+    str(r["steps"]),
+    f(r["modeled_us"]),
+    f(r["roofline_us"]),
+    f(r["achievable_us"]),
+    f(ratio, 2),
+    f(waste, 2),
+    f(r["hbm_bytes"] / r["min_hbm_bytes"], 2),
+    f(r["mxu_us"]),
+    f(r["dma_us"]),
+    f(r["measured_us"]),
+    f(r["measured_pct_peak"]),
+  ]
 
 
 def tables(records: list[dict], *, markdown: bool) -> str:
@@ -197,8 +253,7 @@ def tables(records: list[dict], *, markdown: bool) -> str:
       widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(_COLUMNS)]
       out.append(f"== {title}")
       out.append("  ".join(c.rjust(w) for c, w in zip(_COLUMNS, widths, strict=True)))
-      out.extend("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True))
-                 for row in rows)
+      out.extend("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)) for row in rows)
     out.append("")
   return "\n".join(out)
 
@@ -206,9 +261,16 @@ def tables(records: list[dict], *, markdown: bool) -> str:
 def main(argv) -> None:
   del argv
   impl_names = _IMPLS.value or list(IMPLS)
-  records = run(chips=_CHIP.value, shape_names=_SHAPES.value, ops=_OPS.value,
-                impl_names=impl_names, tokens=_TOKENS.value, routings=_ROUTING.value,
-                runs=_RUNS.value, warmup=_WARMUP.value)
+  records = run(
+    chips=_CHIP.value,
+    shape_names=_SHAPES.value,
+    ops=_OPS.value,
+    impl_names=impl_names,
+    tokens=_TOKENS.value,
+    routings=_ROUTING.value,
+    runs=_RUNS.value,
+    warmup=_WARMUP.value,
+  )
   print(tables(records, markdown=False))
   if _JSON.value:
     with open(_JSON.value, "w") as f:

@@ -73,10 +73,22 @@ DEFAULT_STEP_OVERHEAD_S = 0.35e-6
 
 _CALL_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Primitives whose sub-jaxpr runs exactly once, with the equation's operands as its inputs.
-_CALL_LIKE = frozenset({
-  "pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-  "custom_vjp_call_jaxpr", "checkpoint", "remat", "remat2", "custom_lin", "run_scoped",
-})
+_CALL_LIKE = frozenset(
+  {
+    "pjit",
+    "jit",
+    "closed_call",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "checkpoint",
+    "remat",
+    "remat2",
+    "custom_lin",
+    "run_scoped",
+  }
+)
 
 
 class _Unknown:
@@ -252,8 +264,9 @@ def _interpret(jaxpr, consts, inputs, found: list, path: str):
     elif any(_contains_pallas(j) for j in _all_sub_jaxprs(eqn)):
       # A pallas_call inside cond/scan/while: found, but its operands stay unknown.
       for j in _all_sub_jaxprs(eqn):
-        _interpret(j, [_UNKNOWN] * len(j.constvars), [_UNKNOWN] * len(j.invars), found,
-                   f"{path}/{i}:{name}")
+        _interpret(
+          j, [_UNKNOWN] * len(j.constvars), [_UNKNOWN] * len(j.invars), found, f"{path}/{i}:{name}"
+        )
     elif all(x is not _UNKNOWN for x in ins) and not eqn.effects:
       bind_params = eqn.primitive.get_bind_params(eqn.params)
       res = eqn.primitive.bind(*ins, **bind_params)
@@ -286,8 +299,9 @@ def _find_pallas_calls(fn: Callable, args, kwargs):
   closed = jax.make_jaxpr(flat_fn)(*abstract)
   found_static: list = []
   # First pass (abstract) only to learn which operands each pallas_call needs.
-  _interpret(closed.jaxpr, [_UNKNOWN] * len(closed.consts), [_UNKNOWN] * len(flat),
-             found_static, "")
+  _interpret(
+    closed.jaxpr, [_UNKNOWN] * len(closed.consts), [_UNKNOWN] * len(flat), found_static, ""
+  )
   needed = []
   for eqn, _, _ in found_static:
     gm = eqn.params["grid_mapping"]
@@ -309,8 +323,10 @@ def _find_pallas_calls(fn: Callable, args, kwargs):
     values = jax.jit(evaluate)(known_vals)
   else:
     values = [[] for _ in found_static]
-  return [(eqn, [None if v is None else np.asarray(v) for v in vals], path)
-          for (eqn, _, path), vals in zip(found_static, values, strict=True)]
+  return [
+    (eqn, [None if v is None else np.asarray(v) for v in vals], path)
+    for (eqn, _, path), vals in zip(found_static, values, strict=True)
+  ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,9 +391,9 @@ def _pipelined(bm) -> bool:
   return not any(s in ms for s in ("any", "hbm", "semaphore"))
 
 
-def analyze(fn: Callable, *args,
-            step_scale: Callable[[StepContext], np.ndarray] | None = None,
-            **kwargs) -> list[CallSchedule]:
+def analyze(
+  fn: Callable, *args, step_scale: Callable[[StepContext], np.ndarray] | None = None, **kwargs
+) -> list[CallSchedule]:
   """Traces `fn(*args, **kwargs)` and schedules every pallas_call it launches.
 
   Args:
@@ -401,7 +417,8 @@ def analyze(fn: Callable, *args,
       raise ValueError(
         f"pallas_call {name} at {path}: its dynamic grid sizes / scalar-prefetch operands depend "
         "on an abstract argument; pass the arguments they derive from (e.g. group_sizes) as "
-        "concrete arrays.")
+        "concrete arrays."
+      )
     dyn = iter(int(v) for v in vals[:n_dyn])
     grid = tuple(next(dyn) if g is pallas_core.dynamic_grid_dim else int(g) for g in gm.grid)
     index_operands = tuple(vals[n_dyn:])
@@ -414,8 +431,10 @@ def analyze(fn: Callable, *args,
       is_out = i >= gm.num_inputs
       label = f"{'out' if is_out else 'in'}{i - gm.num_inputs if is_out else i}:{bm.origin}"
       if not _pipelined(bm):
-        notes.append(f"{label} is not pipelined (memory space "
-                     f"{bm.transformed_block_aval.memory_space}); its manual DMAs are not counted")
+        notes.append(
+          f"{label} is not pipelined (memory space "
+          f"{bm.transformed_block_aval.memory_space}); its manual DMAs are not counted"
+        )
         continue
       if steps == 0:
         continue
@@ -429,8 +448,9 @@ def analyze(fn: Callable, *args,
       b = np.where(moved, nbytes, 0)
       step_bytes += b
       operand_bytes[label] = int(b.sum())
-      array_bytes[label] = int(math.prod(bm.array_aval.shape)
-                               * np.dtype(bm.array_aval.dtype).itemsize)
+      array_bytes[label] = int(
+        math.prod(bm.array_aval.shape) * np.dtype(bm.array_aval.dtype).itemsize
+      )
     scale = None
     if step_scale is not None and steps:
       ctx = StepContext(name=name, grid=grid, program_ids=pids, index_operands=index_operands)
@@ -441,10 +461,20 @@ def analyze(fn: Callable, *args,
       tpu = cp.get("mosaic_tpu") if isinstance(cp, dict) else cp
       sem = getattr(tpu, "dimension_semantics", None)
       sem = tuple(str(s) for s in sem) if sem is not None else None
-    schedules.append(CallSchedule(
-      name=name, grid=grid, dimension_semantics=sem, steps=steps, step_bytes=step_bytes,
-      operand_bytes=operand_bytes, operand_array_bytes=array_bytes,
-      kernel_jaxpr=eqn.params["jaxpr"], step_scale=scale, notes=tuple(notes)))
+    schedules.append(
+      CallSchedule(
+        name=name,
+        grid=grid,
+        dimension_semantics=sem,
+        steps=steps,
+        step_bytes=step_bytes,
+        operand_bytes=operand_bytes,
+        operand_array_bytes=array_bytes,
+        kernel_jaxpr=eqn.params["jaxpr"],
+        step_scale=scale,
+        notes=tuple(notes),
+      )
+    )
   return schedules
 
 
@@ -532,11 +562,17 @@ def _peak_flops(gen: TpuGeneration, jaxpr) -> float:
   return gen.peak_bf16_flops
 
 
-def cost(schedules: Sequence[CallSchedule], *, generation: str | TpuGeneration,
-         row_macs: float | None = None, mxu_rows_useful: int | None = None,
-         useful_row_macs: float | None = None, floor_rows_count: int | None = None,
-         min_hbm_bytes: int | None = None,
-         step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S) -> CostReport:
+def cost(
+  schedules: Sequence[CallSchedule],
+  *,
+  generation: str | TpuGeneration,
+  row_macs: float | None = None,
+  mxu_rows_useful: int | None = None,
+  useful_row_macs: float | None = None,
+  floor_rows_count: int | None = None,
+  min_hbm_bytes: int | None = None,
+  step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+) -> CostReport:
   """Modeled time of schedules on one TPU generation.
 
   Args:
@@ -564,15 +600,24 @@ def cost(schedules: Sequence[CallSchedule], *, generation: str | TpuGeneration,
     total = float(np.maximum(mxu_t, dma_t).sum() + s.steps * step_overhead_s)
     padded_exec = float(scale.sum() * padded)
     padded_total += padded_exec
-    calls.append(CallCost(
-      name=s.name, grid=s.grid, steps=s.steps, modeled_us=total * 1e6,
-      mxu_us=float(mxu_t.sum()) * 1e6, dma_us=float(dma_t.sum()) * 1e6,
-      overhead_us=s.steps * step_overhead_s * 1e6, hbm_bytes=s.hbm_bytes,
-      min_hbm_bytes=s.min_hbm_bytes, mxu_macs_padded=padded_exec,
-      dot_flops=float(scale.sum() * true * 2), operand_bytes=dict(s.operand_bytes),
-      notes=s.notes + dot_notes))
-  min_bytes = (min_hbm_bytes if min_hbm_bytes is not None
-               else sum(c.min_hbm_bytes for c in calls))
+    calls.append(
+      CallCost(
+        name=s.name,
+        grid=s.grid,
+        steps=s.steps,
+        modeled_us=total * 1e6,
+        mxu_us=float(mxu_t.sum()) * 1e6,
+        dma_us=float(dma_t.sum()) * 1e6,
+        overhead_us=s.steps * step_overhead_s * 1e6,
+        hbm_bytes=s.hbm_bytes,
+        min_hbm_bytes=s.min_hbm_bytes,
+        mxu_macs_padded=padded_exec,
+        dot_flops=float(scale.sum() * true * 2),
+        operand_bytes=dict(s.operand_bytes),
+        notes=s.notes + dot_notes,
+      )
+    )
+  min_bytes = min_hbm_bytes if min_hbm_bytes is not None else sum(c.min_hbm_bytes for c in calls)
   rows_exec = padded_total / row_macs if row_macs else None
   urm = useful_row_macs if useful_row_macs is not None else row_macs
   bw_t = min_bytes / gen.hbm_bytes_per_s
@@ -582,18 +627,31 @@ def cost(schedules: Sequence[CallSchedule], *, generation: str | TpuGeneration,
   if floor_rows_count is not None and urm:
     ach = max(2 * floor_rows_count * urm / gen.peak_bf16_flops, bw_t) * 1e6
   return CostReport(
-    generation=gen.name, calls=tuple(calls), modeled_us=sum(c.modeled_us for c in calls),
-    hbm_bytes=sum(c.hbm_bytes for c in calls), min_hbm_bytes=int(min_bytes),
-    mxu_rows_executed=rows_exec, mxu_rows_useful=mxu_rows_useful, roofline_us=roof,
-    achievable_us=ach)
+    generation=gen.name,
+    calls=tuple(calls),
+    modeled_us=sum(c.modeled_us for c in calls),
+    hbm_bytes=sum(c.hbm_bytes for c in calls),
+    min_hbm_bytes=int(min_bytes),
+    mxu_rows_executed=rows_exec,
+    mxu_rows_useful=mxu_rows_useful,
+    roofline_us=roof,
+    achievable_us=ach,
+  )
 
 
-def model(fn: Callable, *args, generation: str | TpuGeneration,
-          step_scale: Callable[[StepContext], np.ndarray] | None = None,
-          row_macs: float | None = None, mxu_rows_useful: int | None = None,
-          useful_row_macs: float | None = None, floor_rows_count: int | None = None,
-          min_hbm_bytes: int | None = None,
-          step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S, **kwargs) -> CostReport:
+def model(
+  fn: Callable,
+  *args,
+  generation: str | TpuGeneration,
+  step_scale: Callable[[StepContext], np.ndarray] | None = None,
+  row_macs: float | None = None,
+  mxu_rows_useful: int | None = None,
+  useful_row_macs: float | None = None,
+  floor_rows_count: int | None = None,
+  min_hbm_bytes: int | None = None,
+  step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+  **kwargs,
+) -> CostReport:
   """`analyze` then `cost` in one call.
 
   Args:
@@ -613,9 +671,16 @@ def model(fn: Callable, *args, generation: str | TpuGeneration,
     The `CostReport`.
   """
   scheds = analyze(fn, *args, step_scale=step_scale, **kwargs)
-  return cost(scheds, generation=generation, row_macs=row_macs, mxu_rows_useful=mxu_rows_useful,
-              useful_row_macs=useful_row_macs, floor_rows_count=floor_rows_count,
-              min_hbm_bytes=min_hbm_bytes, step_overhead_s=step_overhead_s)
+  return cost(
+    scheds,
+    generation=generation,
+    row_macs=row_macs,
+    mxu_rows_useful=mxu_rows_useful,
+    useful_row_macs=useful_row_macs,
+    floor_rows_count=floor_rows_count,
+    min_hbm_bytes=min_hbm_bytes,
+    step_overhead_s=step_overhead_s,
+  )
 
 
 def floor_rows(group_sizes, mxu: int) -> int:

@@ -149,8 +149,7 @@ def _megablox_tgmm_scale(ctx: StepContext) -> np.ndarray:
 
 
 def _megablox_build(tiling: tuple[int, int, int]):
-  def build(*, op: str, shape: Shape, group_sizes: np.ndarray,
-            generation: TpuGeneration) -> Case:
+  def build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation: TpuGeneration) -> Case:
     del generation
     mb = _megablox_module()
     m, k, n = shape.m, shape.k, shape.n
@@ -164,8 +163,7 @@ def _megablox_build(tiling: tuple[int, int, int]):
       scale = None
     elif op == "dlhs":
       til = (min(tm, m), min(tk, n), min(tn, k))
-      fn = functools.partial(mb.gmm, preferred_element_type=DTYPE, tiling=til,
-                             transpose_rhs=True)
+      fn = functools.partial(mb.gmm, preferred_element_type=DTYPE, tiling=til, transpose_rhs=True)
       row_macs = _gmm_row_macs(n, k, til[1], til[2])
       scale = None
     else:
@@ -210,8 +208,9 @@ def _pallas_moe_api():
   raise Unsupported("pallas_moe exposes no callable gmm/tgmm")
 
 
-def _pallas_moe_build(*, op: str, shape: Shape, group_sizes: np.ndarray,
-                      generation: TpuGeneration) -> Case:
+def _pallas_moe_build(
+  *, op: str, shape: Shape, group_sizes: np.ndarray, generation: TpuGeneration
+) -> Case:
   gmm, tgmm = _pallas_moe_api()
   m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
   args = op_arrays(op=op, shape=shape, group_sizes=group_sizes)
@@ -235,5 +234,11 @@ def _pallas_moe_build(*, op: str, shape: Shape, group_sizes: np.ndarray,
   return Case(fn=fn, args=args, tiling=til, step_scale=scale, row_macs=row_macs)
 
 
-register(Impl(name="pallas_moe", build=_pallas_moe_build, available=_pallas_moe_available,
-              tiling_depends_on_generation=True))
+register(
+  Impl(
+    name="pallas_moe",
+    build=_pallas_moe_build,
+    available=_pallas_moe_available,
+    tiling_depends_on_generation=True,
+  )
+)

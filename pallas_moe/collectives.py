@@ -68,8 +68,9 @@ def _bound_axis_size(*, axis_name, api: str) -> int:
     ) from None
 
 
-def _canonical_groups(*, axis_index_groups, axis_size: int, api: str
-                      ) -> tuple[tuple[int, ...], ...]:
+def _canonical_groups(
+  *, axis_index_groups, axis_size: int, api: str
+) -> tuple[tuple[int, ...], ...]:
   """Validated groups as a tuple of tuples; `None` means one group of the whole axis."""
   if axis_index_groups is None:
     return (tuple(range(axis_size)),)
@@ -207,22 +208,34 @@ def ragged_all_to_all(
   operand = jnp.asarray(operand)
   output = jnp.asarray(output)
   if operand.ndim < 1 or output.ndim < 1:
-    raise ValueError(f"{api}: operand and output need a leading row axis, got shapes "
-                     f"{operand.shape} and {output.shape}.")
+    raise ValueError(
+      f"{api}: operand and output need a leading row axis, got shapes "
+      f"{operand.shape} and {output.shape}."
+    )
   if operand.shape[1:] != output.shape[1:]:
-    raise ValueError(f"{api}: operand {operand.shape} and output {output.shape} must have the same "
-                     "trailing dimensions.")
+    raise ValueError(
+      f"{api}: operand {operand.shape} and output {output.shape} must have the same "
+      "trailing dimensions."
+    )
   if operand.dtype != output.dtype:
-    raise TypeError(f"{api}: operand dtype {operand.dtype} must equal output dtype {output.dtype}; "
-                    "cast one of them.")
-  idx = {"input_offsets": input_offsets, "send_sizes": send_sizes,
-         "output_offsets": output_offsets, "recv_sizes": recv_sizes}
+    raise TypeError(
+      f"{api}: operand dtype {operand.dtype} must equal output dtype {output.dtype}; "
+      "cast one of them."
+    )
+  idx = {
+    "input_offsets": input_offsets,
+    "send_sizes": send_sizes,
+    "output_offsets": output_offsets,
+    "recv_sizes": recv_sizes,
+  }
   for name, x in idx.items():
     _check_index_vector(x, name=name, api=api)
   lengths = {name: int(np.shape(x)[0]) for name, x in idx.items()}
   if len(set(lengths.values())) != 1:
-    raise ValueError(f"{api}: input_offsets, send_sizes, output_offsets and recv_sizes must "
-                     f"have the same length, got {lengths}.")
+    raise ValueError(
+      f"{api}: input_offsets, send_sizes, output_offsets and recv_sizes must "
+      f"have the same length, got {lengths}."
+    )
   k = lengths["input_offsets"]
   g = len(groups[0])
   if k % g:
@@ -231,8 +244,7 @@ def ragged_all_to_all(
       f"devices exchanging ({g} = {'group size' if axis_index_groups else 'axis size'}). Use one "
       f"entry per (destination device, chunk): length = {g} * chunks_per_device."
     )
-  _check_concrete_values(
-    idx, operand_rows=operand.shape[0], output_rows=output.shape[0], api=api)
+  _check_concrete_values(idx, operand_rows=operand.shape[0], output_rows=output.shape[0], api=api)
 
   # NOTE: make every input vary over the axis and over whatever the data already varies over, so
   # the result type (that of `output`) is right under shard_map(check_vma=True).
@@ -240,8 +252,11 @@ def ragged_all_to_all(
   args = [operand, output] + [jnp.asarray(x).astype(jnp.int32) for x in idx.values()]
   args = [_vary(a, vnames) for a in args]
   return _ragged_p.bind(
-    *args, axis_name=names, axis_index_groups=None if axis_index_groups is None else groups,
-    backend=backend)
+    *args,
+    axis_name=names,
+    axis_index_groups=None if axis_index_groups is None else groups,
+    backend=backend,
+  )
 
 
 def _check_concrete_values(idx: dict, *, operand_rows: int, output_rows: int, api: str) -> None:
@@ -250,8 +265,10 @@ def _check_concrete_values(idx: dict, *, operand_rows: int, output_rows: int, ap
     v = vals[name]
     if v is not None and (v < 0).any():
       kind = "sizes" if "sizes" in name else "offsets"
-      raise ValueError(f"{api}: {name} has negative entries at {np.flatnonzero(v < 0).tolist()}; "
-                       f"{kind} must be >= 0.")
+      raise ValueError(
+        f"{api}: {name} has negative entries at {np.flatnonzero(v < 0).tolist()}; "
+        f"{kind} must be >= 0."
+      )
   off, size = vals["input_offsets"], vals["send_sizes"]
   if off is not None and size is not None:
     bad = np.flatnonzero(off + size > operand_rows)
@@ -259,7 +276,8 @@ def _check_concrete_values(idx: dict, *, operand_rows: int, output_rows: int, ap
       raise ValueError(
         f"{api}: chunks {bad.tolist()} run past the operand's {operand_rows} rows "
         f"(input_offsets + send_sizes = {(off + size)[bad].tolist()}). Shrink send_sizes or "
-        "grow operand.")
+        "grow operand."
+      )
   off, size = vals["output_offsets"], vals["send_sizes"]
   if off is not None and size is not None:
     bad = np.flatnonzero(off + size > output_rows)
@@ -267,7 +285,8 @@ def _check_concrete_values(idx: dict, *, operand_rows: int, output_rows: int, ap
       raise ValueError(
         f"{api}: sent chunks {bad.tolist()} run past the receiver's {output_rows}-row buffer "
         f"(output_offsets + send_sizes = {(off + size)[bad].tolist()}). Grow `output` or clip the "
-        "chunks (plan_from_send_counts does this and counts the dropped rows).")
+        "chunks (plan_from_send_counts does this and counts the dropped rows)."
+      )
 
 
 # NOTE on the primitive: a custom_vjp would not support forward mode, and JAX's primitive has the
@@ -310,27 +329,43 @@ def _written_rows(*, offsets, sizes, num_rows: int):
   return jnp.any((rows >= offsets[None, :]) & (rows < offsets[None, :] + sizes[None, :]), axis=1)
 
 
-def _transpose(ct, operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-               axis_name, axis_index_groups, backend):
+def _transpose(
+  ct,
+  operand,
+  output,
+  input_offsets,
+  send_sizes,
+  output_offsets,
+  recv_sizes,
+  *,
+  axis_name,
+  axis_index_groups,
+  backend,
+):
   params = dict(axis_name=axis_name, axis_index_groups=axis_index_groups, backend=backend)
   want_operand = ad.is_undefined_primal(operand)
   want_output = ad.is_undefined_primal(output)
   if type(ct) is ad.Zero:
-    return [ad.Zero(operand.aval) if want_operand else None,
-            ad.Zero(output.aval) if want_output else None] + [None] * 4
+    return [
+      ad.Zero(operand.aval) if want_operand else None,
+      ad.Zero(output.aval) if want_output else None,
+    ] + [None] * 4
   # NOTE: entry i of these is what member i // s used for the chunk it sent here: where it sits in
   # this device's buffer (recv_offsets) and where it came from in the sender (src_offsets).
-  recv_offsets = _group_all_to_all(output_offsets, axis_name=axis_name,
-                                   axis_index_groups=axis_index_groups)
+  recv_offsets = _group_all_to_all(
+    output_offsets, axis_name=axis_name, axis_index_groups=axis_index_groups
+  )
   d_operand = d_output = None
   if want_operand:
-    src_offsets = _group_all_to_all(input_offsets, axis_name=axis_name,
-                                    axis_index_groups=axis_index_groups)
+    src_offsets = _group_all_to_all(
+      input_offsets, axis_name=axis_name, axis_index_groups=axis_index_groups
+    )
     zeros = jnp.zeros(operand.aval.shape, operand.aval.dtype)
     zeros = _vary(zeros, _varying_names(ct))
     # NOTE: the reverse exchange; chunk i of ct goes back to member i // s at src_offsets[i].
-    d_operand = _ragged_p.bind(ct, zeros, recv_offsets, recv_sizes, src_offsets, send_sizes,
-                               **params)
+    d_operand = _ragged_p.bind(
+      ct, zeros, recv_offsets, recv_sizes, src_offsets, send_sizes, **params
+    )
   if want_output:
     written = _written_rows(offsets=recv_offsets, sizes=recv_sizes, num_rows=ct.shape[0])
     written = written.reshape((-1,) + (1,) * (ct.ndim - 1))
@@ -345,12 +380,20 @@ ad.primitive_transposes[_ragged_p] = _transpose
 def _native_impl(operand, output, *idx, axis_name, axis_index_groups):
   name = axis_name if len(axis_name) > 1 else axis_name[0]
   groups = None if axis_index_groups is None else [list(g) for g in axis_index_groups]
-  return jax.lax.ragged_all_to_all(operand, output, *idx, axis_name=name,
-                                   axis_index_groups=groups)
+  return jax.lax.ragged_all_to_all(operand, output, *idx, axis_name=name, axis_index_groups=groups)
 
 
-def _cpu_impl(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-              axis_name, axis_index_groups):
+def _cpu_impl(
+  operand,
+  output,
+  input_offsets,
+  send_sizes,
+  output_offsets,
+  recv_sizes,
+  *,
+  axis_name,
+  axis_index_groups,
+):
   """The exchange as `g - 1` ppermute rounds; see `ragged_all_to_all` for its cost."""
   name = axis_name if len(axis_name) > 1 else axis_name[0]
   axis_size = int(jax.lax.axis_size(name))
@@ -438,11 +481,11 @@ class BufferPolicy:
 
   def __post_init__(self):
     if self.kind not in ("worst_case", "factor", "fixed"):
-      raise ValueError(
-        f"BufferPolicy.kind must be worst_case, factor or fixed, got {self.kind!r}.")
+      raise ValueError(f"BufferPolicy.kind must be worst_case, factor or fixed, got {self.kind!r}.")
     if not isinstance(self.multiple_of, (int, np.integer)) or self.multiple_of < 1:
       raise ValueError(
-        f"BufferPolicy.multiple_of must be a positive int, got {self.multiple_of!r}.")
+        f"BufferPolicy.multiple_of must be a positive int, got {self.multiple_of!r}."
+      )
     if self.kind == "factor" and not (isinstance(self.value, (int, float)) and self.value > 0):
       raise ValueError(f"BufferPolicy.factor needs a positive factor, got {self.value!r}.")
     if self.kind == "fixed" and not (isinstance(self.value, (int, np.integer)) and self.value >= 1):
@@ -504,12 +547,16 @@ def exact_buffer_rows(send_counts, *, axis_index_groups=None) -> int:
     raise TypeError(
       "exact_buffer_rows needs concrete (host) counts, got a tracer. Static shapes cannot depend "
       "on traced values: use BufferPolicy.worst_case()/factor(), or read RaggedPlan.needed_rows "
-      "after a step and recompile with BufferPolicy.fixed(rows).")
+      "after a step and recompile with BufferPolicy.fixed(rows)."
+    )
   if counts.ndim != 2 or not np.issubdtype(counts.dtype, np.integer):
-    raise ValueError(f"exact_buffer_rows: send_counts must be a 2-D int array [devices, K], got "
-                     f"{counts.dtype}{list(counts.shape)}.")
-  groups = _canonical_groups(axis_index_groups=axis_index_groups, axis_size=counts.shape[0],
-                             api="exact_buffer_rows")
+    raise ValueError(
+      f"exact_buffer_rows: send_counts must be a 2-D int array [devices, K], got "
+      f"{counts.dtype}{list(counts.shape)}."
+    )
+  groups = _canonical_groups(
+    axis_index_groups=axis_index_groups, axis_size=counts.shape[0], api="exact_buffer_rows"
+  )
   g = len(groups[0])
   if counts.shape[1] % g:
     raise ValueError(f"exact_buffer_rows: K={counts.shape[1]} is not a multiple of {g} devices.")
@@ -520,10 +567,18 @@ def exact_buffer_rows(send_counts, *, axis_index_groups=None) -> int:
   return best
 
 
-@partial(jax.tree_util.register_dataclass,
-         data_fields=["dispatch_args", "combine_args", "recv_group_sizes", "num_dropped",
-                      "num_unsent", "needed_rows"],
-         meta_fields=["buffer_rows"])
+@partial(
+  jax.tree_util.register_dataclass,
+  data_fields=[
+    "dispatch_args",
+    "combine_args",
+    "recv_group_sizes",
+    "num_dropped",
+    "num_unsent",
+    "needed_rows",
+  ],
+  meta_fields=["buffer_rows"],
+)
 @dataclasses.dataclass(frozen=True)
 class RaggedPlan:
   """Offsets and sizes for one dispatch and its combine, as seen by one device.
@@ -551,8 +606,9 @@ def _exclusive_cumsum(x, axis=-1):
   return jnp.cumsum(x, axis=axis) - x
 
 
-def plan_from_send_counts(send_counts, *, axis_name, buffer_rows: int, axis_index_groups=None
-                          ) -> RaggedPlan:
+def plan_from_send_counts(
+  send_counts, *, axis_name, buffer_rows: int, axis_index_groups=None
+) -> RaggedPlan:
   """Plans a dispatch from this device's send counts (call inside shard_map).
 
   Chunk `k` of `send_counts` (`K = g * s`) goes to group member `k // s`, slot `k % s`. The
@@ -578,8 +634,10 @@ def plan_from_send_counts(send_counts, *, axis_name, buffer_rows: int, axis_inde
   """
   api = "plan_from_send_counts"
   if isinstance(buffer_rows, bool) or not isinstance(buffer_rows, (int, np.integer)):
-    raise TypeError(f"{api}: buffer_rows must be a static Python int, got {buffer_rows!r}; get "
-                    "one from BufferPolicy(...).rows(...) or exact_buffer_rows(...).")
+    raise TypeError(
+      f"{api}: buffer_rows must be a static Python int, got {buffer_rows!r}; get "
+      "one from BufferPolicy(...).rows(...) or exact_buffer_rows(...)."
+    )
   if buffer_rows < 1:
     raise ValueError(f"{api}: buffer_rows must be >= 1, got {buffer_rows}.")
   buffer_rows = int(buffer_rows)
@@ -589,13 +647,17 @@ def plan_from_send_counts(send_counts, *, axis_name, buffer_rows: int, axis_inde
   g = len(groups[0])
   k = int(np.shape(send_counts)[0])
   if k % g:
-    raise ValueError(f"{api}: len(send_counts)={k} must be a multiple of the {g} devices "
-                     "exchanging (one count per destination device and slot).")
+    raise ValueError(
+      f"{api}: len(send_counts)={k} must be a multiple of the {g} devices "
+      "exchanging (one count per destination device and slot)."
+    )
   s = k // g
   concrete = _concrete(send_counts)
   if concrete is not None and (concrete < 0).any():
-    raise ValueError(f"{api}: send_counts has negative entries at "
-                     f"{np.flatnonzero(concrete < 0).tolist()}; counts must be >= 0.")
+    raise ValueError(
+      f"{api}: send_counts has negative entries at "
+      f"{np.flatnonzero(concrete < 0).tolist()}; counts must be >= 0."
+    )
   counts = jnp.maximum(jnp.asarray(send_counts).astype(jnp.int32), 0)
   counts = _vary(counts, frozenset(_axis_tuple(axis_name)))
   groups_arg = None if axis_index_groups is None else [list(gr) for gr in groups]
@@ -614,12 +676,19 @@ def plan_from_send_counts(send_counts, *, axis_name, buffer_rows: int, axis_inde
   size = jnp.minimum(offsets + c3, buffer_rows) - start  # NOTE: the prefix that fits.
   send_offsets = _exclusive_cumsum(everyone)  # [src, K]: each sender's chunk starts.
 
-  dispatch_args = (send_offsets[me], size[me].reshape(k), start[me].reshape(k),
-                   size[:, me, :].reshape(k))
+  dispatch_args = (
+    send_offsets[me],
+    size[me].reshape(k),
+    start[me].reshape(k),
+    size[:, me, :].reshape(k),
+  )
   # NOTE: reverse: chunk i = (src, e) of my buffer goes back to src, where it came from.
-  combine_args = (start[:, me, :].reshape(k), size[:, me, :].reshape(k),
-                  jax.lax.dynamic_slice_in_dim(send_offsets, me * s, s, axis=1).reshape(k),
-                  size[me].reshape(k))
+  combine_args = (
+    start[:, me, :].reshape(k),
+    size[:, me, :].reshape(k),
+    jax.lax.dynamic_slice_in_dim(send_offsets, me * s, s, axis=1).reshape(k),
+    size[me].reshape(k),
+  )
   recv_group_sizes = size[:, me, :].sum(axis=0)
   wanted = c3.sum(axis=(0, 2))  # [dst]
   return RaggedPlan(
@@ -633,8 +702,9 @@ def plan_from_send_counts(send_counts, *, axis_name, buffer_rows: int, axis_inde
   )
 
 
-def plan_from_group_sizes(group_sizes, *, axis_name, buffer_rows: int, axis_index_groups=None
-                          ) -> RaggedPlan:
+def plan_from_group_sizes(
+  group_sizes, *, axis_name, buffer_rows: int, axis_index_groups=None
+) -> RaggedPlan:
   """Plans an expert-parallel dispatch from per-expert group sizes (call inside shard_map).
 
   This device's rows are sorted by expert, `group_sizes[e]` rows for expert `e`. Experts are split
@@ -657,10 +727,13 @@ def plan_from_group_sizes(group_sizes, *, axis_name, buffer_rows: int, axis_inde
   groups = _canonical_groups(axis_index_groups=axis_index_groups, axis_size=axis_size, api=api)
   e = int(np.shape(group_sizes)[0])
   if e % len(groups[0]):
-    raise ValueError(f"{api}: num_experts={e} (len(group_sizes)) must be divisible by the "
-                     f"{len(groups[0])} expert-parallel devices.")
-  return plan_from_send_counts(group_sizes, axis_name=axis_name, buffer_rows=buffer_rows,
-                               axis_index_groups=axis_index_groups)
+    raise ValueError(
+      f"{api}: num_experts={e} (len(group_sizes)) must be divisible by the "
+      f"{len(groups[0])} expert-parallel devices."
+    )
+  return plan_from_send_counts(
+    group_sizes, axis_name=axis_name, buffer_rows=buffer_rows, axis_index_groups=axis_index_groups
+  )
 
 
 def _buffer(*, rows: int, like, poison: bool):
@@ -671,8 +744,15 @@ def _buffer(*, rows: int, like, poison: bool):
   return jnp.zeros((rows,) + like.shape[1:], like.dtype)
 
 
-def dispatch(x, plan: RaggedPlan, *, axis_name, axis_index_groups=None, poison: bool = False,
-             backend: str | None = None):
+def dispatch(
+  x,
+  plan: RaggedPlan,
+  *,
+  axis_name,
+  axis_index_groups=None,
+  poison: bool = False,
+  backend: str | None = None,
+):
   """Sends this device's rows to their destinations (call inside shard_map).
 
   Args:
@@ -688,12 +768,26 @@ def dispatch(x, plan: RaggedPlan, *, axis_name, axis_index_groups=None, poison: 
     with `poison`).
   """
   out = _buffer(rows=plan.buffer_rows, like=x, poison=poison)
-  return ragged_all_to_all(x, out, *plan.dispatch_args, axis_name=axis_name,
-                           axis_index_groups=axis_index_groups, backend=backend)
+  return ragged_all_to_all(
+    x,
+    out,
+    *plan.dispatch_args,
+    axis_name=axis_name,
+    axis_index_groups=axis_index_groups,
+    backend=backend,
+  )
 
 
-def combine(y, plan: RaggedPlan, *, num_rows: int, axis_name, axis_index_groups=None,
-            poison: bool = False, backend: str | None = None):
+def combine(
+  y,
+  plan: RaggedPlan,
+  *,
+  num_rows: int,
+  axis_name,
+  axis_index_groups=None,
+  poison: bool = False,
+  backend: str | None = None,
+):
   """Returns dispatched rows to where they came from (the reverse exchange; call inside shard_map).
 
   Args:
@@ -709,9 +803,16 @@ def combine(y, plan: RaggedPlan, *, num_rows: int, axis_name, axis_index_groups=
     `[num_rows, ...]`; rows that were dropped or never sent are 0 (NaN with `poison`).
   """
   if y.shape[0] != plan.buffer_rows:
-    raise ValueError(f"combine: y has {y.shape[0]} rows, the plan's buffer has "
-                     f"{plan.buffer_rows}; pass the dispatch's output layout.")
+    raise ValueError(
+      f"combine: y has {y.shape[0]} rows, the plan's buffer has "
+      f"{plan.buffer_rows}; pass the dispatch's output layout."
+    )
   out = _buffer(rows=num_rows, like=y, poison=poison)
-  return ragged_all_to_all(y, out, *plan.combine_args, axis_name=axis_name,
-                           axis_index_groups=axis_index_groups, backend=backend)
-
+  return ragged_all_to_all(
+    y,
+    out,
+    *plan.combine_args,
+    axis_name=axis_name,
+    axis_index_groups=axis_index_groups,
+    backend=backend,
+  )

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe import common
+from pallas_moe import tiling as tiling_lib
 from pallas_moe.gmm_kernel import gmm_pallas
 from pallas_moe.tgmm_kernel import tgmm_pallas
 
@@ -64,12 +65,6 @@ class Tiling:
     )
 
 
-def default_tiles(*, m: int, k: int, n: int) -> Tiles:
-  """Heuristic tiles when none are given: large k and n tiles to cut weight re-reads."""
-  tm = 512 if m >= 512 else m
-  return (tm, min(k, 1024), min(n, 1024))
-
-
 # Required multiples of (tm, tk, tn) by kernel, from the block layouts:
 # gmm: lhs [tm, tk], rhs [tk, tn] (or [tn, tk]), out [tm, tn].
 # tgmm: lhs [tk, tm], rhs [tm, tn], out [tk, tn]: tm is a lane dim there.
@@ -79,17 +74,59 @@ _NAMES = ("tm", "tk", "tn")
 
 
 def _resolve_tiles(
-  spec: Tiles | TileFn | None, *, dims: tuple[int, int, int], aligns: tuple[int, int, int]
+  spec: Tiles | TileFn | None,
+  *,
+  dims: tuple[int, int, int],
+  kind: str,
+  num_groups: int,
+  dtypes: tuple[Any, Any, Any],
+  interpret: common.Interpret,
 ) -> Tiles:
+  """Tiles for one kernel call: the heuristic, a LUT lookup, or the user's, checked.
+
+  Args:
+    spec: (tm, tk, tn), a callable (m, k, n) -> tiles, or None for `tiling.pick_tiling`.
+    dims: the call's (m, k, n).
+    kind: "gmm" or "tgmm" (block layouts differ, see GMM_ALIGN / TGMM_ALIGN).
+    num_groups: groups in the call (the heuristic sizes tm from the mean group).
+    dtypes: (lhs, rhs, out) dtypes.
+    interpret: when the call may compile for TPU (None or False), tiles over the current
+      generation's VMEM budget are refused here rather than by Mosaic.
+  """
   m, k, n = dims
+  lhs_dtype, rhs_dtype, out_dtype = dtypes
+  generation = tiling_lib.current_generation()
   if spec is None:
-    spec = default_tiles(m=m, k=k, n=n)
+    spec = tiling_lib.pick_tiling(
+      m=m,
+      k=k,
+      n=n,
+      num_groups=num_groups,
+      kind=kind,
+      lhs_dtype=lhs_dtype,
+      rhs_dtype=rhs_dtype,
+      out_dtype=out_dtype,
+      generation=generation,
+    )
   elif callable(spec):
     looked_up = spec(m, k, n)
     if looked_up is None:
       raise ValueError(f"The `tiling` callable found no tiles for (m, k, n) = {dims}.")
     spec = looked_up
-  return common.fit_tiles(spec, dims=dims, names=_NAMES, aligns=aligns)
+  aligns = GMM_ALIGN if kind == "gmm" else TGMM_ALIGN
+  tm, tk, tn = common.fit_tiles(spec, dims=dims, names=_NAMES, aligns=aligns)
+  if interpret is None or interpret is False:
+    tiling_lib.check_fits_vmem(
+      tm=tm,
+      tk=tk,
+      tn=tn,
+      lhs_dtype=lhs_dtype,
+      rhs_dtype=rhs_dtype,
+      out_dtype=out_dtype,
+      kind=kind,
+      generation=generation,
+    )
+  return tm, tk, tn
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -297,6 +334,8 @@ def gmm(
   )
   common.check_existing_out(existing_out, shape=(m, n), dtype=out_dtype)
   tilings = Tiling.of(tiling)
+  resolve = functools.partial(_resolve_tiles, num_groups=num_local_groups, interpret=interpret)
+  compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
   # NOTE: with transpose_rhs the weight gradient is [G, n, k]: tgmm's (tk, tn) tile (n, k).
   if transpose_rhs:
     drhs_spec = tilings.drhs
@@ -304,14 +343,18 @@ def gmm(
       drhs_spec = (drhs_spec[0], drhs_spec[2], drhs_spec[1])
     elif callable(drhs_spec):
       drhs_spec = _swap_kn(drhs_spec)
-    drhs = _resolve_tiles(drhs_spec, dims=(m, n, k), aligns=TGMM_ALIGN)
+    drhs_dims = (m, n, k)
   else:
-    drhs = _resolve_tiles(tilings.drhs, dims=(m, k, n), aligns=TGMM_ALIGN)
+    drhs_spec, drhs_dims = tilings.drhs, (m, k, n)
   static = _GmmStatic(
     out_dtype=out_dtype,
-    fwd=_resolve_tiles(tilings.fwd, dims=(m, k, n), aligns=GMM_ALIGN),
-    dlhs=_resolve_tiles(tilings.dlhs, dims=(m, n, k), aligns=GMM_ALIGN),
-    drhs=drhs,
+    fwd=resolve(tilings.fwd, dims=(m, k, n), kind="gmm", dtypes=(lhs.dtype, rhs.dtype, out_dtype)),
+    dlhs=resolve(
+      tilings.dlhs, dims=(m, n, k), kind="gmm", dtypes=(compute_dtype, rhs.dtype, lhs.dtype)
+    ),
+    drhs=resolve(
+      drhs_spec, dims=drhs_dims, kind="tgmm", dtypes=(lhs.dtype, compute_dtype, rhs.dtype)
+    ),
     transpose_rhs=bool(transpose_rhs),
     interpret=interpret,
   )
@@ -374,7 +417,14 @@ def tgmm(
     else preferred_element_type
   )
   common.check_existing_out(existing_out, shape=(num_actual_groups, k, n), dtype=out_dtype)
-  tiles = _resolve_tiles(tiling, dims=(m, k, n), aligns=TGMM_ALIGN)
+  tiles = _resolve_tiles(
+    tiling,
+    dims=(m, k, n),
+    kind="tgmm",
+    num_groups=num_actual_groups,
+    dtypes=(lhs.dtype, rhs.dtype, out_dtype),
+    interpret=interpret,
+  )
   return _tgmm_jit(
     *_vary_together(lhs, rhs, group_sizes, group_offset, existing_out),
     tiling=tiles,

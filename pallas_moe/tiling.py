@@ -74,29 +74,69 @@ GENERATIONS: dict[str, TpuGeneration] = {
   g.name: g
   for g in (
     TpuGeneration(
-      name="v4", vmem_bytes=16 * _MIB, scoped_vmem_default_bytes=16 * _MIB, mxu_size=128,
-      peak_bf16_flops=275e12, supports_int8=False, supports_fp8=False, hbm_bytes_per_s=1200e9,
-      cores_per_chip=2, aot_topology="v4:2x2x1", device_kinds=("TPU v4",),
+      name="v4",
+      vmem_bytes=16 * _MIB,
+      scoped_vmem_default_bytes=16 * _MIB,
+      mxu_size=128,
+      peak_bf16_flops=275e12,
+      supports_int8=False,
+      supports_fp8=False,
+      hbm_bytes_per_s=1200e9,
+      cores_per_chip=2,
+      aot_topology="v4:2x2x1",
+      device_kinds=("TPU v4",),
     ),
     TpuGeneration(
-      name="v5e", vmem_bytes=128 * _MIB, scoped_vmem_default_bytes=16 * _MIB, mxu_size=128,
-      peak_bf16_flops=197e12, supports_int8=True, supports_fp8=False, hbm_bytes_per_s=819e9,
-      cores_per_chip=1, aot_topology="v5e:2x2", device_kinds=("TPU v5e", "TPU v5 lite"),
+      name="v5e",
+      vmem_bytes=128 * _MIB,
+      scoped_vmem_default_bytes=16 * _MIB,
+      mxu_size=128,
+      peak_bf16_flops=197e12,
+      supports_int8=True,
+      supports_fp8=False,
+      hbm_bytes_per_s=819e9,
+      cores_per_chip=1,
+      aot_topology="v5e:2x2",
+      device_kinds=("TPU v5e", "TPU v5 lite"),
     ),
     TpuGeneration(
-      name="v5p", vmem_bytes=64 * _MIB, scoped_vmem_default_bytes=16 * _MIB, mxu_size=128,
-      peak_bf16_flops=459e12, supports_int8=True, supports_fp8=False, hbm_bytes_per_s=2765e9,
-      cores_per_chip=2, aot_topology="v5p:2x2x1", device_kinds=("TPU v5", "TPU v5p"),
+      name="v5p",
+      vmem_bytes=64 * _MIB,
+      scoped_vmem_default_bytes=16 * _MIB,
+      mxu_size=128,
+      peak_bf16_flops=459e12,
+      supports_int8=True,
+      supports_fp8=False,
+      hbm_bytes_per_s=2765e9,
+      cores_per_chip=2,
+      aot_topology="v5p:2x2x1",
+      device_kinds=("TPU v5", "TPU v5p"),
     ),
     TpuGeneration(
-      name="v6e", vmem_bytes=128 * _MIB, scoped_vmem_default_bytes=32 * _MIB, mxu_size=256,
-      peak_bf16_flops=918e12, supports_int8=True, supports_fp8=True, hbm_bytes_per_s=1638e9,
-      cores_per_chip=1, aot_topology="v6e:2x2", device_kinds=("TPU v6e", "TPU v6 lite"),
+      name="v6e",
+      vmem_bytes=128 * _MIB,
+      scoped_vmem_default_bytes=32 * _MIB,
+      mxu_size=256,
+      peak_bf16_flops=918e12,
+      supports_int8=True,
+      supports_fp8=True,
+      hbm_bytes_per_s=1638e9,
+      cores_per_chip=1,
+      aot_topology="v6e:2x2",
+      device_kinds=("TPU v6e", "TPU v6 lite"),
     ),
     TpuGeneration(
-      name="tpu7x", vmem_bytes=64 * _MIB, scoped_vmem_default_bytes=32 * _MIB, mxu_size=256,
-      peak_bf16_flops=2307e12, supports_int8=False, supports_fp8=True, hbm_bytes_per_s=7380e9,
-      cores_per_chip=2, aot_topology="tpu7x:2x2x1", device_kinds=("TPU7x",),
+      name="tpu7x",
+      vmem_bytes=64 * _MIB,
+      scoped_vmem_default_bytes=32 * _MIB,
+      mxu_size=256,
+      peak_bf16_flops=2307e12,
+      supports_int8=False,
+      supports_fp8=True,
+      hbm_bytes_per_s=7380e9,
+      cores_per_chip=2,
+      aot_topology="tpu7x:2x2x1",
+      device_kinds=("TPU7x",),
     ),
   )
 }
@@ -150,8 +190,9 @@ def _itemsize(dtype) -> int:
   return np.dtype(dtype).itemsize
 
 
-def vmem_estimate_bytes(*, tm: int, tk: int, tn: int, lhs_dtype, rhs_dtype, out_dtype,
-                        kind: str) -> int:
+def vmem_estimate_bytes(
+  *, tm: int, tk: int, tn: int, lhs_dtype, rhs_dtype, out_dtype, kind: str
+) -> int:
   """Estimates the VMEM a gmm/tgmm tiling needs.
 
   Counts: every pipelined input/output block twice (double buffering), the f32 accumulator
@@ -187,8 +228,18 @@ def vmem_estimate_bytes(*, tm: int, tk: int, tn: int, lhs_dtype, rhs_dtype, out_
   return int(explicit * (1 + _MOSAIC_FRACTION_MARGIN) + _MOSAIC_FIXED_MARGIN)
 
 
-def check_fits_vmem(*, tm: int, tk: int, tn: int, lhs_dtype, rhs_dtype, out_dtype, kind: str,
-                    generation: str | TpuGeneration, vmem_limit_bytes: int | None = None) -> int:
+def check_fits_vmem(
+  *,
+  tm: int,
+  tk: int,
+  tn: int,
+  lhs_dtype,
+  rhs_dtype,
+  out_dtype,
+  kind: str,
+  generation: str | TpuGeneration,
+  vmem_limit_bytes: int | None = None,
+) -> int:
   """Raises if a tiling's VMEM estimate exceeds the budget.
 
   Args:
@@ -211,18 +262,28 @@ def check_fits_vmem(*, tm: int, tk: int, tn: int, lhs_dtype, rhs_dtype, out_dtyp
   """
   gen = get_generation(generation)
   budget = vmem_limit_bytes if vmem_limit_bytes is not None else gen.scoped_vmem_default_bytes
-  est = vmem_estimate_bytes(tm=tm, tk=tk, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
-                            out_dtype=out_dtype, kind=kind)
+  est = vmem_estimate_bytes(
+    tm=tm, tk=tk, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype, out_dtype=out_dtype, kind=kind
+  )
   if est > budget:
-    smaller = _shrink(tm=tm, tk=tk, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
-                      out_dtype=out_dtype, kind=kind, budget=budget)
+    smaller = _shrink(
+      tm=tm,
+      tk=tk,
+      tn=tn,
+      lhs_dtype=lhs_dtype,
+      rhs_dtype=rhs_dtype,
+      out_dtype=out_dtype,
+      kind=kind,
+      budget=budget,
+    )
     hint = f"try {smaller}" if smaller else "no (8,128)-aligned tiling fits; raise the limit"
     src = "vmem_limit_bytes" if vmem_limit_bytes is not None else "scoped VMEM default"
     raise ValueError(
       f"{kind} tiling (tm, tk, tn)={(tm, tk, tn)} needs ~{est / _MIB:.1f} MiB of VMEM "
       f"(double-buffered blocks + f32 accumulator + margin) but the {gen.name} budget "
       f"({src}) is {budget / _MIB:.1f} MiB (physical {gen.vmem_bytes / _MIB:.0f} MiB); "
-      f"use smaller tiles ({hint}) or pass pltpu.CompilerParams(vmem_limit_bytes=...).")
+      f"use smaller tiles ({hint}) or pass pltpu.CompilerParams(vmem_limit_bytes=...)."
+    )
   return est
 
 
@@ -231,8 +292,15 @@ def _shrink(*, tm, tk, tn, lhs_dtype, rhs_dtype, out_dtype, kind, budget):
   t = [tm, tk, tn]
   mins = [8, 128, 128]
   while True:
-    est = vmem_estimate_bytes(tm=t[0], tk=t[1], tn=t[2], lhs_dtype=lhs_dtype,
-                              rhs_dtype=rhs_dtype, out_dtype=out_dtype, kind=kind)
+    est = vmem_estimate_bytes(
+      tm=t[0],
+      tk=t[1],
+      tn=t[2],
+      lhs_dtype=lhs_dtype,
+      rhs_dtype=rhs_dtype,
+      out_dtype=out_dtype,
+      kind=kind,
+    )
     if est <= budget:
       return tuple(t)
     order = sorted(range(3), key=lambda i: (t[i], i == 0), reverse=True)
@@ -254,17 +322,30 @@ def _dim_candidates(dim: int, mxu: int) -> list[int]:
   that divide it (a ragged last tile, or a tile that is not a multiple of the MXU edge, still
   costs full MXU tiles); failing that 128-multiples that divide it; failing that any."""
   for step, need_divisor in ((mxu, True), (128, True), (128, False)):
-    cands = [t for t in range(step, min(dim, 4096 + 1), step)
-             if t < dim and (dim % t == 0 or not need_divisor)]
+    cands = [
+      t
+      for t in range(step, min(dim, 4096 + 1), step)
+      if t < dim and (dim % t == 0 or not need_divisor)
+    ]
     if cands:
       return sorted({dim, *cands}, reverse=True)
   return [dim]
 
 
-def pick_tiling(*, m: int, k: int, n: int, num_groups: int, kind: str, lhs_dtype, rhs_dtype,
-                out_dtype, generation: str | TpuGeneration,
-                vmem_budget_bytes: int | None = None,
-                step_overhead_s: float = 0.35e-6) -> tuple[int, int, int]:
+def pick_tiling(
+  *,
+  m: int,
+  k: int,
+  n: int,
+  num_groups: int,
+  kind: str,
+  lhs_dtype,
+  rhs_dtype,
+  out_dtype,
+  generation: str | TpuGeneration,
+  vmem_budget_bytes: int | None = None,
+  step_overhead_s: float = 0.35e-6,
+) -> tuple[int, int, int]:
   """Chooses (tm, tk, tn) for a gmm or tgmm.
 
   tm: the largest power of two <= half the mean group size, clamped to [MXU size, 512] (or m if
@@ -310,8 +391,15 @@ def pick_tiling(*, m: int, k: int, n: int, num_groups: int, kind: str, lhs_dtype
   best = None
   for tk in _dim_candidates(k, gen.mxu_size):
     for tn in _dim_candidates(n, gen.mxu_size):
-      est = vmem_estimate_bytes(tm=tm, tk=tk, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
-                                out_dtype=out_dtype, kind=kind)
+      est = vmem_estimate_bytes(
+        tm=tm,
+        tk=tk,
+        tn=tn,
+        lhs_dtype=lhs_dtype,
+        rhs_dtype=rhs_dtype,
+        out_dtype=out_dtype,
+        kind=kind,
+      )
       if est > budget:
         continue
       nk, nn = -(-k // tk), -(-n // tn)
@@ -329,5 +417,6 @@ def pick_tiling(*, m: int, k: int, n: int, num_groups: int, kind: str, lhs_dtype
   if best is None:
     raise ValueError(
       f"no {kind} tiling with tm={tm} fits {budget / _MIB:.1f} MiB of VMEM on {gen.name} "
-      f"for (m, k, n)={(m, k, n)}")
+      f"for (m, k, n)={(m, k, n)}"
+    )
   return best[1]

@@ -25,8 +25,9 @@ MODES = ["random", "sparse", "one_sender", "one_receiver", "all_zero"]
 
 
 def _mesh(n=D):
-  return jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:n])
+  return jax.make_mesh(
+    (n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n]
+  )
 
 
 def _groups_list(groups, d=D):
@@ -68,7 +69,7 @@ def _case(seed, *, mode, groups, n=N, m=M, max_count=3):
   elif mode == "one_receiver":
     dst = rng.integers(g)
     keep = np.zeros(k, bool)
-    keep[dst * S:(dst + 1) * S] = True
+    keep[dst * S : (dst + 1) * S] = True
     counts[:, ~keep] = 0
   elif mode == "all_zero":
     counts[:] = 0
@@ -82,12 +83,16 @@ def _case(seed, *, mode, groups, n=N, m=M, max_count=3):
       recv[dst] = got
       where = _place(rng, got, m)
       for p in range(g):
-        out_off[grp[p], q * S:(q + 1) * S] = where[p * S:(p + 1) * S]
+        out_off[grp[p], q * S : (q + 1) * S] = where[p * S : (p + 1) * S]
   return dict(
     operand=rng.standard_normal((D, n, F)).astype(np.float32),
     output=rng.standard_normal((D, m, F)).astype(np.float32),
-    input_offsets=in_off, send_sizes=counts, output_offsets=out_off, recv_sizes=recv,
-    groups=groups)
+    input_offsets=in_off,
+    send_sizes=counts,
+    output_offsets=out_off,
+    recv_sizes=recv,
+    groups=groups,
+  )
 
 
 def _chunks(case):
@@ -125,15 +130,19 @@ def _model_vjp(case, ct):
 def _op(groups, backend=None):
   """jit(shard_map(ragged_all_to_all)) over global [D*rows, ...] arrays."""
   mesh = _mesh()
-  fn = functools.partial(C.ragged_all_to_all, axis_name="x", backend=backend,
-                         axis_index_groups=None if groups is None else [list(g) for g in groups])
+  fn = functools.partial(
+    C.ragged_all_to_all,
+    axis_name="x",
+    backend=backend,
+    axis_index_groups=None if groups is None else [list(g) for g in groups],
+  )
   return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))
 
 
 def _flat(case):
-  return ([case["operand"].reshape(-1, F), case["output"].reshape(-1, F)]
-          + [case[k].reshape(-1) for k in ("input_offsets", "send_sizes", "output_offsets",
-                                           "recv_sizes")])
+  return [case["operand"].reshape(-1, F), case["output"].reshape(-1, F)] + [
+    case[k].reshape(-1) for k in ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+  ]
 
 
 # --- 1. forward ---------------------------------------------------------------------------------
@@ -143,14 +152,22 @@ def test_docstring_example():
   """The two-device example of jax.lax.ragged_all_to_all's docstring (two groups of 2 here)."""
   groups = ((0, 1), (2, 3), (4, 5), (6, 7))
   mesh = _mesh()
-  fn = functools.partial(C.ragged_all_to_all, axis_name="x",
-                         axis_index_groups=[list(g) for g in groups])
+  fn = functools.partial(
+    C.ragged_all_to_all, axis_name="x", axis_index_groups=[list(g) for g in groups]
+  )
   f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))
   rep = lambda a, b: np.array([a, b] * 4, np.float32 if len(a) > 2 else np.int32).reshape(-1)
-  out = f(rep([1, 2, 2], [3, 4, 0]), np.zeros(32, np.float32), rep([0, 1], [0, 1]),
-          rep([1, 2], [1, 1]), rep([0, 0], [1, 2]), rep([1, 1], [2, 1]))
-  np.testing.assert_array_equal(np.asarray(out).reshape(4, 2, 4),
-                                [[[1, 3, 0, 0], [2, 2, 4, 0]]] * 4)
+  out = f(
+    rep([1, 2, 2], [3, 4, 0]),
+    np.zeros(32, np.float32),
+    rep([0, 1], [0, 1]),
+    rep([1, 2], [1, 1]),
+    rep([0, 0], [1, 2]),
+    rep([1, 1], [2, 1]),
+  )
+  np.testing.assert_array_equal(
+    np.asarray(out).reshape(4, 2, 4), [[[1, 3, 0, 0], [2, 2, 4, 0]]] * 4
+  )
 
 
 @pytest.mark.parametrize("grouping", list(GROUPINGS))
@@ -252,8 +269,14 @@ def test_check_grads_fwd_and_rev(grouping):
   case = _case(7, mode="random", groups=GROUPINGS[grouping])
   operand, output, *idx = _flat(case)
   op = _op(case["groups"])
-  jax.test_util.check_grads(lambda a, b: op(a, b, *idx), (operand, output), order=1,
-                            modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
+  jax.test_util.check_grads(
+    lambda a, b: op(a, b, *idx),
+    (operand, output),
+    order=1,
+    modes=("fwd", "rev"),
+    atol=1e-2,
+    rtol=1e-2,
+  )
 
 
 def test_jvp_is_the_op_on_tangents():
@@ -286,8 +309,9 @@ def test_transpose_of_transpose_is_the_op():
   f = lambda ab: _op(case["groups"])(ab[0], ab[1], *idx)
   f_t = jax.linear_transpose(f, (operand, output))
   f_tt = jax.linear_transpose(lambda ct: f_t(ct)[0], output)
-  np.testing.assert_array_equal(np.asarray(f_tt((operand, output))[0]),
-                                np.asarray(f((operand, output))))
+  np.testing.assert_array_equal(
+    np.asarray(f_tt((operand, output))[0]), np.asarray(f((operand, output)))
+  )
 
 
 def test_grad_through_scan_and_checkpoint():
@@ -316,8 +340,9 @@ def _routing(seed, *, d, tokens, top_k, experts, adversarial):
     target = rng.integers(d)
     pick = np.stack([rng.permutation(e_local)[:top_k] for _ in range(d * tokens)])
     return (target * e_local + pick).reshape(d, tokens, top_k).astype(np.int32)
-  return np.stack([[rng.permutation(experts)[:top_k] for _ in range(tokens)]
-                   for _ in range(d)]).astype(np.int32)
+  return np.stack(
+    [[rng.permutation(experts)[:top_k] for _ in range(tokens)] for _ in range(d)]
+  ).astype(np.int32)
 
 
 @functools.cache
@@ -334,17 +359,25 @@ def _ep_roundtrip(d, *, tokens, top_k, experts, buffer_rows, poison):
     buf = C.dispatch(rows[order], plan, axis_name="x", poison=poison)
     # NOTE: received rows are sorted by local expert: row r belongs to the local expert whose
     # cumulative group-size range holds r.
-    local = jnp.searchsorted(jnp.cumsum(plan.recv_group_sizes), jnp.arange(buffer_rows),
-                             side="right")
+    local = jnp.searchsorted(
+      jnp.cumsum(plan.recv_group_sizes), jnp.arange(buffer_rows), side="right"
+    )
     expert = jax.lax.axis_index("x") * e_local + local
     y = buf * (1.0 + expert[:, None].astype(buf.dtype))
     back = C.combine(y, plan, num_rows=rows.shape[0], axis_name="x", poison=poison)
     out = jnp.zeros_like(back).at[order].set(back)
-    return (out, buf, plan.num_dropped[None], plan.num_unsent[None], plan.needed_rows[None],
-            plan.recv_group_sizes)
+    return (
+      out,
+      buf,
+      plan.num_dropped[None],
+      plan.num_unsent[None],
+      plan.needed_rows[None],
+      plan.recv_group_sizes,
+    )
 
-  return jax.jit(jax.shard_map(body, mesh=_mesh(d), in_specs=(P("x"), P("x")),
-                               out_specs=(P("x"),) * 6))
+  return jax.jit(
+    jax.shard_map(body, mesh=_mesh(d), in_specs=(P("x"), P("x")), out_specs=(P("x"),) * 6)
+  )
 
 
 def _counts(expert_ids, experts):
@@ -363,8 +396,8 @@ def test_dispatch_combine_roundtrip_exact(d, seed, adversarial):
   assert rows == max(1, counts.reshape(d, d, -1).sum(axis=(0, 2)).max())
   x = np.random.default_rng(seed).standard_normal((d * tokens, 3)).astype(np.float32)
   out, _, dropped, unsent, needed, recv = _ep_roundtrip(
-    d, tokens=tokens, top_k=top_k, experts=experts, buffer_rows=rows, poison=True)(
-      x, ids.reshape(d * tokens, top_k))
+    d, tokens=tokens, top_k=top_k, experts=experts, buffer_rows=rows, poison=True
+  )(x, ids.reshape(d * tokens, top_k))
   want = np.repeat(x, top_k, axis=0) * (1.0 + ids.reshape(-1, 1))
   np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6)
   assert not np.asarray(dropped).any() and not np.asarray(unsent).any()
@@ -381,8 +414,8 @@ def test_overflow_drops_are_counted_and_clipped(adversarial):
   rows = int(wanted.max()) - 5
   x = np.random.default_rng(1).standard_normal((d * tokens, 3)).astype(np.float32)
   out, buf, dropped, unsent, needed, recv = _ep_roundtrip(
-    d, tokens=tokens, top_k=top_k, experts=experts, buffer_rows=rows, poison=True)(
-      x, ids.reshape(d * tokens, top_k))
+    d, tokens=tokens, top_k=top_k, experts=experts, buffer_rows=rows, poison=True
+  )(x, ids.reshape(d * tokens, top_k))
   np.testing.assert_array_equal(np.asarray(dropped), np.maximum(wanted - rows, 0))
   n_dropped = np.maximum(wanted - rows, 0).sum()
   assert np.asarray(unsent).sum() == np.asarray(dropped).sum() == n_dropped >= 5
@@ -394,12 +427,16 @@ def test_overflow_drops_are_counted_and_clipped(adversarial):
   out = np.asarray(out).reshape(d, tokens * top_k, 3)
   delivered = np.zeros((d, tokens * top_k), bool)
   for dst in range(d):
-    layout = [(src, r) for e in range(dst * 2, dst * 2 + 2) for src in range(d)
-              for r in np.flatnonzero(flat_ids[src] == e)]
+    layout = [
+      (src, r)
+      for e in range(dst * 2, dst * 2 + 2)
+      for src in range(d)
+      for r in np.flatnonzero(flat_ids[src] == e)
+    ]
     kept = layout[:rows]
     want_rows = np.array([rep[s, r] for s, r in kept]).reshape(-1, 3)
-    np.testing.assert_array_equal(buf[dst, :len(kept)], want_rows)
-    assert np.isnan(buf[dst, len(kept):]).all()  # poison: rows nobody wrote
+    np.testing.assert_array_equal(buf[dst, : len(kept)], want_rows)
+    assert np.isnan(buf[dst, len(kept) :]).all()  # poison: rows nobody wrote
     for s, r in kept:
       delivered[s, r] = True
   want = rep * (1.0 + flat_ids[..., None])
@@ -426,14 +463,18 @@ def test_plan_from_send_counts_with_groups(grouping):
   assert not np.asarray(dropped).any()
   sent = np.cumsum(counts, axis=1)[:, -1]
   for d in range(D):
-    np.testing.assert_array_equal(np.asarray(back).reshape(D, n, F)[d, :sent[d]], x[d, :sent[d]])
+    np.testing.assert_array_equal(np.asarray(back).reshape(D, n, F)[d, : sent[d]], x[d, : sent[d]])
   # NOTE: receiver layout is (slot, sender position); sender chunks start at cumsum of counts.
   starts = np.cumsum(counts, axis=1) - counts
   for grp in groups:
     for q, dst in enumerate(grp):
-      want = [x[src, starts[src, q * S + e] + j] for e in range(S) for src in grp
-              for j in range(counts[src, q * S + e])]
-      got = np.asarray(buf).reshape(D, rows, F)[dst, :len(want)]
+      want = [
+        x[src, starts[src, q * S + e] + j]
+        for e in range(S)
+        for src in grp
+        for j in range(counts[src, q * S + e])
+      ]
+      got = np.asarray(buf).reshape(D, rows, F)[dst, : len(want)]
       np.testing.assert_array_equal(got, np.array(want).reshape(-1, F))
 
 
@@ -455,9 +496,14 @@ def test_buffer_policy_rows():
 def _call_with(**over):
   """Calls the op inside shard_map with numpy (concrete) offsets, overriding some arguments."""
   k = D
-  args = dict(operand=np.zeros((N, F), np.float32), output=np.zeros((M, F), np.float32),
-              input_offsets=np.zeros(k, np.int32), send_sizes=np.zeros(k, np.int32),
-              output_offsets=np.zeros(k, np.int32), recv_sizes=np.zeros(k, np.int32))
+  args = dict(
+    operand=np.zeros((N, F), np.float32),
+    output=np.zeros((M, F), np.float32),
+    input_offsets=np.zeros(k, np.int32),
+    send_sizes=np.zeros(k, np.int32),
+    output_offsets=np.zeros(k, np.int32),
+    recv_sizes=np.zeros(k, np.int32),
+  )
   kwargs = dict(axis_name="x")
   for name, v in over.items():
     (args if name in args else kwargs)[name] = v
@@ -469,28 +515,48 @@ def _call_with(**over):
   return jax.jit(f)(np.tile(args["operand"], (D, 1)), np.tile(args["output"], (D, 1)))
 
 
-@pytest.mark.parametrize("over, err, match", [
-  (dict(send_sizes=np.array([-1] + [0] * 7, np.int32)), ValueError, "send_sizes has negative"),
-  (dict(recv_sizes=np.array([0] * 7 + [-2], np.int32)), ValueError, "recv_sizes has negative"),
-  (dict(input_offsets=np.full(8, -1, np.int32)), ValueError, "input_offsets has negative"),
-  (dict(input_offsets=np.full(8, N - 1, np.int32), send_sizes=np.full(8, 2, np.int32)),
-   ValueError, "run past the operand"),
-  (dict(output_offsets=np.full(8, M - 1, np.int32), send_sizes=np.full(8, 2, np.int32)),
-   ValueError, "run past the receiver"),
-  (dict(input_offsets=np.zeros(8, np.float32)), TypeError, "input_offsets must have an integer"),
-  (dict(output_offsets=np.zeros(8, np.float32)), TypeError, "output_offsets must have an int"),
-  (dict(input_offsets=np.zeros(12, np.int32), send_sizes=np.zeros(12, np.int32),
-        output_offsets=np.zeros(12, np.int32), recv_sizes=np.zeros(12, np.int32)),
-   ValueError, "length 12, which is not a multiple"),
-  (dict(recv_sizes=np.zeros(16, np.int32)), ValueError, "same length"),
-  (dict(input_offsets=np.zeros((2, 4), np.int32)), ValueError, "input_offsets must be a non-empty"),
-  (dict(axis_name="y"), ValueError, "axis_name='y' is not bound"),
-  (dict(axis_index_groups=[[0, 1, 2], [3, 4, 5, 6, 7]]), ValueError, "same size"),
-  (dict(axis_index_groups=[[0, 1, 2, 3], [3, 4, 5, 6]]), ValueError, "exactly once"),
-  (dict(backend="gpu"), ValueError, "backend must be one of"),
-  (dict(output=np.zeros((M, F + 1), np.float32)), ValueError, "trailing dimensions"),
-  (dict(output=np.zeros((M, F), np.int32)), TypeError, "dtype"),
-])
+@pytest.mark.parametrize(
+  "over, err, match",
+  [
+    (dict(send_sizes=np.array([-1] + [0] * 7, np.int32)), ValueError, "send_sizes has negative"),
+    (dict(recv_sizes=np.array([0] * 7 + [-2], np.int32)), ValueError, "recv_sizes has negative"),
+    (dict(input_offsets=np.full(8, -1, np.int32)), ValueError, "input_offsets has negative"),
+    (
+      dict(input_offsets=np.full(8, N - 1, np.int32), send_sizes=np.full(8, 2, np.int32)),
+      ValueError,
+      "run past the operand",
+    ),
+    (
+      dict(output_offsets=np.full(8, M - 1, np.int32), send_sizes=np.full(8, 2, np.int32)),
+      ValueError,
+      "run past the receiver",
+    ),
+    (dict(input_offsets=np.zeros(8, np.float32)), TypeError, "input_offsets must have an integer"),
+    (dict(output_offsets=np.zeros(8, np.float32)), TypeError, "output_offsets must have an int"),
+    (
+      dict(
+        input_offsets=np.zeros(12, np.int32),
+        send_sizes=np.zeros(12, np.int32),
+        output_offsets=np.zeros(12, np.int32),
+        recv_sizes=np.zeros(12, np.int32),
+      ),
+      ValueError,
+      "length 12, which is not a multiple",
+    ),
+    (dict(recv_sizes=np.zeros(16, np.int32)), ValueError, "same length"),
+    (
+      dict(input_offsets=np.zeros((2, 4), np.int32)),
+      ValueError,
+      "input_offsets must be a non-empty",
+    ),
+    (dict(axis_name="y"), ValueError, "axis_name='y' is not bound"),
+    (dict(axis_index_groups=[[0, 1, 2], [3, 4, 5, 6, 7]]), ValueError, "same size"),
+    (dict(axis_index_groups=[[0, 1, 2, 3], [3, 4, 5, 6]]), ValueError, "exactly once"),
+    (dict(backend="gpu"), ValueError, "backend must be one of"),
+    (dict(output=np.zeros((M, F + 1), np.float32)), ValueError, "trailing dimensions"),
+    (dict(output=np.zeros((M, F), np.int32)), TypeError, "dtype"),
+  ],
+)
 def test_bad_input(over, err, match):
   with pytest.raises(err, match=match):
     _call_with(**over)
@@ -499,9 +565,13 @@ def test_bad_input(over, err, match):
 def test_bad_input_group_length():
   """With two groups of 4, the length must be a multiple of 4, not of 8."""
   with pytest.raises(ValueError, match="group size"):
-    _call_with(axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]],
-               **{k: np.zeros(6, np.int32) for k in ("input_offsets", "send_sizes",
-                                                     "output_offsets", "recv_sizes")})
+    _call_with(
+      axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]],
+      **{
+        k: np.zeros(6, np.int32)
+        for k in ("input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+      },
+    )
 
 
 def _plan_with(counts, **kwargs):
@@ -518,10 +588,16 @@ def test_bad_helper_input():
   with pytest.raises(TypeError, match="group_sizes must have an integer dtype"):
     _plan_with(np.zeros(D * 8, np.float32))
   with pytest.raises(ValueError, match="send_counts has negative"):
-    jax.jit(jax.shard_map(
-      lambda _: C.plan_from_send_counts(np.array([-1] + [0] * 7, np.int32), axis_name="x",
-                                        buffer_rows=4).num_dropped[None],
-      mesh=_mesh(), in_specs=P("x"), out_specs=P("x")))(np.zeros(D))
+    jax.jit(
+      jax.shard_map(
+        lambda _: C.plan_from_send_counts(
+          np.array([-1] + [0] * 7, np.int32), axis_name="x", buffer_rows=4
+        ).num_dropped[None],
+        mesh=_mesh(),
+        in_specs=P("x"),
+        out_specs=P("x"),
+      )
+    )(np.zeros(D))
   with pytest.raises(TypeError, match="concrete"):
     jax.jit(C.exact_buffer_rows)(np.zeros((2, 2), np.int32))
   with pytest.raises(ValueError, match="factor"):
@@ -534,11 +610,14 @@ def test_bad_helper_input():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("groups, backend, needle", [
-  (None, None, "ragged-all-to-all("),
-  ([[0, 1], [2, 3]], None, "ragged-all-to-all("),
-  (None, "cpu", "collective-permute"),
-])
+@pytest.mark.parametrize(
+  "groups, backend, needle",
+  [
+    (None, None, "ragged-all-to-all("),
+    ([[0, 1], [2, 3]], None, "ragged-all-to-all("),
+    (None, "cpu", "collective-permute"),
+  ],
+)
 def test_grad_compiles_for_tpu(groups, backend, needle):
   """backend=None picks the native op when lowering for TPU, even from this CPU-only process."""
   import os
@@ -548,19 +627,20 @@ def test_grad_compiles_for_tpu(groups, backend, needle):
   # NOTE: AOT only compiles; this lets it run while another process holds libtpu's lockfile.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
-  mesh = jax.sharding.Mesh(np.array(topo.devices), ("x",),
-                           axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.sharding.Mesh(np.array(topo.devices), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
   d = len(topo.devices)
   g = d if groups is None else len(groups[0])
 
   def body(x, out, *idx):
-    return C.ragged_all_to_all(x, out, *idx, axis_name="x", axis_index_groups=groups,
-                               backend=backend)
+    return C.ragged_all_to_all(
+      x, out, *idx, axis_name="x", axis_index_groups=groups, backend=backend
+    )
 
   op = jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"))
   loss = lambda x, out, *idx: jnp.sum(op(x, out, *idx) ** 2)
-  spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,
-                                                   sharding=NamedSharding(mesh, P("x")))
+  spec = lambda shape, dtype: jax.ShapeDtypeStruct(
+    shape, dtype, sharding=NamedSharding(mesh, P("x"))
+  )
   args = [spec((d * 16, 128), jnp.float32), spec((d * 32, 128), jnp.float32)]
   args += [spec((d * 2 * g,), jnp.int32)] * 4
   with jax.default_device(topo.devices[0]):

@@ -82,9 +82,16 @@ def test_megablox_tgmm_rows_with_skip_hook():
   m, k, n, tm = 1024, 256, 256, 128
   gs = np.array([100, 0, 300, 0, 0, 500, 124], np.int32)
   fn = functools.partial(mb.tgmm, preferred_element_type=BF16, tiling=(tm, 128, 128))
-  hook = IMPLS["megablox-default"].build(
-    op="drhs", shape=SHAPES["qwen3-30b-a3b"], group_sizes=np.ones(128, np.int32) * 1024,
-    generation=V5E).step_scale
+  hook = (
+    IMPLS["megablox-default"]
+    .build(
+      op="drhs",
+      shape=SHAPES["qwen3-30b-a3b"],
+      group_sizes=np.ones(128, np.int32) * 1024,
+      generation=V5E,
+    )
+    .step_scale
+  )
   args = (_sds(k, m), _sds(m, n), gs)
   with_hook = cm.analyze(fn, *args, step_scale=hook)
   visits = _visited_tiles(gs, tm, visit_empty=True)
@@ -112,8 +119,10 @@ def _matmul(x, y, *, bm, bn, bk):
     kernel,
     out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
     grid=(m // bm, n // bn, kk // bk),
-    in_specs=[pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
-              pl.BlockSpec((bk, bn), lambda i, j, k: (k, j))],
+    in_specs=[
+      pl.BlockSpec((bm, bk), lambda i, j, k: (i, k)),
+      pl.BlockSpec((bk, bn), lambda i, j, k: (k, j)),
+    ],
     out_specs=pl.BlockSpec((bm, bn), lambda i, j, k: (i, j)),
   )(x, y)
 
@@ -126,8 +135,9 @@ def test_tiled_matmul_by_hand(gen):
   assert s.grid == (2, 2, 2)
   x_blk, y_blk, o_blk = bm * bk * 2, bk * bn * 2, bm * bn * 4
   # Steps (i, j, kk): x and y blocks change every step; out is written when kk == 1.
-  per_step = np.array([x_blk + y_blk + (o_blk if kk == 1 else 0)
-                       for _ in range(4) for kk in range(2)])
+  per_step = np.array(
+    [x_blk + y_blk + (o_blk if kk == 1 else 0) for _ in range(4) for kk in range(2)]
+  )
   np.testing.assert_array_equal(s.step_bytes, per_step)
   rep = cm.cost([s], generation=gen)
   mxu = gen.mxu_size
@@ -153,8 +163,11 @@ def test_floor_rows_by_hand():
 def test_vmem_estimate_monotonic(kind):
   dt = dict(lhs_dtype=BF16, rhs_dtype=BF16, out_dtype=BF16, kind=kind)
   base = tiling.vmem_estimate_bytes(tm=256, tk=512, tn=512, **dt)
-  for bigger in [dict(tm=512, tk=512, tn=512), dict(tm=256, tk=1024, tn=512),
-                 dict(tm=256, tk=512, tn=1024)]:
+  for bigger in [
+    dict(tm=512, tk=512, tn=512),
+    dict(tm=256, tk=1024, tn=512),
+    dict(tm=256, tk=512, tn=1024),
+  ]:
     assert tiling.vmem_estimate_bytes(**bigger, **dt) > base
   f32 = dict(dt, lhs_dtype=jnp.float32)
   assert tiling.vmem_estimate_bytes(tm=256, tk=512, tn=512, **f32) > base
@@ -168,8 +181,9 @@ def test_check_fits_vmem_raises_for_oversized():
   # A raised limit admits a tiling the scoped default rejects.
   with pytest.raises(ValueError):
     tiling.check_fits_vmem(tm=512, tk=2048, tn=2048, generation="v5e", **dt)
-  tiling.check_fits_vmem(tm=512, tk=2048, tn=2048, generation="v5e",
-                         vmem_limit_bytes=100 * 2**20, **dt)
+  tiling.check_fits_vmem(
+    tm=512, tk=2048, tn=2048, generation="v5e", vmem_limit_bytes=100 * 2**20, **dt
+  )
 
 
 def _aligned(t, dim, align):
@@ -185,8 +199,9 @@ def test_pick_tiling_aligned_and_fits(gen):
       s = get_shape(name, tokens=tokens)
       # fwd (k contracted), dlhs (n contracted), drhs (tgmm).
       for kind, kk, nn in (("gmm", s.k, s.n), ("gmm", s.n, s.k), ("tgmm", s.k, s.n)):
-        tm, tk, tn = tiling.pick_tiling(m=s.m, k=kk, n=nn, num_groups=s.num_groups, kind=kind,
-                                        generation=g, **dt)
+        tm, tk, tn = tiling.pick_tiling(
+          m=s.m, k=kk, n=nn, num_groups=s.num_groups, kind=kind, generation=g, **dt
+        )
         assert _aligned(tm, s.m, 8) and _aligned(tk, kk, 128) and _aligned(tn, nn, 128)
         est = tiling.check_fits_vmem(tm=tm, tk=tk, tn=tn, kind=kind, generation=g, **dt)
         assert est <= g.scoped_vmem_default_bytes
@@ -203,10 +218,15 @@ def test_generations_table():
 # DESIGN.md figures ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,tokens,expected", [
-  ("deepseek-v2-lite", 16384, 1.33), ("qwen3-30b-a3b", 16384, 1.50),
-  ("deepseek-v2-lite", 4096, 2.31), ("qwen3-30b-a3b", 4096, 2.98),
-])
+@pytest.mark.parametrize(
+  "name,tokens,expected",
+  [
+    ("deepseek-v2-lite", 16384, 1.33),
+    ("qwen3-30b-a3b", 16384, 1.50),
+    ("deepseek-v2-lite", 4096, 2.31),
+    ("qwen3-30b-a3b", 4096, 2.98),
+  ],
+)
 def test_design_megablox_row_waste(name, tokens, expected):
   """Row waste = rows pushed through the MXU per full (k, n) sweep / sum(group_sizes), with
   column padding excluded (row_macs = the padded per-row sweep); megablox tiling 512x1024x1024
@@ -214,7 +234,8 @@ def test_design_megablox_row_waste(name, tokens, expected):
   shape = get_shape(name, tokens=tokens)
   gs = group_sizes(shape, routing="uniform")
   case = IMPLS["megablox-maxtext"].build(op="fwd", shape=shape, group_sizes=gs, generation=V5E)
-  rep = cm.model(case.fn, *case.args, generation=V5E, row_macs=case.row_macs(128),
-                 mxu_rows_useful=int(gs.sum()))
+  rep = cm.model(
+    case.fn, *case.args, generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=int(gs.sum())
+  )
   assert rep.row_waste == pytest.approx(expected, rel=0.03)
   assert rep.mxu_rows_executed == _visited_tiles(gs, 512) * 512

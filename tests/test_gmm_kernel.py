@@ -67,7 +67,9 @@ def test_gmm_matches_references(mode, data, shape, dtypes, num_groups, transpose
   assert out.shape == (m, n) and out.dtype == out_dtype
   out = np.asarray(out.astype(jnp.float32))
   tol = tolerance(in_dtype=in_dtype, out_dtype=out_dtype, k=k)
-  expected = np_gmm(rounded(lhs, in_dtype), rounded(rhs, in_dtype), sizes, transpose_rhs=transpose_rhs)
+  expected = np_gmm(
+    rounded(lhs, in_dtype), rounded(rhs, in_dtype), sizes, transpose_rhs=transpose_rhs
+  )
   np.testing.assert_allclose(out, expected, **tol)
   ref = reference.gmm(lhs, rhs, jnp.asarray(sizes), out_dtype, transpose_rhs=transpose_rhs)
   np.testing.assert_allclose(out, np.asarray(ref.astype(jnp.float32)), **tol)
@@ -89,7 +91,11 @@ def test_rows_past_sum_exact(mode, existing):
   existing_out = random_array(2, (m, n), jnp.float32) if existing else None
   out = np.asarray(
     pallas_moe.gmm(
-      lhs, rhs, sizes, tiling=(16, 128, 128), existing_out=existing_out,
+      lhs,
+      rhs,
+      sizes,
+      tiling=(16, 128, 128),
+      existing_out=existing_out,
       interpret=INTERPRET_MODES[mode],
     )
   )
@@ -133,9 +139,7 @@ def test_traced_group_offset_under_jit():
     return pallas_moe.gmm(lhs, rhs[2:], sizes, group_offset=offset, tiling=(16, 128, 128))
 
   out = np.asarray(shard_out(jnp.int32(2)))
-  np.testing.assert_allclose(
-    out, np_gmm(lhs, rhs[2:], sizes, group_offset=2), rtol=2e-5, atol=3e-4
-  )
+  np.testing.assert_allclose(out, np_gmm(lhs, rhs[2:], sizes, group_offset=2), rtol=2e-5, atol=3e-4)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True])
@@ -148,12 +152,23 @@ def test_no_race_no_oob_two_cores(capfd, transpose_rhs):
   existing_out = random_array(9, (m, n), jnp.float32)
   with no_races_or_oob(capfd):
     out = pallas_moe.gmm(
-      lhs, rhs[1:4], sizes, jnp.float32, (16, 128, 128), 1, existing_out, transpose_rhs,
+      lhs,
+      rhs[1:4],
+      sizes,
+      jnp.float32,
+      (16, 128, 128),
+      1,
+      existing_out,
+      transpose_rhs,
       RACE_PARAMS,
     )
     out = np.asarray(out)
   expected = np_gmm(
-    rounded(lhs, jnp.bfloat16), rounded(rhs[1:4], jnp.bfloat16), sizes, group_offset=1,
-    existing_out=existing_out, transpose_rhs=transpose_rhs,
+    rounded(lhs, jnp.bfloat16),
+    rounded(rhs[1:4], jnp.bfloat16),
+    sizes,
+    group_offset=1,
+    existing_out=existing_out,
+    transpose_rhs=transpose_rhs,
   )
   np.testing.assert_allclose(out, expected, rtol=2e-5, atol=1e-3)
