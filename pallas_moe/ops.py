@@ -52,13 +52,8 @@ class Tiling:
       return tiling
     if isinstance(tiling, list):
       tiling = tuple(tiling)
-    if isinstance(tiling, tuple) and len(tiling) == 3 and isinstance(tiling[0], int):
-      # NOTE: tgmm's tm is the lane (last) dim of its [tk, tm] lhs block, so it must be a multiple
-      # of 128; one tuple meant for all passes gets its tm rounded up to that for drhs.
-      drhs = (-(-tiling[0] // common.LANE) * common.LANE, *tiling[1:]) if tiling[0] > 0 else tiling
-      return cls(fwd=tiling, dlhs=tiling, drhs=drhs)
     if tiling is None or callable(tiling) or isinstance(tiling, tuple):
-      return cls(fwd=tiling, dlhs=tiling, drhs=tiling)
+      return cls(fwd=tiling, dlhs=tiling, drhs=_lane_aligned_tm(tiling))
     raise TypeError(
       "`tiling` must be a (tm, tk, tn) tuple, a Tiling(fwd=, dlhs=, drhs=), a callable "
       f"(m, k, n) -> (tm, tk, tn), or None; got {type(tiling).__name__}."
@@ -139,6 +134,23 @@ class _GmmStatic:
   drhs: Tiles  # In tgmm's coordinates: (tm, tn, tk) of the rhs when transpose_rhs.
   transpose_rhs: bool
   interpret: Any
+
+
+def _round_tm(tiles: Any) -> Any:
+  if isinstance(tiles, tuple) and len(tiles) == 3 and isinstance(tiles[0], int) and tiles[0] > 0:
+    return (-(-tiles[0] // common.LANE) * common.LANE, *tiles[1:])
+  return tiles
+
+
+def _lane_aligned_tm(spec: Tiles | TileFn | None) -> Tiles | TileFn | None:
+  """drhs tiles from tiles meant for all passes: tm rounded up to a multiple of 128.
+
+  NOTE: tgmm's tm is the lane (last) dim of its [tk, tm] lhs block, so it must be a multiple of
+  128 (or all of m); gmm's tm only needs 8. One tiling given for all passes is adapted here.
+  """
+  if callable(spec):
+    return lambda m, k, n: _round_tm(spec(m, k, n))
+  return _round_tm(spec)
 
 
 def _swap_kn(fn: TileFn) -> TileFn:

@@ -7,6 +7,8 @@ outside the local groups keep `existing_out` (or are 0), rows past `sum(group_si
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -17,6 +19,7 @@ def row_group_ids(group_sizes: jax.Array, m: int) -> jax.Array:
   return jnp.searchsorted(ends, jnp.arange(m), side="right").astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("preferred_element_type", "transpose_rhs"))
 def gmm(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -26,20 +29,31 @@ def gmm(
   existing_out: jax.Array | None = None,
   transpose_rhs: bool = False,
 ) -> jax.Array:
-  """out[r] = lhs[r] @ rhs[group(r) - group_offset] for rows of local groups."""
+  """out[r] = lhs[r] @ rhs[group(r) - group_offset] for rows of local groups.
+
+  Every row is multiplied by every local group's weights and the row's own group is selected: G
+  times the work of gmm, but no [m, k, n] gather of per-row weights.
+  """
   out_dtype = preferred_element_type or jnp.promote_types(lhs.dtype, rhs.dtype)
   if transpose_rhs:
     rhs = jnp.swapaxes(rhs, 1, 2)
   num_local = rhs.shape[0]
   m = lhs.shape[0]
   local = row_group_ids(group_sizes, m) - group_offset
+  onehot = (local[:, None] == jnp.arange(num_local)[None, :]).astype(jnp.float32)
+  prod = jnp.einsum(
+    "mk,gkn,mg->mn",
+    lhs.astype(jnp.float32),
+    rhs.astype(jnp.float32),
+    onehot,
+    precision=jax.lax.Precision.HIGHEST,
+  )
   in_shard = (local >= 0) & (local < num_local)
-  w = rhs[jnp.clip(local, 0, num_local - 1)].astype(jnp.float32)
-  prod = jnp.einsum("mk,mkn->mn", lhs.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
   base = jnp.zeros_like(prod) if existing_out is None else existing_out.astype(jnp.float32)
   return jnp.where(in_shard[:, None], prod, base).astype(out_dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("preferred_element_type", "num_actual_groups"))
 def tgmm(
   lhs: jax.Array,
   rhs: jax.Array,

@@ -7,6 +7,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import settings
 from hypothesis import strategies as st
 from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 from jax.experimental.pallas import tpu as pltpu
@@ -109,3 +110,12 @@ def no_races_or_oob(capfd):
     assert races is None or not races.races_found
   finally:
     pltpu.reset_tpu_interpret_mode_state()
+
+
+def examples(fraction: float = 1.0):
+  """A hypothesis `settings` with a fraction of the active profile's max_examples (at least 2).
+
+  Kernel tests compile once per static configuration and then run each example in milliseconds
+  under plain interpretation, but the TPU simulator pays per grid step: its tests use a fraction.
+  """
+  return settings(max_examples=max(2, int(settings.default.max_examples * fraction)))

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kernel_testing import (
   INTERPRET_MODES,
   RACE_PARAMS,
+  examples,
   group_sizes_strategy,
   no_races_or_oob,
   np_gmm,
@@ -22,39 +23,25 @@ from kernel_testing import (
 import pallas_moe
 from pallas_moe import reference
 
-# (m, k, n, tiling): ragged m, k and n, k below 128, k = 1408 with tk = 256, tiny m.
-SHAPES = [
-  (200, 1408, 100, (64, 256, 128)),
-  (200, 96, 256, (32, 128, 128)),
-  (37, 300, 130, (16, 128, 128)),
-  (128, 128, 128, (128, 128, 128)),
-  (8, 64, 40, (8, 128, 128)),
+# Static configurations (each compiles once; hypothesis then varies group sizes and data):
+# (m, k, n, tiling, num_groups, in dtype, out dtype, transpose_rhs). Ragged m, k and n; k = 1408
+# with tk = 256; k below 128; m below one tile; 1 to 32 groups; f32/bf16 in and out.
+CASES = [
+  (200, 1408, 100, (64, 256, 128), 8, jnp.float32, jnp.float32, False),
+  (200, 96, 256, (32, 128, 128), 32, jnp.bfloat16, jnp.float32, True),
+  (37, 300, 130, (16, 128, 128), 1, jnp.bfloat16, jnp.bfloat16, False),
+  (128, 128, 128, (128, 128, 128), 5, jnp.float32, jnp.bfloat16, True),
+  (8, 64, 40, (8, 128, 128), 3, jnp.float32, jnp.float32, False),
+  (250, 200, 256, (64, 128, 128), 16, jnp.bfloat16, jnp.float32, False),
 ]
-DTYPES = [
-  (jnp.float32, jnp.float32),
-  (jnp.bfloat16, jnp.float32),
-  (jnp.bfloat16, jnp.bfloat16),
-  (jnp.float32, jnp.bfloat16),
-]
+CASE_IDS = [f"m{c[0]}k{c[1]}n{c[2]}g{c[4]}" + ("T" if c[7] else "") for c in CASES]
 
 
-@pytest.mark.parametrize("mode", INTERPRET_MODES)
-@given(
-  data=st.data(),
-  shape=st.sampled_from(SHAPES),
-  dtypes=st.sampled_from(DTYPES),
-  num_groups=st.integers(1, 32),
-  transpose_rhs=st.booleans(),
-)
-def test_gmm_matches_references(mode, data, shape, dtypes, num_groups, transpose_rhs):
-  m, k, n, tiling = shape
-  in_dtype, out_dtype = dtypes
-  sizes = data.draw(group_sizes_strategy(m=m, num_groups=num_groups))
-  seed = data.draw(st.integers(0, 2**16))
+def check_gmm_case(case, sizes, seed, interpret):
+  m, k, n, tiling, num_groups, in_dtype, out_dtype, transpose_rhs = case
   lhs = random_array(seed, (m, k), in_dtype)
   rhs_shape = (num_groups, n, k) if transpose_rhs else (num_groups, k, n)
   rhs = random_array(seed + 1, rhs_shape, in_dtype)
-
   out = pallas_moe.gmm(
     lhs,
     rhs,
@@ -62,7 +49,7 @@ def test_gmm_matches_references(mode, data, shape, dtypes, num_groups, transpose
     preferred_element_type=out_dtype,
     tiling=tiling,
     transpose_rhs=transpose_rhs,
-    interpret=INTERPRET_MODES[mode],
+    interpret=interpret,
   )
   assert out.shape == (m, n) and out.dtype == out_dtype
   out = np.asarray(out.astype(jnp.float32))
@@ -75,6 +62,31 @@ def test_gmm_matches_references(mode, data, shape, dtypes, num_groups, transpose
   np.testing.assert_allclose(out, np.asarray(ref.astype(jnp.float32)), **tol)
   # Rows past sum(group_sizes) are exactly zero.
   assert not np.any(out[int(sizes.sum()) :])
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@examples()
+@given(data=st.data())
+def test_gmm_matches_references(case, data):
+  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[4]))
+  check_gmm_case(case, sizes, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["hlo"])
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=CASE_IDS[:4])
+@examples(0.25)
+@given(data=st.data())
+def test_gmm_matches_references_tpu_simulator(case, data):
+  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[4]))
+  check_gmm_case(case, sizes, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["tpu"])
+
+
+@examples(0.5)
+@given(data=st.data(), num_groups=st.integers(1, 32), transpose_rhs=st.booleans())
+def test_gmm_any_group_count(data, num_groups, transpose_rhs):
+  """Any number of groups from 1 to 32 (each a new compile, so fewer examples)."""
+  case = (72, 200, 130, (16, 128, 128), num_groups, jnp.float32, jnp.float32, transpose_rhs)
+  sizes = data.draw(group_sizes_strategy(m=72, num_groups=num_groups))
+  check_gmm_case(case, sizes, 0, INTERPRET_MODES["hlo"])
 
 
 @pytest.mark.parametrize("mode", INTERPRET_MODES)
@@ -109,8 +121,11 @@ def test_rows_past_sum_exact(mode, existing):
 
 
 @pytest.mark.parametrize("mode", INTERPRET_MODES)
-@given(data=st.data(), num_shards=st.sampled_from([2, 4]), transpose_rhs=st.booleans())
-def test_sharded_groups_chain_to_unsharded(mode, data, num_shards, transpose_rhs):
+@pytest.mark.parametrize("num_shards", [2, 4])
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@examples(0.25)
+@given(data=st.data())
+def test_sharded_groups_chain_to_unsharded(mode, num_shards, transpose_rhs, data):
   """Splitting groups into shards via group_offset and chaining existing_out = unsharded gmm."""
   m, k, n, num_groups = 100, 200, 130, 8
   sizes = jnp.asarray(data.draw(group_sizes_strategy(m=m, num_groups=num_groups)))

@@ -1,0 +1,127 @@
+"""The tile schedule shared by gmm and tgmm, checked against a numpy re-derivation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kernel_testing import group_sizes_strategy
+
+from pallas_moe import metadata
+
+make_schedule = jax.jit(
+  metadata.make_schedule,
+  static_argnames=(
+    "num_local_groups",
+    "m",
+    "tm",
+    "fill_uncovered_tiles",
+    "visit_empty_groups",
+  ),
+)
+
+
+def expected_pairs(sizes, *, offset, num_local, m, tm):
+  """(local group, m-tile) pairs whose intersection is non-empty, in row order."""
+  ends = np.cumsum(sizes)
+  starts = ends - sizes
+  pairs = []
+  for local in range(num_local):
+    s, e = starts[offset + local], ends[offset + local]
+    if e > s:
+      pairs += [(local, t) for t in range(s // tm, (e - 1) // tm + 1)]
+  return pairs
+
+
+# NOTE: each new (m, tm, groups) compiles the schedule: draw from a few values.
+@given(
+  data=st.data(),
+  m=st.sampled_from([1, 37, 128, 300]),
+  tm=st.sampled_from([8, 64, 128]),
+  num_groups=st.sampled_from([1, 3, 16]),
+)
+def test_gmm_schedule(data, m, tm, num_groups):
+  sizes = data.draw(group_sizes_strategy(m=m, num_groups=num_groups))
+  num_local = data.draw(st.integers(1, num_groups))
+  offset = data.draw(st.integers(0, num_groups - num_local))
+  sched = make_schedule(
+    group_sizes=jnp.asarray(sizes),
+    group_offset=offset,
+    num_local_groups=num_local,
+    m=m,
+    tm=tm,
+    fill_uncovered_tiles=True,
+    visit_empty_groups=False,
+  )
+  n = int(sched.num_visits)
+  tiles_m = -(-m // tm)
+  assert n <= sched.max_visits == metadata.max_visits(m=m, tm=tm, num_local_groups=num_local)
+  tile = np.asarray(sched.visit_m_tile)[:n]
+  group = np.asarray(sched.visit_group)[:n]
+  active = np.asarray(sched.visit_active)[:n].astype(bool)
+  load = np.asarray(sched.visit_load_tile)[:n]
+  # Every output tile is visited, and the visits of one tile are consecutive.
+  assert set(tile.tolist()) == set(range(tiles_m))
+  changes = np.count_nonzero(np.diff(tile)) + 1
+  assert changes == tiles_m
+  # Compute visits are exactly the non-empty (group, tile) intersections, in row order.
+  assert list(zip(group[active].tolist(), tile[active].tolist(), strict=True)) == expected_pairs(
+    sizes, offset=offset, num_local=num_local, m=m, tm=tm
+  )
+  np.testing.assert_array_equal(load[active], tile[active])
+  # Fill visits come first and load the first compute visit's tile (no extra DMA).
+  num_fill = int((~active).sum())
+  assert not active[:num_fill].any() and active[num_fill:].all()
+  if active.any():
+    assert (load[:num_fill] == tile[num_fill]).all()
+  # Padding past num_visits repeats the last visit and is inactive.
+  assert (np.asarray(sched.visit_m_tile)[n:] == tile[-1]).all()
+  assert not np.asarray(sched.visit_active)[n:].any()
+
+
+@given(data=st.data(), m=st.sampled_from([1, 37, 300]), num_groups=st.sampled_from([1, 3, 16]))
+def test_tgmm_schedule_visits_every_group(data, m, num_groups):
+  tm = 128
+  sizes = data.draw(group_sizes_strategy(m=m, num_groups=num_groups))
+  sched = make_schedule(
+    group_sizes=jnp.asarray(sizes),
+    group_offset=0,
+    num_local_groups=num_groups,
+    m=m,
+    tm=tm,
+    fill_uncovered_tiles=False,
+    visit_empty_groups=True,
+  )
+  n = int(sched.num_visits)
+  group = np.asarray(sched.visit_group)[:n]
+  active = np.asarray(sched.visit_active)[:n].astype(bool)
+  # Every group is visited, in order, in one run; empty ones once and without computing.
+  assert group.tolist() == sorted(group.tolist())
+  assert set(group.tolist()) == set(range(num_groups))
+  for g in range(num_groups):
+    assert active[group == g].all() == (sizes[g] > 0)
+    assert (not active[group == g].any()) == (sizes[g] == 0)
+  assert n == len(expected_pairs(sizes, offset=0, num_local=num_groups, m=m, tm=tm)) + int(
+    (sizes == 0).sum()
+  )
+
+
+@pytest.mark.parametrize("offset", [0, 2, 5])
+def test_overflowing_traced_sizes_are_clipped(offset):
+  """Sizes summing past m (possible when traced) never yield tiles outside the array."""
+  sizes = jnp.array([50, -3, 60, 70, 0, 90, 10, 5], jnp.int32)
+  sched = make_schedule(
+    group_sizes=sizes,
+    group_offset=offset,
+    num_local_groups=3,
+    m=100,
+    tm=16,
+    fill_uncovered_tiles=True,
+    visit_empty_groups=False,
+  )
+  tiles = np.asarray(sched.visit_m_tile)
+  assert tiles.min() >= 0 and tiles.max() < 7
+  assert int(np.asarray(sched.group_offsets)[-1]) == 100

@@ -1,0 +1,240 @@
+"""Differentiable gmm: gradients, tilings per pass, positional megablox call, shard_map."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import PartitionSpec as P
+from kernel_testing import (
+  INTERPRET_MODES,
+  examples,
+  group_sizes_strategy,
+  np_gmm,
+  np_tgmm,
+  random_array,
+  rounded,
+  tolerance,
+)
+
+import pallas_moe
+from pallas_moe import reference
+
+
+def np_gmm_grads(lhs, rhs, sizes, cot, *, group_offset=0, transpose_rhs=False):
+  """float64 gradients of sum(gmm(lhs, rhs) * cot) wrt lhs and rhs."""
+  rhs64 = np.asarray(rhs, np.float64)
+  rhs_kn = rhs64.transpose(0, 2, 1) if transpose_rhs else rhs64
+  # dlhs[rows of g] = cot[rows] @ rhs[g]^T: a gmm against [G, n, k].
+  dlhs = np_gmm(cot, rhs_kn.transpose(0, 2, 1), sizes, group_offset=group_offset)
+  drhs = np_tgmm(
+    np.asarray(lhs, np.float64).T,
+    cot,
+    sizes,
+    group_offset=group_offset,
+    num_actual_groups=rhs64.shape[0],
+  )
+  if transpose_rhs:
+    drhs = drhs.transpose(0, 2, 1)
+  return dlhs, drhs
+
+
+# Static configurations: (m, k, n, tiling, num_groups, in dtype, transpose_rhs). Ragged m, k, n;
+# k below 128; 1 to 32 groups.
+CASES = [
+  (200, 300, 100, (64, 128, 128), 8, jnp.float32, False),
+  (130, 96, 256, (128, 128, 128), 32, jnp.float32, True),
+  (64, 256, 130, (32, 128, 128), 1, jnp.bfloat16, False),
+  (100, 200, 256, (32, 128, 128), 5, jnp.bfloat16, True),
+]
+CASE_IDS = [f"m{c[0]}k{c[1]}n{c[2]}g{c[4]}" + ("T" if c[6] else "") for c in CASES]
+
+
+def check_grads_case(case, sizes, interpret):
+  m, k, n, tiling, num_groups, in_dtype, transpose_rhs = case
+  lhs = random_array(0, (m, k), in_dtype)
+  rhs = random_array(1, (num_groups, n, k) if transpose_rhs else (num_groups, k, n), in_dtype)
+  cot = random_array(2, (m, n), jnp.float32)
+
+  def loss(fn, lhs, rhs):
+    return jnp.sum(fn(lhs, rhs).astype(jnp.float32) * cot)
+
+  def ours(lhs, rhs):
+    return pallas_moe.gmm(
+      lhs, rhs, jnp.asarray(sizes), jnp.float32, tiling, None, None, transpose_rhs, interpret
+    )
+
+  def ref(lhs, rhs):
+    return reference.gmm(lhs, rhs, jnp.asarray(sizes), jnp.float32, transpose_rhs=transpose_rhs)
+
+  dlhs, drhs = jax.grad(lambda a, b: loss(ours, a, b), argnums=(0, 1))(lhs, rhs)
+  assert dlhs.dtype == in_dtype and drhs.dtype == in_dtype
+  assert dlhs.shape == lhs.shape and drhs.shape == rhs.shape
+  # The backward kernels multiply the cotangent in the input dtype (bf16 for bf16 inputs).
+  cot_used = rounded(cot, in_dtype)
+  np_dlhs, np_drhs = np_gmm_grads(
+    rounded(lhs, in_dtype), rounded(rhs, in_dtype), sizes, cot_used, transpose_rhs=transpose_rhs
+  )
+  np.testing.assert_allclose(
+    np.asarray(dlhs, np.float32), np_dlhs, **tolerance(in_dtype=in_dtype, out_dtype=in_dtype, k=n)
+  )
+  np.testing.assert_allclose(
+    np.asarray(drhs, np.float32), np_drhs, **tolerance(in_dtype=in_dtype, out_dtype=in_dtype, k=m)
+  )
+  if in_dtype == jnp.float32:
+    r_dlhs, r_drhs = jax.grad(lambda a, b: loss(ref, a, b), argnums=(0, 1))(lhs, rhs)
+    np.testing.assert_allclose(np.asarray(dlhs), np.asarray(r_dlhs), rtol=2e-5, atol=2e-5 * m**0.5)
+    np.testing.assert_allclose(np.asarray(drhs), np.asarray(r_drhs), rtol=2e-5, atol=2e-5 * m**0.5)
+  # Rows past sum(group_sizes) get exactly zero gradient.
+  assert not np.any(np.asarray(dlhs, np.float32)[int(sizes.sum()) :])
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@examples(0.5)
+@given(data=st.data())
+def test_grads_match_references(case, data):
+  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[4]))
+  check_grads_case(case, sizes, INTERPRET_MODES["hlo"])
+
+
+@pytest.mark.parametrize("case", CASES[2:], ids=CASE_IDS[2:])
+@examples(0.1)
+@given(data=st.data())
+def test_grads_match_references_tpu_simulator(case, data):
+  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[4]))
+  check_grads_case(case, sizes, INTERPRET_MODES["tpu"])
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_sharded_grads_chain_to_unsharded(transpose_rhs):
+  """Gradients of a chain of expert shards (group_offset + existing_out) = unsharded ones."""
+  m, k, n, num_groups = 100, 128, 130, 8
+  sizes = jnp.array([10, 0, 25, 5, 0, 30, 12, 8], jnp.int32)  # 90 of 100 rows
+  lhs = random_array(3, (m, k), jnp.float32)
+  rhs = random_array(4, (num_groups, n, k) if transpose_rhs else (num_groups, k, n), jnp.float32)
+  cot = random_array(5, (m, n), jnp.float32)
+  kw = dict(tiling=(32, 128, 128), transpose_rhs=transpose_rhs, interpret=True)
+
+  def chained(lhs, rhs):
+    out = None
+    for shard in range(4):
+      local = rhs[2 * shard : 2 * shard + 2]
+      out = pallas_moe.gmm(lhs, local, sizes, group_offset=2 * shard, existing_out=out, **kw)
+    return jnp.sum(out * cot)
+
+  def full(lhs, rhs):
+    return jnp.sum(pallas_moe.gmm(lhs, rhs, sizes, **kw) * cot)
+
+  g_chain = jax.grad(chained, argnums=(0, 1))(lhs, rhs)
+  g_full = jax.grad(full, argnums=(0, 1))(lhs, rhs)
+  np_grads = np_gmm_grads(lhs, rhs, sizes, cot, transpose_rhs=transpose_rhs)
+  for a, b, c in zip(g_chain, g_full, np_grads, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(a), c, rtol=2e-5, atol=4e-4)
+
+
+def test_existing_out_gradient_passes_through_unwritten_rows():
+  m, k, n = 48, 128, 128
+  sizes = jnp.array([10, 20, 5, 13], jnp.int32)  # 48 rows; shard holds groups 1..2 = rows 10..35
+  lhs = random_array(6, (m, k), jnp.float32)
+  rhs = random_array(7, (2, k, n), jnp.float32)
+  existing = random_array(8, (m, n), jnp.float32)
+  cot = random_array(9, (m, n), jnp.float32)
+  d_existing = jax.grad(
+    lambda e: jnp.sum(
+      pallas_moe.gmm(
+        lhs, rhs, sizes, tiling=(16, 128, 128), group_offset=1, existing_out=e, interpret=True
+      )
+      * cot
+    )
+  )(existing)
+  expected = np.asarray(cot).copy()
+  expected[10:35] = 0
+  np.testing.assert_array_equal(np.asarray(d_existing), expected)
+
+
+def test_positional_megablox_call_order():
+  """pallas_moe.gmm(lhs, rhs, group_sizes, preferred_element_type, tiling, group_offset,
+  existing_out, transpose_rhs, interpret), as MaxText calls megablox's ops.gmm."""
+  m, k, n = 64, 128, 128
+  sizes = jnp.array([20, 30, 14, 0], jnp.int32)
+  lhs = random_array(10, (m, k), jnp.bfloat16)
+  rhs = random_array(11, (2, n, k), jnp.bfloat16)
+  existing = jnp.full((m, n), 7.0, jnp.float32)
+  out = pallas_moe.gmm(lhs, rhs, sizes, jnp.float32, (16, 128, 128), 1, existing, True, True)
+  assert out.dtype == jnp.float32
+  expected = np_gmm(
+    rounded(lhs, jnp.bfloat16),
+    rounded(rhs, jnp.bfloat16),
+    sizes,
+    group_offset=1,
+    existing_out=existing,
+    transpose_rhs=True,
+  )
+  np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=1e-3)
+
+
+def test_tiling_per_pass_and_callable():
+  """Tiling(fwd=, dlhs=, drhs=) and a megablox-style LUT callable give the same gradients."""
+  m, k, n = 96, 256, 256
+  sizes = jnp.array([30, 0, 50, 16], jnp.int32)
+  lhs = random_array(12, (m, k), jnp.float32)
+  rhs = random_array(13, (4, k, n), jnp.float32)
+  seen = []
+
+  def lut(m_, k_, n_):
+    seen.append((m_, k_, n_))
+    return (32, 128, 128)
+
+  def grads(tiling):
+    def loss(a, b):
+      return jnp.sum(jnp.sin(pallas_moe.gmm(a, b, sizes, tiling=tiling, interpret=True)))
+
+    return jax.grad(loss, argnums=(0, 1))(lhs, rhs)
+
+  per_pass = pallas_moe.Tiling(fwd=(16, 256, 128), dlhs=(32, 128, 256), drhs=(128, 128, 128))
+  g1, g2 = grads(per_pass), grads(lut)
+  assert (m, k, n) in seen and (m, n, k) in seen  # fwd and dlhs dims looked up
+  ref = jax.grad(lambda a, b: jnp.sum(jnp.sin(reference.gmm(a, b, sizes))), argnums=(0, 1))(
+    lhs, rhs
+  )
+  # Different tk split the f32 sums differently: agreement to f32 rounding of k-long sums.
+  for a, b, c in zip(g1, g2, ref, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("mode", INTERPRET_MODES)
+def test_shard_map_check_vma_forward_and_grads(mode):
+  """Inside jax.shard_map(check_vma=True) on 4 CPU devices, each shard holds 2 of 8 groups."""
+  mesh = jax.make_mesh((4,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
+  m, k, n, num_groups = 96, 128, 128, 8
+  sizes = jnp.array([10, 0, 20, 6, 0, 30, 10, 4], jnp.int32)  # 80 of 96 rows
+  lhs = random_array(14, (m, k), jnp.float32)
+  rhs = random_array(15, (num_groups, k, n), jnp.float32)
+
+  def shard_fn(lhs, rhs, sizes):
+    offset = jax.lax.axis_index("expert") * rhs.shape[0]
+    out = pallas_moe.gmm(
+      lhs, rhs, sizes, tiling=(32, 128, 128), group_offset=offset, interpret=INTERPRET_MODES[mode]
+    )
+    return jax.lax.psum(out, "expert")
+
+  layer = jax.shard_map(
+    shard_fn, mesh=mesh, in_specs=(P(), P("expert"), P()), out_specs=P(), check_vma=True
+  )
+
+  def loss(lhs, rhs):
+    return jnp.sum(jnp.sin(layer(lhs, rhs, sizes)))
+
+  out = jax.jit(layer)(lhs, rhs, sizes)
+  np.testing.assert_allclose(np.asarray(out), np_gmm(lhs, rhs, sizes), rtol=2e-5, atol=3e-4)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
+  ref_grads = jax.grad(lambda a, b: jnp.sum(jnp.sin(reference.gmm(a, b, sizes))), argnums=(0, 1))(
+    lhs, rhs
+  )
+  for a, b in zip(grads, ref_grads, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
