@@ -47,8 +47,11 @@ def gmm_pallas(
   group_offset: jax.Array,
   existing_out: jax.Array | None = None,
   transpose_rhs: bool = False,
+  sub_m: int | None = None,
+  vmem_limit_bytes: int | None = None,
+  count_rows: bool = False,
   interpret: common.Interpret = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Runs the gmm kernel on validated arguments.
 
   Args:
@@ -60,15 +63,23 @@ def gmm_pallas(
     group_offset: [] int32, the first global group that rhs holds.
     existing_out: optional [m, n] of `out_dtype`; rows outside the local groups keep its values.
     transpose_rhs: whether rhs is [G, n, k].
+    sub_m: rows per MXU pass; sub-blocks of the m-tile outside the visit's group are skipped.
+      Must divide tm. None: the whole tile (no skipping).
+    vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    count_rows: instrumentation for interpret mode: also return [tiles_n, max_visits] int32 rows
+      pushed through the MXU per (n-tile, visit) for one sweep over k.
     interpret: see `common.run_kernel`.
 
   Returns:
-    [m, n] of `out_dtype`.
+    [m, n] of `out_dtype` (and the row counts with `count_rows`).
   """
   m, k = lhs.shape
   num_local_groups = rhs.shape[0]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tm, tk, tn = tiling
+  sub_m = tm if sub_m is None else sub_m
+  if tm % sub_m:
+    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
   tiles_n, tiles_k = metadata.cdiv(n, tn), metadata.cdiv(k, tk)
   k_rem = k % tk
   compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
@@ -93,36 +104,55 @@ def gmm_pallas(
   has_existing = existing_out is not None
 
   def kernel(offsets_ref, group_ref, m_tile_ref, _load_ref, active_ref, goff_ref, *refs):
+    refs = list(refs)
+    rows_ref = refs.pop(-2) if count_rows else None
     if has_existing:
       lhs_ref, rhs_ref, existing_ref, out_ref, acc_ref = refs
     else:
       lhs_ref, rhs_ref, out_ref, acc_ref = refs
       existing_ref = None
-    visit = pl.program_id(1)
-    k_i = pl.program_id(2)
+    n_i, visit, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     active = active_ref[visit] == 1
+    group = group_ref[visit] + goff_ref[0]
+    # NOTE: rows of this tile inside [start, end) belong to the visit's group.
+    start, end = offsets_ref[group], offsets_ref[group + 1]
+    row0 = m_tile_ref[visit] * tm
 
     @pl.when(k_i == 0)
     def _zero_acc():
       acc_ref[...] = jnp.zeros_like(acc_ref)
+      if rows_ref is not None:
+        rows_ref[n_i, visit] = 0
 
-    def accumulate(last_k: bool):
-      lhs_blk, rhs_blk = lhs_ref[...], rhs_ref[...]
+    def accumulate(sub: int, last_k: bool):
+      rows = pl.ds(sub * sub_m, sub_m)
+      lhs_blk, rhs_blk = lhs_ref[rows, :], rhs_ref[...]
       if last_k and k_rem:
         lhs_blk = _mask_k(lhs_blk, valid_k=k_rem, axis=1)
         rhs_blk = _mask_k(rhs_blk, valid_k=k_rem, axis=1 if transpose_rhs else 0)
-      acc_ref[...] += lax.dot_general(
+      acc_ref[rows, :] += lax.dot_general(
         lhs_blk.astype(compute_dtype),
         rhs_blk.astype(compute_dtype),
         dimension_numbers=_dot_dims(transpose_rhs),
         preferred_element_type=jnp.float32,
       )
+      if rows_ref is not None:
 
-    if k_rem:
-      pl.when(active & (k_i == tiles_k - 1))(functools.partial(accumulate, True))
-      pl.when(active & (k_i != tiles_k - 1))(functools.partial(accumulate, False))
-    else:
-      pl.when(active)(functools.partial(accumulate, False))
+        @pl.when(k_i == 0)
+        def _count():
+          rows_ref[n_i, visit] += sub_m
+
+    # NOTE: the tile is multiplied in sub-blocks of sub_m rows (the MXU's row granularity); a
+    # sub-block holding no row of the visit's group is skipped, so a tile that straddles group
+    # boundaries costs each group only the sub-blocks it touches, not the whole tile.
+    for sub in range(tm // sub_m):
+      lo = row0 + sub * sub_m
+      hit = active & (lo < end) & (lo + sub_m > start)
+      if k_rem:
+        pl.when(hit & (k_i == tiles_k - 1))(functools.partial(accumulate, sub, True))
+        pl.when(hit & (k_i != tiles_k - 1))(functools.partial(accumulate, sub, False))
+      else:
+        pl.when(hit)(functools.partial(accumulate, sub, False))
 
     @pl.when(k_i == tiles_k - 1)
     def _store():
@@ -131,10 +161,7 @@ def gmm_pallas(
       # existing_out (or zeros), later ones add their group's rows to what is already there.
       prev_tile = m_tile_ref[jnp.maximum(visit - 1, 0)]
       first = (visit == 0) | (prev_tile != m_tile)
-      group = group_ref[visit] + goff_ref[0]
-      # NOTE: rows of this tile inside [start, end) belong to the visit's group.
-      start, end = offsets_ref[group], offsets_ref[group + 1]
-      rows = m_tile * tm + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+      rows = row0 + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
       mine = active & (rows >= start) & (rows < end)
       if existing_ref is None:
         fresh = jnp.zeros((tm, tn), jnp.float32)
@@ -178,19 +205,26 @@ def gmm_pallas(
     (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
   )
 
+  out_shapes = [out_shape]
+  out_specs = [pl.BlockSpec((tm, tn), out_map)]
+  if count_rows:
+    out_shapes.append(jax.ShapeDtypeStruct((tiles_n, schedule.max_visits), jnp.int32))
+    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+
   def build(interpret):
     return pl.pallas_call(
       kernel,
-      out_shape=out_shape,
+      out_shape=out_shapes if count_rows else out_shape,
       grid_spec=pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((tm, tn), out_map),
+        out_specs=out_specs if count_rows else out_specs[0],
         grid=(tiles_n, schedule.num_visits, tiles_k),
         scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
       ),
       compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("parallel", "arbitrary", "arbitrary")
+        dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+        vmem_limit_bytes=vmem_limit_bytes,
       ),
       # NOTE: on TPU the output reuses existing_out's HBM buffer. The TPU simulator returns the
       # padded buffer for an aliased output with a ragged last block (jax 0.10.2), and aliasing
@@ -201,4 +235,11 @@ def gmm_pallas(
       name="pallas_moe_gmm",
     )
 
+  if count_rows:
+    if interpret is None or interpret is False:
+      raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
+    out, rows = build(interpret)(*prefetch, *operands)
+    # NOTE: entries past num_visits belong to no grid step and were never written.
+    real = jnp.arange(schedule.max_visits) < schedule.num_visits
+    return out, jnp.where(real[None, :], rows, 0)
   return common.run_kernel(build, interpret, *prefetch, *operands)

@@ -178,3 +178,30 @@ def make_schedule(
     visit_active=jnp.where(pad, 0, active).astype(jnp.int32),
     num_visits=num_visits.astype(jnp.int32),
   )
+
+
+def mxu_rows(schedule: Schedule, *, group_offset: jax.Array | int, tm: int, sub_m: int):
+  """Rows the kernels push through the MXU for one sweep over k and n, from the schedule.
+
+  A compute visit multiplies each sub_m-row sub-block of its m-tile that holds a row of its group
+  (`gmm_kernel` / `tgmm_kernel` skip the others). This is the count a cost model uses at full
+  size; the kernels' `count_rows` instrumentation measures the same thing by running them.
+
+  Args:
+    schedule: from `make_schedule`.
+    group_offset: the shard's first global group.
+    tm: m-tile size.
+    sub_m: rows per MXU pass (divides tm).
+
+  Returns:
+    [] int32 total rows.
+  """
+  real = jnp.arange(schedule.max_visits) < schedule.num_visits
+  active = (schedule.visit_active == 1) & real
+  group = schedule.visit_group + jnp.asarray(group_offset, jnp.int32)
+  start = schedule.group_offsets[group]
+  end = schedule.group_offsets[group + 1]
+  lo = schedule.visit_m_tile[:, None] * tm + jnp.arange(0, tm, sub_m)[None, :]
+  # NOTE: sub-block [lo, lo + sub_m) is multiplied iff it intersects the group's [start, end).
+  hit = active[:, None] & (lo < end[:, None]) & (lo + sub_m > start[:, None])
+  return jnp.sum(hit).astype(jnp.int32) * sub_m

@@ -68,6 +68,24 @@ TGMM_ALIGN = (common.LANE, common.SUBLANE, common.LANE)
 _NAMES = ("tm", "tk", "tn")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelTiling:
+  """What one kernel call is launched with.
+
+  Attributes:
+    tiles: (tm, tk, tn), clamped to the dims and aligned.
+    sub_m: rows per MXU pass: the MXU size when it divides tm, else tm (no sub-block skipping).
+    vmem_limit_bytes: Mosaic's scoped VMEM limit when the tiles need more than the default.
+  """
+
+  tiles: Tiles
+  sub_m: int
+  vmem_limit_bytes: int | None
+
+  def kwargs(self) -> dict[str, Any]:
+    return dict(tiling=self.tiles, sub_m=self.sub_m, vmem_limit_bytes=self.vmem_limit_bytes)
+
+
 def _resolve_tiles(
   spec: Tiles | TileFn | None,
   *,
@@ -76,7 +94,7 @@ def _resolve_tiles(
   num_groups: int,
   dtypes: tuple[Any, Any, Any],
   interpret: common.Interpret,
-) -> Tiles:
+) -> KernelTiling:
   """Tiles for one kernel call: the heuristic, a LUT lookup, or the user's, checked.
 
   Args:
@@ -110,18 +128,21 @@ def _resolve_tiles(
     spec = looked_up
   aligns = GMM_ALIGN if kind == "gmm" else TGMM_ALIGN
   tm, tk, tn = common.fit_tiles(spec, dims=dims, names=_NAMES, aligns=aligns)
+  vmem = dict(tm=tm, tk=tk, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype, out_dtype=out_dtype)
+  estimate = tiling_lib.vmem_estimate_bytes(**vmem, kind=kind)
   if interpret is None or interpret is False:
     tiling_lib.check_fits_vmem(
-      tm=tm,
-      tk=tk,
-      tn=tn,
-      lhs_dtype=lhs_dtype,
-      rhs_dtype=rhs_dtype,
-      out_dtype=out_dtype,
+      **vmem,
       kind=kind,
       generation=generation,
+      vmem_limit_bytes=tiling_lib.usable_vmem_bytes(generation),
     )
-  return tm, tk, tn
+  mxu = generation.mxu_size
+  return KernelTiling(
+    tiles=(tm, tk, tn),
+    sub_m=mxu if tm % mxu == 0 else tm,
+    vmem_limit_bytes=tiling_lib.vmem_limit_for(estimate, generation),
+  )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,9 +150,9 @@ class _GmmStatic:
   """Static (hashable) configuration of one differentiable gmm call."""
 
   out_dtype: Any
-  fwd: Tiles
-  dlhs: Tiles
-  drhs: Tiles  # In tgmm's coordinates: (tm, tn, tk) of the rhs when transpose_rhs.
+  fwd: KernelTiling
+  dlhs: KernelTiling
+  drhs: KernelTiling  # In tgmm's coordinates: (tm, tn, tk) of the rhs when transpose_rhs.
   transpose_rhs: bool
   interpret: Any
 
@@ -176,7 +197,7 @@ def _gmm_fwd_impl(static: _GmmStatic, lhs, rhs, group_sizes, group_offset, exist
     lhs,
     rhs,
     group_sizes,
-    tiling=static.fwd,
+    **static.fwd.kwargs(),
     out_dtype=static.out_dtype,
     group_offset=group_offset,
     existing_out=existing_out,
@@ -207,7 +228,7 @@ def _gmm_diff_bwd(static, residuals, dout):
     dout_c,
     rhs,
     group_sizes,
-    tiling=static.dlhs,
+    **static.dlhs.kwargs(),
     out_dtype=lhs.dtype,
     group_offset=group_offset,
     transpose_rhs=not static.transpose_rhs,
@@ -223,7 +244,7 @@ def _gmm_diff_bwd(static, residuals, dout):
     t_lhs,
     t_rhs,
     group_sizes,
-    tiling=static.drhs,
+    **static.drhs.kwargs(),
     out_dtype=rhs.dtype,
     group_offset=group_offset,
     num_actual_groups=num_local_groups,
@@ -262,7 +283,7 @@ def _tgmm_jit(
     lhs,
     rhs,
     group_sizes,
-    tiling=tiling,
+    **tiling.kwargs(),
     out_dtype=out_dtype,
     group_offset=group_offset,
     num_actual_groups=num_actual_groups,

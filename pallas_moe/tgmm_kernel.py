@@ -10,6 +10,7 @@ or `existing_out` for empty groups).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -31,8 +32,11 @@ def tgmm_pallas(
   group_offset: jax.Array,
   num_actual_groups: int,
   existing_out: jax.Array | None = None,
+  sub_m: int | None = None,
+  vmem_limit_bytes: int | None = None,
+  count_rows: bool = False,
   interpret: common.Interpret = None,
-) -> jax.Array:
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Runs the tgmm kernel on validated arguments.
 
   Args:
@@ -44,14 +48,22 @@ def tgmm_pallas(
     group_offset: [] int32, the first global group to compute.
     num_actual_groups: number of local groups to compute (static).
     existing_out: optional [num_actual_groups, k, n] of `out_dtype`, added to the result.
+    sub_m: rows per MXU pass (a multiple of 128 dividing tm); sub-blocks of the m-tile outside
+      the visit's group are skipped. None: the whole tile.
+    vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    count_rows: instrumentation for interpret mode: also return [tiles_k, tiles_n, max_visits]
+      int32 rows pushed through the MXU per grid step.
     interpret: see `common.run_kernel`.
 
   Returns:
-    [num_actual_groups, k, n] of `out_dtype`.
+    [num_actual_groups, k, n] of `out_dtype` (and the row counts with `count_rows`).
   """
   k, m = lhs.shape
   n = rhs.shape[1]
   tm, tk, tn = tiling
+  sub_m = tm if sub_m is None else sub_m
+  if tm % sub_m:
+    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
   tiles_k, tiles_n = metadata.cdiv(k, tk), metadata.cdiv(n, tn)
   compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
 
@@ -74,12 +86,14 @@ def tgmm_pallas(
   has_existing = existing_out is not None
 
   def kernel(offsets_ref, group_ref, tile_ref, active_ref, goff_ref, *refs):
+    refs = list(refs)
+    rows_ref = refs.pop(-2) if count_rows else None
     if has_existing:
       lhs_ref, rhs_ref, existing_ref, out_ref, acc_ref = refs
     else:
       lhs_ref, rhs_ref, out_ref, acc_ref = refs
       existing_ref = None
-    visit = pl.program_id(2)
+    k_i, n_i, visit = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_visits = pl.num_programs(2)
     group = group_ref[visit]
     prev_group = group_ref[jnp.maximum(visit - 1, 0)]
@@ -88,27 +102,41 @@ def tgmm_pallas(
     # one writes the output block.
     first = (visit == 0) | (prev_group != group)
     last = (visit == num_visits - 1) | (next_group != group)
+    active = active_ref[visit] == 1
+    g = group + goff_ref[0]
+    start, end = offsets_ref[g], offsets_ref[g + 1]
+    row0 = tile_ref[visit] * tm
+    if rows_ref is not None:
+      rows_ref[k_i, n_i, visit] = 0
 
     @pl.when(first)
     def _zero_acc():
       acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(active_ref[visit] == 1)
-    def _accumulate():
-      g = group + goff_ref[0]
-      start, end = offsets_ref[g], offsets_ref[g + 1]
-      row0 = tile_ref[visit] * tm
-      # NOTE: only the rows of this tile that belong to the group contribute. Mask both operands:
-      # rows of a ragged last m-tile are uninitialized (NaN under interpret mode) and 0 * NaN = NaN.
-      lhs_cols = row0 + lax.broadcasted_iota(jnp.int32, (tk, tm), 1)
-      rhs_rows = row0 + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
-      lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_ref[...], 0)
-      rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_ref[...], 0)
+    def accumulate(sub: int):
+      rows = pl.ds(sub * sub_m, sub_m)
+      # NOTE: only the rows of this sub-block that belong to the group contribute. Mask both
+      # operands: rows of a ragged last m-tile are uninitialized (NaN under interpret mode) and
+      # 0 * NaN = NaN.
+      lo = row0 + sub * sub_m
+      lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, sub_m), 1)
+      rhs_rows = lo + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
+      lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_ref[:, rows], 0)
+      rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_ref[rows, :], 0)
       acc_ref[...] += jnp.dot(
         lhs_blk.astype(compute_dtype),
         rhs_blk.astype(compute_dtype),
         preferred_element_type=jnp.float32,
       )
+      if rows_ref is not None:
+        rows_ref[k_i, n_i, visit] += sub_m
+
+    # NOTE: rows are tgmm's contraction dim. The tile is reduced in sub-blocks of sub_m rows (the
+    # MXU granularity), skipping sub-blocks that hold no row of the group: a tile straddling group
+    # boundaries costs each group only the sub-blocks it touches.
+    for sub in range(tm // sub_m):
+      lo = row0 + sub * sub_m
+      pl.when(active & (lo < end) & (lo + sub_m > start))(functools.partial(accumulate, sub))
 
     @pl.when(last)
     def _store():
@@ -146,23 +174,37 @@ def tgmm_pallas(
     (num_actual_groups, k, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
   )
 
+  out_shapes = [out_shape]
+  out_specs = [pl.BlockSpec((None, tk, tn), out_map)]
+  if count_rows:
+    out_shapes.append(jax.ShapeDtypeStruct((tiles_k, tiles_n, schedule.max_visits), jnp.int32))
+    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+
   def build(interpret):
     return pl.pallas_call(
       kernel,
-      out_shape=out_shape,
+      out_shape=out_shapes if count_rows else out_shape,
       grid_spec=pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(prefetch),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, tk, tn), out_map),
+        out_specs=out_specs if count_rows else out_specs[0],
         grid=(tiles_k, tiles_n, schedule.num_visits),
         scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
       ),
       compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "arbitrary")
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=vmem_limit_bytes,
       ),
       cost_estimate=cost,
       interpret=interpret,
       name="pallas_moe_tgmm",
     )
 
+  if count_rows:
+    if interpret is None or interpret is False:
+      raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
+    out, rows = build(interpret)(*prefetch, *operands)
+    # NOTE: entries past num_visits belong to no grid step and were never written.
+    real = jnp.arange(schedule.max_visits) < schedule.num_visits
+    return out, jnp.where(real[None, None, :], rows, 0)
   return common.run_kernel(build, interpret, *prefetch, *operands)

@@ -21,6 +21,8 @@ budget should set `vmem_limit_bytes` to the same figure.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -31,6 +33,9 @@ __all__ = [
   "GENERATIONS",
   "get_generation",
   "current_generation",
+  "use_generation",
+  "usable_vmem_bytes",
+  "vmem_limit_for",
   "vmem_estimate_bytes",
   "check_fits_vmem",
   "pick_tiling",
@@ -162,12 +167,34 @@ def get_generation(name: str | TpuGeneration) -> TpuGeneration:
   return GENERATIONS[key]
 
 
+_GENERATION_OVERRIDE: contextvars.ContextVar[TpuGeneration | None] = contextvars.ContextVar(
+  "pallas_moe_tpu_generation", default=None
+)
+
+
+@contextlib.contextmanager
+def use_generation(generation: str | TpuGeneration):
+  """Within the block, tiles and VMEM limits are chosen for `generation`.
+
+  For compiling ahead of time for a TPU topology from a host with no TPU (or another generation):
+  `with use_generation("v6e"): jax.jit(step).lower(...).compile()`.
+  """
+  token = _GENERATION_OVERRIDE.set(get_generation(generation))
+  try:
+    yield
+  finally:
+    _GENERATION_OVERRIDE.reset(token)
+
+
 def current_generation() -> TpuGeneration:
-  """The generation of `jax.devices()[0]` on TPU; v5e on any other backend.
+  """The `use_generation` override, else the generation of `jax.devices()[0]` on TPU, else v5e.
 
   Returns:
     The `TpuGeneration`.
   """
+  override = _GENERATION_OVERRIDE.get()
+  if override is not None:
+    return override
   import jax
 
   try:
@@ -332,6 +359,27 @@ def _dim_candidates(dim: int, mxu: int) -> list[int]:
   return [dim]
 
 
+def usable_vmem_bytes(generation: str | TpuGeneration) -> int:
+  """VMEM our kernels may ask Mosaic for (`vmem_limit_bytes`): 3/4 of the physical VMEM.
+
+  The rest is left to Mosaic's internal scratch and to what our estimate misses.
+  """
+  return get_generation(generation).vmem_bytes * 3 // 4
+
+
+def vmem_limit_for(estimate_bytes: int, generation: str | TpuGeneration) -> int | None:
+  """The `vmem_limit_bytes` a kernel with this VMEM estimate must pass (None: the default does)."""
+  gen = get_generation(generation)
+  if estimate_bytes <= gen.scoped_vmem_default_bytes:
+    return None
+  return usable_vmem_bytes(gen)
+
+
+def _tm_candidates(m: int, mxu: int) -> list[int]:
+  cands = [t for t in (mxu, 2 * mxu, 512, 1024, 2048) if t % mxu == 0 and t < m]
+  return sorted(set(cands)) + [m] if m <= 2048 else sorted(set(cands))
+
+
 def pick_tiling(
   *,
   m: int,
@@ -346,77 +394,77 @@ def pick_tiling(
   vmem_budget_bytes: int | None = None,
   step_overhead_s: float = 0.35e-6,
 ) -> tuple[int, int, int]:
-  """Chooses (tm, tk, tn) for a gmm or tgmm.
+  """Chooses (tm, tk, tn) for a gmm or tgmm by a small cost model of our kernels.
 
-  tm: the largest power of two <= half the mean group size, clamped to [MXU size, 512] (or m if
-  smaller). Tiles that straddle a group boundary are computed once per group, so tm
-  should be well below the mean group; below the MXU size the systolic array idles; above ~512
-  the extra DMA efficiency is small.
+  Our kernels multiply an m-tile in sub-blocks of the MXU's row count and skip sub-blocks outside
+  the visit's group, so MXU work does not grow with tm; what tm, tk and tn change is HBM traffic
+  and the number of grid steps. Every candidate that fits the VMEM budget is scored by
+  max(MXU time, HBM time) + steps x per-step overhead, where:
 
-  tk, tn: every candidate (the full dim, or a divisor that is a multiple of the MXU edge, else
-  of 128, up to 4096) that fits the VMEM
-  budget is scored by its modeled HBM traffic plus per-step overhead expressed in bytes
-  (overhead x bandwidth); the cheapest wins. For gmm: lhs is re-read once per n tile, and the
-  expert's weight block is re-read for every m tile unless tk == k (then consecutive m tiles of
-  one group keep the same rhs block index, so it is fetched once per group and n tile). For
-  tgmm: lhs is re-read per n tile, rhs per k tile. Full k and large tn therefore win whenever
-  they fit.
+  - gmm: with tk == k an m-tile's lhs block keeps its block index over the consecutive visits of
+    the groups that share it, and the expert's weight block keeps its index over the group's
+    consecutive visits: lhs is read once per n tile and weights once. With tk < k both are
+    re-fetched on every visit (k is the innermost grid axis): (m/tm + G) x (tm k + k n) per n tile.
+  - tgmm: lhs [k, m] is read once per n tile and dout [m, n] once per k tile.
+  - MXU time counts the ragged last k and n tiles as full tiles.
 
   Args:
     m: rows (tokens x top_k on this device).
-    k: contraction dim of gmm (d_model).
-    n: output dim of gmm (expert ffn).
+    k: contraction dim of gmm (d_model), or tgmm's output rows.
+    n: output columns.
     num_groups: local experts.
     kind: "gmm" or "tgmm" (for tgmm, m is the contraction dim; out is [G, k, n]).
     lhs_dtype: lhs element type.
     rhs_dtype: rhs element type.
     out_dtype: output element type.
     generation: TPU generation (name or `TpuGeneration`).
-    vmem_budget_bytes: VMEM budget; default the generation's scoped default. Pass a larger one
-      only together with `vmem_limit_bytes` in the kernel's compiler params.
-    step_overhead_s: per grid step overhead used to score tilings.
+    vmem_budget_bytes: VMEM budget; default `usable_vmem_bytes(generation)`. The kernels set
+      `vmem_limit_bytes` (see `vmem_limit_for`) when a tiling needs more than the scoped default.
+    step_overhead_s: per grid step overhead.
 
   Returns:
-    (tm, tk, tn): tm a multiple of 8 (or m), tk and tn multiples of 128 or the full dim.
+    (tm, tk, tn): tm a multiple of the MXU size (or m), tk and tn multiples of 128 or full dims.
   """
+  if kind not in ("gmm", "tgmm"):
+    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
   gen = get_generation(generation)
-  budget = vmem_budget_bytes if vmem_budget_bytes is not None else gen.scoped_vmem_default_bytes
-  mean_rows = m / max(num_groups, 1)
-  tm = min(max(_pow2_floor(mean_rows / 2), gen.mxu_size), 512)
-  if m < tm:
-    tm = m  # a full dim is always a legal block
+  budget = vmem_budget_bytes if vmem_budget_bytes is not None else usable_vmem_bytes(gen)
   li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
-  overhead_bytes = step_overhead_s * gen.hbm_bytes_per_s
-  tiles_m = -(-m // tm) + num_groups  # upper bound on visited m tiles
+  bw, peak = gen.hbm_bytes_per_s, gen.peak_bf16_flops
   best = None
-  for tk in _dim_candidates(k, gen.mxu_size):
-    for tn in _dim_candidates(n, gen.mxu_size):
-      est = vmem_estimate_bytes(
-        tm=tm,
-        tk=tk,
-        tn=tn,
-        lhs_dtype=lhs_dtype,
-        rhs_dtype=rhs_dtype,
-        out_dtype=out_dtype,
-        kind=kind,
-      )
-      if est > budget:
-        continue
-      nk, nn = -(-k // tk), -(-n // tn)
-      if kind == "gmm":
-        rhs_reads = num_groups if nk == 1 else tiles_m
-        traffic = m * k * li * nn + rhs_reads * k * n * ri + m * n * oi
-      elif kind == "tgmm":
-        traffic = m * k * li * nn + m * n * ri * nk + num_groups * k * n * oi
-      else:
-        raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
-      score = traffic + tiles_m * nk * nn * overhead_bytes
-      key = (score, -tk * tn)
-      if best is None or key < best[0]:
-        best = (key, (tm, tk, tn))
+  for tm in _tm_candidates(m, gen.mxu_size):
+    visits = -(-m // tm) + num_groups
+    for tk in _dim_candidates(k, gen.mxu_size):
+      for tn in _dim_candidates(n, gen.mxu_size):
+        est = vmem_estimate_bytes(
+          tm=tm,
+          tk=tk,
+          tn=tn,
+          lhs_dtype=lhs_dtype,
+          rhs_dtype=rhs_dtype,
+          out_dtype=out_dtype,
+          kind=kind,
+        )
+        if est > budget:
+          continue
+        nk, nn = -(-k // tk), -(-n // tn)
+        if kind == "gmm":
+          if nk == 1:
+            traffic = m * k * li * nn + num_groups * k * n * ri
+          else:
+            traffic = visits * (tm * k * li + k * tn * ri) * nn
+          traffic += m * n * oi
+        else:
+          traffic = m * k * li * nn + m * n * ri * nk + num_groups * k * n * oi
+        mxu_s = 2 * m * (nk * tk) * (nn * tn) / peak
+        steps = visits * nk * nn
+        score = max(mxu_s, traffic / bw) + steps * step_overhead_s
+        key = (score, traffic, -tm)
+        if best is None or key < best[0]:
+          best = (key, (tm, tk, tn))
   if best is None:
     raise ValueError(
-      f"no {kind} tiling with tm={tm} fits {budget / _MIB:.1f} MiB of VMEM on {gen.name} "
+      f"no {kind} tiling fits {budget / _MIB:.1f} MiB of VMEM on {gen.name} "
       f"for (m, k, n)={(m, k, n)}"
     )
   return best[1]

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_testing import group_sizes_strategy
+from kernel_testing import examples, group_sizes_strategy
 
-from pallas_moe import metadata
+from pallas_moe import gmm_kernel, metadata, tgmm_kernel
 
 make_schedule = jax.jit(
   metadata.make_schedule,
@@ -125,3 +125,61 @@ def test_overflowing_traced_sizes_are_clipped(offset):
   tiles = np.asarray(sched.visit_m_tile)
   assert tiles.min() >= 0 and tiles.max() < 7
   assert int(np.asarray(sched.group_offsets)[-1]) == 100
+
+
+def floor_rows(sizes, *, mxu):
+  """Each group's rows rounded out to the MXU size at its boundaries (DESIGN.md)."""
+  ends = np.cumsum(sizes)
+  starts = ends - sizes
+  return int(
+    sum((-(-e // mxu) - s // mxu) * mxu for s, e in zip(starts, ends, strict=True) if e > s)
+  )
+
+
+@pytest.mark.parametrize("kernel", ["gmm", "tgmm"])
+@examples(0.5)
+@given(data=st.data())
+def test_mxu_rows_executed_equal_floor_rows(kernel, data):
+  """Rows the kernel really multiplies (interpret-mode instrumentation) = the schedule-derived
+  count the cost model uses = floor_rows: no MXU work beyond the MXU's own granularity."""
+  m, k, n, num_groups, tm, sub_m = 600, 128, 128, 12, 256, 128
+  sizes = data.draw(group_sizes_strategy(m=m, num_groups=num_groups))
+  gs = jnp.asarray(sizes)
+  x = jnp.ones((m, k), jnp.float32)
+  if kernel == "gmm":
+    _, rows = gmm_kernel.gmm_pallas(
+      x,
+      jnp.ones((num_groups, k, n)),
+      gs,
+      tiling=(tm, k, n),
+      sub_m=sub_m,
+      out_dtype=jnp.float32,
+      group_offset=jnp.int32(0),
+      count_rows=True,
+      interpret=True,
+    )
+  else:
+    _, rows = tgmm_kernel.tgmm_pallas(
+      x.T,
+      jnp.ones((m, n)),
+      gs,
+      tiling=(tm, k, n),
+      sub_m=sub_m,
+      out_dtype=jnp.float32,
+      group_offset=jnp.int32(0),
+      num_actual_groups=num_groups,
+      count_rows=True,
+      interpret=True,
+    )
+  executed = int(np.asarray(rows).sum())
+  sched = make_schedule(
+    group_sizes=gs,
+    group_offset=0,
+    num_local_groups=num_groups,
+    m=m,
+    tm=tm,
+    fill_uncovered_tiles=kernel == "gmm",
+    visit_empty_groups=kernel == "tgmm",
+  )
+  derived = int(metadata.mxu_rows(sched, group_offset=0, tm=tm, sub_m=sub_m))
+  assert executed == derived == floor_rows(sizes, mxu=sub_m)

@@ -49,6 +49,7 @@ CASES = [
   (130, 96, 256, (128, 128, 128), 32, jnp.float32, True),
   (64, 256, 130, (32, 128, 128), 1, jnp.bfloat16, False),
   (100, 200, 256, (32, 128, 128), 5, jnp.bfloat16, True),
+  (600, 128, 256, (256, 128, 128), 10, jnp.float32, False),
 ]
 CASE_IDS = [f"m{c[0]}k{c[1]}n{c[2]}g{c[4]}" + ("T" if c[6] else "") for c in CASES]
 
