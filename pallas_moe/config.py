@@ -5,8 +5,9 @@ and the names MaxText (`num_experts`, `num_experts_per_tok`, `base_moe_mlp_dim`,
 and Hugging Face DeepSeek/Qwen configs (`n_routed_experts`, `moe_intermediate_size`,
 `hidden_size`, ...) use for the same things. Rules:
 
-- Every alias maps to exactly one field (with a value conversion where the ecosystems differ,
-  e.g. MaxText's `capacity_factor=-1` means "dropless", i.e. `buffer_factor=None`).
+- Every alias maps to exactly one field (with a value conversion where the ecosystems differ).
+  MaxText's "unset" values (`capacity_factor=-1`, `ici_expert_parallelism=-1`) set nothing, so
+  the field keeps its default (e.g. `buffer_factor=None`: dropless) unless another key sets it.
 - Two aliases of one field with different (converted) values raise, naming both keys.
 - Keys that are valid in those ecosystems but describe other parts of the model (attention,
   vocabulary, layer count, ...) are listed in `IGNORED_KEYS` and skipped.
@@ -161,6 +162,8 @@ class MoEConfig:
       elif key in _ALIASES:
         field, convert = _ALIASES[key]
         value = convert(raw)
+        if value is None:
+          continue  # NOTE: the ecosystem's "unset" value (e.g. capacity_factor=-1), or a check.
       else:
         if ignore_unknown:
           continue
@@ -181,7 +184,6 @@ class MoEConfig:
             f"MoEConfig.from_dict: {field!r} and the {proj}_tile_* keys disagree; drop one."
           )
         values[field] = tiling
-    values = {k: v for k, v in values.items() if not k.startswith("_")}
     missing = [f for f in ("num_experts", "top_k", "d_model", "expert_ffn_dim") if f not in values]
     if missing:
       hints = {f: [k for k, (t, _) in _ALIASES.items() if t == f] for f in missing}
@@ -245,8 +247,8 @@ def _dtype_name(v) -> str:
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(MoEConfig))
 
-# alias -> (field, value conversion). A conversion returning None for a check-only key (like
-# `sparse_matmul`) is stored under a private field name and dropped below.
+# alias -> (field, value conversion). A conversion returning None means "not set" (MaxText's -1
+# values) or marks a check-only key (`sparse_matmul`, `routed_bias`): nothing is recorded.
 _ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
   # MaxText
   "num_experts_per_tok": ("top_k", int),
@@ -256,12 +258,12 @@ _ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
   "moe_mlp_dim": ("expert_ffn_dim", int),
   "shared_experts": ("num_shared_experts", _shared),
   "routed_score_func": ("score_func", str),
-  "routed_bias": ("_routed_bias", _false_only("routed_bias")),
+  "routed_bias": ("num_experts", _false_only("routed_bias")),
   "mlp_activations": ("activation", _activation),
   "capacity_factor": ("buffer_factor", _dropless_if_nonpositive),
   "ragged_buffer_factor": ("buffer_factor", _dropless_if_nonpositive),
   "megablox": ("gmm_impl", lambda v: "pallas" if v else "ragged_dot"),
-  "sparse_matmul": ("_sparse_matmul", _true_only("sparse_matmul")),
+  "sparse_matmul": ("gmm_impl", _true_only("sparse_matmul")),
   "ici_expert_parallelism": ("expert_parallelism", _parallelism),
   "load_balance_loss_weight": ("aux_loss_coef", float),
   # Hugging Face (DeepSeek-V2/V3, Qwen-MoE, Mixtral)
@@ -384,7 +386,7 @@ def _tiling_from_maxtext(tiles: dict[str, int], *, proj: str) -> Tiling | None:
 
 
 def _unknown_key_message(key: str) -> str:
-  valid = sorted((_FIELDS | set(_ALIASES) | _TILE_KEYS) - {"_routed_bias", "_sparse_matmul"})
+  valid = sorted(_FIELDS | set(_ALIASES) | _TILE_KEYS)
   close = difflib.get_close_matches(key, valid + sorted(IGNORED_KEYS), n=1, cutoff=0.6)
   hint = f" Did you mean {close[0]!r}?" if close else ""
   return (

@@ -101,20 +101,24 @@ def moe(params: dict, x: jax.Array, config, *, keep: jax.Array | None = None):
   if keep is not None:
     weights = jnp.where(keep, weights, 0.0)
   num_experts, f = config.num_experts, config.expert_ffn_dim
-  y = jnp.zeros_like(x)
-  for e in range(num_experts):
+
+  def expert(e, y):
+    """Adds expert e's output for every token, weighted by the token's weight for e (or 0)."""
     h = jnp.dot(x, f32(params["wi"][e]), precision=hi)
     # NOTE: outputs are rounded to config.dtype where the block's gmm outputs are.
     h = h.astype(dt).astype(jnp.float32)
     act = (jax.nn.silu(h[:, :f]) * h[:, f:]).astype(dt).astype(jnp.float32)
     out = jnp.dot(act, f32(params["wo"][e]), precision=hi).astype(dt).astype(jnp.float32)
     coef = jnp.sum(jnp.where(ids == e, weights, 0.0), axis=1)  # [T]
-    y = y + coef[:, None] * out
+    return y + coef[:, None] * out
+
+  # NOTE: a rolled loop over experts: one compiled body however many experts there are.
+  y = jax.lax.fori_loop(0, num_experts, expert, jnp.zeros_like(x))
   if "shared_wi" in params:
     h = jnp.dot(x, f32(params["shared_wi"]), precision=hi)
     s = h.shape[1] // 2
     y = y + jnp.dot(jax.nn.silu(h[:, :s]) * h[:, s:], f32(params["shared_wo"]), precision=hi)
-  counts = jnp.stack([jnp.sum(ids == e) for e in range(num_experts)]).astype(jnp.float32)
+  counts = jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)
   frac = jax.lax.stop_gradient(counts / (x.shape[0] * config.top_k))
   aux = num_experts * jnp.sum(frac * probs.mean(axis=0))
   return y, aux, ids
