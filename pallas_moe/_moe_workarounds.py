@@ -38,12 +38,17 @@ def install() -> None:
   inner = entry.rule
 
   def lowering(ctx, *in_nodes, interpret, **params):
-    if interpret:
-      ctx = ctx.replace(
-        avals_in=[_unvarying(a) for a in ctx.avals_in],
-        avals_out=[_unvarying(a) for a in ctx.avals_out],
-      )
-    return inner(ctx, *in_nodes, interpret=interpret, **params)
+    if not interpret:
+      return inner(ctx, *in_nodes, interpret=interpret, **params)
+    stripped = ctx.replace(
+      avals_in=[_unvarying(a) for a in ctx.avals_in],
+      avals_out=[_unvarying(a) for a in ctx.avals_out],
+    )
+    out = inner(stripped, *in_nodes, interpret=interpret, **params)
+    # NOTE: effectful lowerings (the TPU simulator's callbacks) set tokens on the context they get.
+    if stripped.tokens_out is not None:
+      ctx.set_tokens_out(stripped.tokens_out)
+    return out
 
   setattr(lowering, _PATCHED, True)
   mlir._lowerings[prim] = mlir.LoweringRuleEntry(lowering, entry.inline)
