@@ -10,16 +10,28 @@ from pallas_moe.collectives import (
   plan_from_send_counts,
   ragged_all_to_all,
 )
+from pallas_moe.config import MoEConfig
+from pallas_moe.moe import (
+  dropless_buffer_rows,
+  init_params,
+  moe_block,
+  moe_layer,
+)
 from pallas_moe.ops import Tiling, gmm, tgmm
 
 __all__ = [
   "BufferPolicy",
+  "MoEConfig",
   "RaggedPlan",
   "Tiling",
   "combine",
   "dispatch",
+  "dropless_buffer_rows",
   "exact_buffer_rows",
   "gmm",
+  "init_params",
+  "moe_block",
+  "moe_layer",
   "plan_from_group_sizes",
   "plan_from_send_counts",
   "ragged_all_to_all",

@@ -79,3 +79,60 @@ def tgmm(
   if existing_out is not None:
     out = out + existing_out.astype(jnp.float32)
   return out.astype(out_dtype)
+
+
+def moe(params: dict, x: jax.Array, config, *, keep: jax.Array | None = None):
+  """Dense MoE reference: every token through its top-k experts by a loop over experts.
+
+  Plain jnp in f32 (HIGHEST precision) on the global batch, independent of the block's sorting,
+  exchange and kernels. Inputs are first rounded to `config.dtype` like the block does.
+
+  Args:
+    params: `moe.init_params` layout: router [d, E], wi [E, d, 2f], wo [E, f, d], optional
+      shared_wi [d, 2s], shared_wo [s, d].
+    x: [T, d] tokens.
+    config: a `MoEConfig`.
+    keep: optional [T, k] bool; False (token, choice) pairs contribute nothing (dropped rows).
+
+  Returns:
+    `(y [T, d] f32, aux_loss f32, expert_ids [T, k])`.
+  """
+  hi = jax.lax.Precision.HIGHEST
+  dt = jnp.dtype(config.dtype)
+  f32 = lambda a: a.astype(dt).astype(jnp.float32)
+  x = f32(x)
+  logits = jnp.dot(x, params["router"].astype(jnp.float32), precision=hi)
+  if config.score_func == "softmax":
+    scores = jax.nn.softmax(logits, axis=-1)
+    probs = scores
+  else:
+    scores = jax.nn.sigmoid(logits)
+    probs = scores / scores.sum(-1, keepdims=True)
+  weights, ids = jax.lax.top_k(scores, config.top_k)
+  if config.norm_topk_prob:
+    weights = weights / weights.sum(-1, keepdims=True)
+  weights = weights * config.routed_scaling_factor
+  if keep is not None:
+    weights = jnp.where(keep, weights, 0.0)
+  num_experts, f = config.num_experts, config.expert_ffn_dim
+
+  def expert(e, y):
+    """Adds expert e's output for every token, weighted by the token's weight for e (or 0)."""
+    h = jnp.dot(x, f32(params["wi"][e]), precision=hi)
+    # NOTE: outputs are rounded to config.dtype where the block's gmm outputs are.
+    h = h.astype(dt).astype(jnp.float32)
+    act = (jax.nn.silu(h[:, :f]) * h[:, f:]).astype(dt).astype(jnp.float32)
+    out = jnp.dot(act, f32(params["wo"][e]), precision=hi).astype(dt).astype(jnp.float32)
+    coef = jnp.sum(jnp.where(ids == e, weights, 0.0), axis=1)  # [T]
+    return y + coef[:, None] * out
+
+  # NOTE: a rolled loop over experts: one compiled body however many experts there are.
+  y = jax.lax.fori_loop(0, num_experts, expert, jnp.zeros_like(x))
+  if "shared_wi" in params:
+    h = jnp.dot(x, f32(params["shared_wi"]), precision=hi)
+    s = h.shape[1] // 2
+    y = y + jnp.dot(jax.nn.silu(h[:, :s]) * h[:, s:], f32(params["shared_wo"]), precision=hi)
+  counts = jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)
+  frac = jax.lax.stop_gradient(counts / (x.shape[0] * config.top_k))
+  aux = num_experts * jnp.sum(frac * probs.mean(axis=0))
+  return y, aux, ids

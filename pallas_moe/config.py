@@ -1,0 +1,395 @@
+"""MoE layer configuration, readable from MaxText and Hugging Face config dicts.
+
+`MoEConfig` is a frozen keyword-only dataclass. `MoEConfig.from_dict` accepts our own field names
+and the names MaxText (`num_experts`, `num_experts_per_tok`, `base_moe_mlp_dim`, `wi_tile_*`, ...)
+and Hugging Face DeepSeek/Qwen configs (`n_routed_experts`, `moe_intermediate_size`,
+`hidden_size`, ...) use for the same things. Rules:
+
+- Every alias maps to exactly one field (with a value conversion where the ecosystems differ).
+  MaxText's "unset" values (`capacity_factor=-1`, `ici_expert_parallelism=-1`) set nothing, so
+  the field keeps its default (e.g. `buffer_factor=None`: dropless) unless another key sets it.
+- Two aliases of one field with different (converted) values raise, naming both keys.
+- Keys that are valid in those ecosystems but describe other parts of the model (attention,
+  vocabulary, layer count, ...) are listed in `IGNORED_KEYS` and skipped.
+- Any other key raises, naming the key and the closest valid name; `ignore_unknown=True` skips
+  them instead (for dicts from newer framework versions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax.numpy as jnp
+
+from pallas_moe.ops import Tiling
+
+__all__ = ["IGNORED_KEYS", "MoEConfig"]
+
+_SCORE_FUNCS = ("softmax", "sigmoid")
+_ACTIVATIONS = ("swiglu",)
+_TOPK_METHODS = ("greedy",)
+_GMM_IMPLS = ("pallas", "ragged_dot")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+  """A Mixture-of-Experts layer: routed SwiGLU experts, optional shared experts.
+
+  Attributes:
+    num_experts: routed experts.
+    top_k: experts per token.
+    d_model: model (embedding) width.
+    expert_ffn_dim: hidden width of each routed expert.
+    num_shared_experts: experts every token goes through (a dense MLP).
+    shared_ffn_dim: hidden width of each shared expert (default `expert_ffn_dim`); the shared
+      MLP is one SwiGLU MLP of width `num_shared_experts * shared_ffn_dim`, as in DeepSeek.
+    activation: "swiglu": `silu(x @ w_gate) * (x @ w_up)`.
+    score_func: router scores, "softmax" or "sigmoid" over the expert logits.
+    norm_topk_prob: divide the top-k scores by their sum.
+    routed_scaling_factor: multiplies the routed experts' combined output.
+    topk_method: "greedy" (plain top-k). Grouped methods are not implemented.
+    buffer_factor: None (default): dropless, see `moe.buffer_rows_for`. A float `f`: each
+      device's receive buffer has `ceil(f * tokens_per_device * top_k)` rows; overflowing rows
+      are dropped and counted.
+    gmm_impl: "pallas" (our kernels) or "ragged_dot" (`jax.lax.ragged_dot`).
+    wi_tiling: gmm tiles for the gate/up projection (`Tiling` or None for the heuristic).
+    wo_tiling: gmm tiles for the down projection.
+    data_axis: mesh axis the batch is split over (besides the expert axis).
+    expert_axis: mesh axis the experts are split over.
+    expert_parallelism: expected size of the expert axis (checked against the mesh), or None.
+    dtype: activation and matmul dtype name.
+    weight_dtype: parameter dtype name (`init_params`).
+    aux_loss_coef: weight of the load-balancing loss (the block returns it unweighted too).
+    debug_nan_poison: fill unwritten exchange-buffer rows with NaN (debugging).
+  """
+
+  num_experts: int
+  top_k: int
+  d_model: int
+  expert_ffn_dim: int
+  num_shared_experts: int = 0
+  shared_ffn_dim: int | None = None
+  activation: str = "swiglu"
+  score_func: str = "softmax"
+  norm_topk_prob: bool = False
+  routed_scaling_factor: float = 1.0
+  topk_method: str = "greedy"
+  buffer_factor: float | None = None
+  gmm_impl: str = "pallas"
+  wi_tiling: Tiling | None = None
+  wo_tiling: Tiling | None = None
+  data_axis: str = "data"
+  expert_axis: str = "expert"
+  expert_parallelism: int | None = None
+  dtype: str = "float32"
+  weight_dtype: str = "float32"
+  aux_loss_coef: float = 0.0
+  debug_nan_poison: bool = False
+
+  def __post_init__(self):
+    for name in ("num_experts", "top_k", "d_model", "expert_ffn_dim"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"MoEConfig.{name} must be a positive int, got {v!r}.")
+    if self.top_k > self.num_experts:
+      raise ValueError(f"MoEConfig.top_k={self.top_k} must be <= num_experts={self.num_experts}.")
+    if not isinstance(self.num_shared_experts, int) or self.num_shared_experts < 0:
+      raise ValueError(
+        f"MoEConfig.num_shared_experts must be an int >= 0, got {self.num_shared_experts!r}."
+      )
+    if self.shared_ffn_dim is not None and self.shared_ffn_dim < 1:
+      raise ValueError(f"MoEConfig.shared_ffn_dim must be >= 1, got {self.shared_ffn_dim!r}.")
+    _check_choice("activation", self.activation, _ACTIVATIONS)
+    _check_choice("score_func", self.score_func, _SCORE_FUNCS)
+    _check_choice("topk_method", self.topk_method, _TOPK_METHODS)
+    _check_choice("gmm_impl", self.gmm_impl, _GMM_IMPLS)
+    if self.buffer_factor is not None and not self.buffer_factor > 0:
+      raise ValueError(
+        f"MoEConfig.buffer_factor must be None (dropless) or > 0, got {self.buffer_factor!r}."
+      )
+    for name in ("wi_tiling", "wo_tiling"):
+      v = getattr(self, name)
+      if v is not None and not isinstance(v, Tiling):
+        raise TypeError(f"MoEConfig.{name} must be a pallas_moe.Tiling or None, got {v!r}.")
+    for name in ("dtype", "weight_dtype"):
+      try:
+        jnp.dtype(getattr(self, name))
+      except TypeError:
+        raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r} is not a dtype.") from None
+    if self.data_axis == self.expert_axis:
+      raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}.")
+
+  @property
+  def shared_width(self) -> int:
+    """Hidden width of the shared-expert MLP (0 without shared experts)."""
+    per = self.expert_ffn_dim if self.shared_ffn_dim is None else self.shared_ffn_dim
+    return self.num_shared_experts * per
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def param_dtype(self):
+    return jnp.dtype(self.weight_dtype)
+
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any], *, ignore_unknown: bool = False) -> MoEConfig:
+    """Builds a config from our field names, MaxText names or Hugging Face names.
+
+    Args:
+      d: the mapping, e.g. a MaxText model yaml plus flags, or a HF `config.json`.
+      ignore_unknown: skip keys that are neither fields, aliases nor `IGNORED_KEYS`
+        (default: raise, naming the closest valid key).
+
+    Returns:
+      The `MoEConfig`.
+    """
+    values: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    tiles: dict[str, int] = {}
+    for key, raw in d.items():
+      if key in IGNORED_KEYS:
+        continue
+      if key in _TILE_KEYS:
+        tiles[key] = int(raw)
+        continue
+      if key in _FIELDS:
+        field, value = key, raw
+      elif key in _ALIASES:
+        field, convert = _ALIASES[key]
+        value = convert(raw)
+        if value is None:
+          continue  # NOTE: the ecosystem's "unset" value (e.g. capacity_factor=-1), or a check.
+      else:
+        if ignore_unknown:
+          continue
+        raise ValueError(_unknown_key_message(key))
+      if field in values and values[field] != value:
+        raise ValueError(
+          f"MoEConfig.from_dict: {source[field]!r}={values[field]!r} and {key!r}={value!r} both "
+          f"set {field!r} to different values; drop one of them."
+        )
+      values[field] = value
+      source[field] = key
+    for proj in ("wi", "wo"):
+      tiling = _tiling_from_maxtext(tiles, proj=proj)
+      if tiling is not None:
+        field = f"{proj}_tiling"
+        if field in values and values[field] != tiling:
+          raise ValueError(
+            f"MoEConfig.from_dict: {field!r} and the {proj}_tile_* keys disagree; drop one."
+          )
+        values[field] = tiling
+    missing = [f for f in ("num_experts", "top_k", "d_model", "expert_ffn_dim") if f not in values]
+    if missing:
+      hints = {f: [k for k, (t, _) in _ALIASES.items() if t == f] for f in missing}
+      raise ValueError(f"MoEConfig.from_dict: missing {missing}; accepted names: {hints}.")
+    return cls(**values)
+
+
+def _check_choice(name: str, value, choices) -> None:
+  if value not in choices:
+    raise ValueError(f"MoEConfig.{name} must be one of {choices}, got {value!r}.")
+
+
+def _dropless_if_nonpositive(v):
+  """MaxText uses -1 for 'not set' (dropless); None and <= 0 mean dropless here."""
+  return None if v is None or float(v) <= 0 else float(v)
+
+
+def _activation(v) -> str:
+  # NOTE: MaxText writes SwiGLU as mlp_activations ["silu", "linear"] (gate, up); HF as "silu".
+  if isinstance(v, (list, tuple)):
+    v = tuple(v)
+    if v == ("silu", "linear"):
+      return "swiglu"
+    raise ValueError(f"mlp_activations={list(v)!r}: only ['silu', 'linear'] (SwiGLU) is supported.")
+  if v in ("silu", "swish", "swiglu"):
+    return "swiglu"
+  raise ValueError(f"activation {v!r}: only silu-gated (SwiGLU) experts are supported.")
+
+
+def _false_only(name: str) -> Callable[[Any], Any]:
+  def check(v):
+    if v:
+      raise ValueError(f"{name}={v!r} is not supported by this MoE layer.")
+    return None
+
+  return check
+
+
+def _true_only(name: str) -> Callable[[Any], Any]:
+  def check(v):
+    if not v:
+      raise ValueError(
+        f"{name}={v!r}: this MoE layer only implements the sparse (grouped matmul) path."
+      )
+    return None
+
+  return check
+
+
+def _shared(v) -> int:
+  return 0 if v is None else int(v)
+
+
+def _parallelism(v):
+  return None if v is None or int(v) <= 0 else int(v)
+
+
+def _dtype_name(v) -> str:
+  return jnp.dtype(str(v).removeprefix("torch.")).name
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(MoEConfig))
+
+# alias -> (field, value conversion). A conversion returning None means "not set" (MaxText's -1
+# values) or marks a check-only key (`sparse_matmul`, `routed_bias`): nothing is recorded.
+_ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+  # MaxText
+  "num_experts_per_tok": ("top_k", int),
+  "base_emb_dim": ("d_model", int),
+  "emb_dim": ("d_model", int),
+  "base_moe_mlp_dim": ("expert_ffn_dim", int),
+  "moe_mlp_dim": ("expert_ffn_dim", int),
+  "shared_experts": ("num_shared_experts", _shared),
+  "routed_score_func": ("score_func", str),
+  "routed_bias": ("num_experts", _false_only("routed_bias")),
+  "mlp_activations": ("activation", _activation),
+  "capacity_factor": ("buffer_factor", _dropless_if_nonpositive),
+  "ragged_buffer_factor": ("buffer_factor", _dropless_if_nonpositive),
+  "megablox": ("gmm_impl", lambda v: "pallas" if v else "ragged_dot"),
+  "sparse_matmul": ("gmm_impl", _true_only("sparse_matmul")),
+  "ici_expert_parallelism": ("expert_parallelism", _parallelism),
+  "load_balance_loss_weight": ("aux_loss_coef", float),
+  # Hugging Face (DeepSeek-V2/V3, Qwen-MoE, Mixtral)
+  "n_routed_experts": ("num_experts", int),
+  "num_local_experts": ("num_experts", int),
+  "hidden_size": ("d_model", int),
+  "moe_intermediate_size": ("expert_ffn_dim", int),
+  "n_shared_experts": ("num_shared_experts", _shared),
+  "scoring_func": ("score_func", str),
+  "hidden_act": ("activation", _activation),
+  "aux_loss_alpha": ("aux_loss_coef", float),
+  "router_aux_loss_coef": ("aux_loss_coef", float),
+  "torch_dtype": ("dtype", _dtype_name),
+  # Both use these names (also fields or not): listed for the error hints.
+  "num_experts": ("num_experts", int),
+  "norm_topk_prob": ("norm_topk_prob", bool),
+  "routed_scaling_factor": ("routed_scaling_factor", float),
+  "topk_method": ("topk_method", str),
+}
+
+# Keys of MaxText model configs and HF config.json files that are about other layers or about
+# training, not the MoE block. Skipped by from_dict.
+IGNORED_KEYS = frozenset(
+  {
+    # model-wide / attention / embedding (both ecosystems)
+    "vocab_size",
+    "max_position_embeddings",
+    "original_max_position_embeddings",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_theta",
+    "rope_scaling",
+    # MaxText
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "base_mlp_dim",
+    "base_num_decoder_layers",
+    "first_num_dense_layers",
+    "enable_dropout",
+    "logits_via_embedding",
+    "normalization_layer_epsilon",
+    "decoder_block",
+    "attention_type",
+    "rope_type",
+    "rope_max_timescale",
+    "rope_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "rope_interleave",
+    "rope_truncate",
+    "rope_attention_scaling",
+    "model_name",
+    # Hugging Face
+    "architectures",
+    "auto_map",
+    "model_type",
+    "transformers_version",
+    "attention_bias",
+    "attention_dropout",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "initializer_range",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "num_key_value_heads",
+    "pretraining_tp",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "use_cache",
+    "seq_aux",  # NOTE: the aux loss here is always over the whole (global) batch.
+    "n_group",  # NOTE: only used by grouped top-k methods, which topk_method rejects.
+    "topk_group",
+  }
+)
+
+_TILE_PASSES = ("fwd", "dlhs", "drhs")
+_TILE_DIMS = ("batch_seq", "embed_dim", "mlp_dim")
+_TILE_KEYS = frozenset(
+  f"{proj}_tile_{p}_{dim}" for proj in ("wi", "wo") for p in _TILE_PASSES for dim in _TILE_DIMS
+)
+# MaxText's defaults for tiles of a pass when only some of its three keys are given.
+_MAXTEXT_TILE_DEFAULT = {"batch_seq": 512, "embed_dim": 1024, "mlp_dim": 1024}
+
+# NOTE: each pass's tiles are (rows, contraction, output columns) of that pass's own matmul:
+# wi fwd  [m, embed] x [embed, mlp]: (batch_seq, embed_dim, mlp_dim)
+# wi dlhs [m, mlp] x [mlp, embed]:   (batch_seq, mlp_dim, embed_dim)
+# wi drhs tgmm over (m, k, n) of wi [embed, mlp]: (batch_seq, embed_dim, mlp_dim)
+# wo is the same with embed and mlp swapped.
+_PASS_ORDER = {
+  ("wi", "fwd"): ("batch_seq", "embed_dim", "mlp_dim"),
+  ("wi", "dlhs"): ("batch_seq", "mlp_dim", "embed_dim"),
+  ("wi", "drhs"): ("batch_seq", "embed_dim", "mlp_dim"),
+  ("wo", "fwd"): ("batch_seq", "mlp_dim", "embed_dim"),
+  ("wo", "dlhs"): ("batch_seq", "embed_dim", "mlp_dim"),
+  ("wo", "drhs"): ("batch_seq", "mlp_dim", "embed_dim"),
+}
+
+
+def _tiling_from_maxtext(tiles: dict[str, int], *, proj: str) -> Tiling | None:
+  """A `Tiling` from MaxText's `{proj}_tile_{pass}_{dim}` keys; None when none is given."""
+  per_pass = {}
+  for p in _TILE_PASSES:
+    keys = {dim: f"{proj}_tile_{p}_{dim}" for dim in _TILE_DIMS}
+    if not any(k in tiles for k in keys.values()):
+      per_pass[p] = None
+      continue
+    got = {dim: tiles.get(k, _MAXTEXT_TILE_DEFAULT[dim]) for dim, k in keys.items()}
+    per_pass[p] = tuple(got[dim] for dim in _PASS_ORDER[(proj, p)])
+  if all(v is None for v in per_pass.values()):
+    return None
+  return Tiling(**per_pass)
+
+
+def _unknown_key_message(key: str) -> str:
+  valid = sorted(_FIELDS | set(_ALIASES) | _TILE_KEYS)
+  close = difflib.get_close_matches(key, valid + sorted(IGNORED_KEYS), n=1, cutoff=0.6)
+  hint = f" Did you mean {close[0]!r}?" if close else ""
+  return (
+    f"MoEConfig.from_dict: unknown key {key!r}.{hint} Pass ignore_unknown=True to skip keys "
+    "this layer does not know."
+  )

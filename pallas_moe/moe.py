@@ -1,0 +1,500 @@
+"""An expert-parallel Mixture-of-Experts block built from small pure functions.
+
+Data flow on one device (inside `jax.shard_map` over a mesh with a data axis and an expert axis;
+`T` local tokens, `k = top_k`, `E` experts, `ep` = expert-axis size, `E_l = E / ep`):
+
+  route        logits = x @ router (f32) -> scores -> top-k ids [T, k] and weights [T, k]
+  sort         flat row r = t * k + j; `order` = stable argsort of the flat ids; sorted rows are
+               x[order // k] (a gather; its VJP is a scatter-add into [T, d]), grouped by expert
+  dispatch     ep > 1: `collectives.dispatch` sends expert e's rows to device e // E_l; received
+               rows arrive sorted by (local expert, sender), with `recv_group_sizes` for gmm.
+               ep == 1: no collective; the sorted rows are the buffer.
+  experts      gmm(rows, wi[E_l, d, 2f]) -> SwiGLU -> gmm(., wo[E_l, f, d])
+  combine      the reverse exchange; rows that were dropped come back masked to exactly 0
+  unsort       an inverse-permutation gather back to (token, choice) order, then the weighted sum
+               over the k choices (+ the shared-expert MLP)
+
+No dense [tokens, experts] one-hot matrix is built: group sizes are a bincount, sorting is an
+argsort, and every data movement is a gather/scatter of the rows' own size.
+
+Receive-buffer rows (a static shape). See `buffer_rows_for`:
+  - `config.buffer_factor = f`: `ceil(f * T * k)` rows; overflow is dropped and counted.
+  - dropless (default), with `buffer_rows=` from `dropless_buffer_rows(...)`: exact. That helper
+    runs the router ahead of the step on the concrete batch and returns the largest number of
+    rows any device will receive (rounded up to a bucket so that the jitted step is recompiled
+    only when the need grows past a bucket). This is what "exact" can mean with static shapes.
+  - dropless without `buffer_rows=` (e.g. inside a jit that has no concrete routing): the static
+    bound `ep * T * min(k, E_l)` (every token of every peer sends all of its choices that can
+    land on one device to this device). Never drops, but is `ep`-times the balanced load.
+  In every mode the block returns `dropped_rows` and `needed_rows` so callers can check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_moe import _moe_workarounds, collectives
+from pallas_moe.config import MoEConfig
+from pallas_moe.ops import gmm
+
+__all__ = [
+  "Routing",
+  "buffer_rows_for",
+  "dropless_buffer_rows",
+  "init_params",
+  "load_balance_loss",
+  "moe_block",
+  "moe_layer",
+  "param_specs",
+  "route",
+  "sort_by_expert",
+  "swiglu",
+]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+# WORKAROUND: makes gmm's CPU interpret mode lower inside shard_map(check_vma=True); see the module.
+_moe_workarounds.install()
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters.
+# ---------------------------------------------------------------------------------------------
+
+
+def init_params(key: jax.Array, config: MoEConfig) -> dict[str, jax.Array]:
+  """Random parameters (fan-in scaled normals) in `config.weight_dtype`.
+
+  Args:
+    key: a PRNG key.
+    config: the layer config.
+
+  Returns:
+    A dict: `router` [d, E]; `wi` [E, d, 2f] (gate columns then up columns); `wo` [E, f, d];
+    with shared experts also `shared_wi` [d, 2s] and `shared_wo` [s, d], `s = config.shared_width`.
+  """
+  d, e, f, s = config.d_model, config.num_experts, config.expert_ffn_dim, config.shared_width
+  keys = jax.random.split(key, 5)
+  dt = config.param_dtype
+
+  def normal(k, shape, fan_in):
+    return (jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in)).astype(dt)
+
+  params = {
+    "router": normal(keys[0], (d, e), d),
+    "wi": normal(keys[1], (e, d, 2 * f), d),
+    "wo": normal(keys[2], (e, f, d), f),
+  }
+  if s:
+    params["shared_wi"] = normal(keys[3], (d, 2 * s), d)
+    params["shared_wo"] = normal(keys[4], (s, d), s)
+  return params
+
+
+def param_specs(config: MoEConfig, params: dict | None = None) -> dict[str, P]:
+  """PartitionSpecs of the parameters: expert weights split over the expert axis, rest replicated.
+
+  Args:
+    config: the layer config.
+    params: the params (only their keys are used); default: those `init_params` makes.
+
+  Returns:
+    A dict of `PartitionSpec`s with the params' keys.
+  """
+  keys = params.keys() if params is not None else _param_keys(config)
+  expert = {"wi", "wo"}
+  return {k: (P(config.expert_axis) if k in expert else P()) for k in keys}
+
+
+def _param_keys(config: MoEConfig) -> tuple[str, ...]:
+  keys = ("router", "wi", "wo")
+  return keys + (("shared_wi", "shared_wo") if config.shared_width else ())
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing, sorting, experts.
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["expert_ids", "weights", "probs"],
+  meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Routing:
+  """The router's decision for a block of tokens.
+
+  Attributes:
+    expert_ids: [T, k] int32 chosen experts (distinct per token), in score order.
+    weights: [T, k] f32 combine weights (normalised if `norm_topk_prob`, times
+      `routed_scaling_factor`).
+    probs: [T, E] f32 scores normalised to sum to 1 per token (for the load-balancing loss).
+  """
+
+  expert_ids: jax.Array
+  weights: jax.Array
+  probs: jax.Array
+
+
+def route(x: jax.Array, router: jax.Array, *, config: MoEConfig) -> Routing:
+  """Router: f32 logits, softmax or sigmoid scores, greedy top-k.
+
+  Args:
+    x: [T, d] tokens.
+    router: [d, E] router weights.
+    config: the layer config (score_func, top_k, norm_topk_prob, routed_scaling_factor).
+
+  Returns:
+    A `Routing`.
+  """
+  logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=_HIGHEST)  # [T, E]
+  if config.score_func == "softmax":
+    scores = jax.nn.softmax(logits, axis=-1)
+    probs = scores
+  else:
+    scores = jax.nn.sigmoid(logits)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+  weights, ids = jax.lax.top_k(scores, config.top_k)
+  if config.norm_topk_prob:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  weights = weights * config.routed_scaling_factor
+  return Routing(expert_ids=ids.astype(jnp.int32), weights=weights, probs=probs)
+
+
+def sort_by_expert(expert_ids: jax.Array, *, num_experts: int):
+  """Sorts the flat (token, choice) rows by expert.
+
+  Args:
+    expert_ids: [T, k] int chosen experts.
+    num_experts: E.
+
+  Returns:
+    `(order, inverse, group_sizes)`: `order` [T*k] flat row indices (`t * k + j`) sorted stably by
+    expert; `inverse` [T*k] its inverse permutation (`inverse[order[i]] = i`); `group_sizes` [E]
+    int32 rows per expert.
+  """
+  flat = expert_ids.reshape(-1)
+  n = flat.shape[0]
+  order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+  # NOTE: the inverse permutation by a scatter of positions: O(n), no second sort.
+  inverse = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  return order, inverse, group_sizes
+
+
+def swiglu(h: jax.Array) -> jax.Array:
+  """`silu(gate) * up` of `h = [gate | up]` ([..., 2f] -> [..., f])."""
+  f = h.shape[-1] // 2
+  return jax.nn.silu(h[..., :f]) * h[..., f:]
+
+
+def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig):
+  if config.gmm_impl == "ragged_dot":
+    return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=rows.dtype)
+  return gmm(rows, w, group_sizes, preferred_element_type=rows.dtype, tiling=tiling)
+
+
+def expert_mlp(rows, wi, wo, group_sizes, *, config: MoEConfig) -> jax.Array:
+  """SwiGLU experts over rows sorted by (local) expert.
+
+  Args:
+    rows: [B, d] rows sorted by expert; rows past `sum(group_sizes)` give exact 0.
+    wi: [G, d, 2f] gate|up weights of the G experts `group_sizes` describes.
+    wo: [G, f, d] down weights.
+    group_sizes: [G] int32.
+    config: the layer config (tilings, gmm_impl).
+
+  Returns:
+    [B, d] expert outputs.
+  """
+  h = _grouped_matmul(rows, wi, group_sizes, tiling=config.wi_tiling, config=config)
+  return _grouped_matmul(swiglu(h), wo, group_sizes, tiling=config.wo_tiling, config=config)
+
+
+def shared_mlp(x, wi, wo) -> jax.Array:
+  """Dense SwiGLU MLP (the shared experts): `swiglu(x @ wi) @ wo`."""
+  return jnp.dot(swiglu(jnp.dot(x, wi)), wo)
+
+
+# ---------------------------------------------------------------------------------------------
+# Load balancing and buffer sizing.
+# ---------------------------------------------------------------------------------------------
+
+
+def load_balance_loss(*, probs, group_sizes, top_k: int, axes: tuple[str, ...] = ()):
+  """Switch/DeepSeek load-balancing loss over the global batch: `E * sum_e f_e * P_e`.
+
+  `f_e` = fraction of the `T * top_k` routed rows that chose expert e (no gradient), `P_e` = mean
+  router probability of expert e. Equals 1 for perfectly uniform routing.
+
+  Args:
+    probs: [T, E] per-token normalised scores.
+    group_sizes: [E] rows per expert on this device.
+    top_k: experts per token.
+    axes: mesh axes the batch is split over (summed over with psum).
+
+  Returns:
+    Scalar f32 loss, the same on every device.
+  """
+  num_experts = probs.shape[-1]
+  counts = group_sizes.astype(jnp.float32)
+  prob_sum = jnp.sum(probs, axis=0)
+  tokens = jnp.asarray(probs.shape[0], jnp.float32)
+  if axes:
+    counts, prob_sum, tokens = (
+      jax.lax.psum(_vary(v, axes), axes) for v in (counts, prob_sum, tokens)
+    )
+  f = jax.lax.stop_gradient(counts / (tokens * top_k))
+  return num_experts * jnp.sum(f * prob_sum / tokens)
+
+
+def buffer_rows_for(
+  config: MoEConfig, *, tokens_per_device: int, expert_parallelism: int, buffer_rows=None
+) -> int:
+  """The static receive-buffer rows the block uses (see the module docstring).
+
+  Args:
+    config: the layer config (`buffer_factor`, `top_k`, `num_experts`).
+    tokens_per_device: T.
+    expert_parallelism: expert-axis size.
+    buffer_rows: an explicit row count (e.g. from `dropless_buffer_rows`); wins when given.
+
+  Returns:
+    Rows per device; with `ep == 1` always `T * top_k` (no exchange, nothing can drop).
+  """
+  t, k, ep = tokens_per_device, config.top_k, expert_parallelism
+  if ep == 1:
+    return max(1, t * k)
+  if buffer_rows is not None:
+    return max(1, int(buffer_rows))
+  if config.buffer_factor is not None:
+    policy = collectives.BufferPolicy.factor(config.buffer_factor)
+    return policy.rows(tokens_per_device=t, top_k=k, axis_size=ep)
+  # NOTE: a token's k experts are distinct, so at most min(k, E_l) of its rows land on a device.
+  return max(1, ep * t * min(k, config.num_experts // ep))
+
+
+# ---------------------------------------------------------------------------------------------
+# The block.
+# ---------------------------------------------------------------------------------------------
+
+
+def _axis_size(name: str) -> int | None:
+  try:
+    return int(jax.lax.axis_size(name))
+  except NameError:
+    return None
+
+
+def _vary(x, axes):
+  """Marks `x` as varying over `axes` (a no-op outside shard_map)."""
+  have = getattr(getattr(jax.typeof(x), "mat", None), "varying", None)
+  if have is None:
+    return x
+  missing = tuple(a for a in axes if a not in have)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int | None = None):
+  """The MoE block on one device's tokens (call inside `jax.shard_map`, or plainly for ep = 1).
+
+  Expert weights are this device's shard (`E / ep` experts, contiguous); router and shared weights
+  are whole. Collectives run over `config.expert_axis` when that axis is bound with size > 1;
+  the load-balancing loss and counters are summed over whichever of the data and expert axes
+  are bound.
+
+  Args:
+    params: see `init_params` (`wi`/`wo` sharded over the expert axis).
+    x: [T, d] this device's tokens.
+    config: the layer config.
+    buffer_rows: static receive-buffer rows; None: see `buffer_rows_for`.
+
+  Returns:
+    `(y, aux)`: y [T, d] in `config.dtype`; aux a dict of scalars: `aux_loss` (unweighted
+    load-balancing loss), `dropped_rows` (global count of (token, choice) rows that did not fit),
+    `needed_rows` (the largest receive count of any device: the exact dropless buffer),
+    `buffer_rows` (the static buffer used).
+  """
+  dt = config.compute_dtype
+  k, num_experts = config.top_k, config.num_experts
+  ep = _axis_size(config.expert_axis) or 1
+  axes = tuple(a for a in (config.data_axis, config.expert_axis) if _axis_size(a) is not None)
+  if num_experts % ep:
+    raise ValueError(f"num_experts={num_experts} is not divisible by the expert axis size {ep}.")
+  num_local = num_experts // ep
+  if params["wi"].shape[0] != num_local:
+    raise ValueError(
+      f"params['wi'] holds {params['wi'].shape[0]} experts on this device, expected "
+      f"{num_local} = num_experts / expert-axis size; shard it over {config.expert_axis!r}."
+    )
+  t = x.shape[0]
+  x = x.astype(dt)
+  routing = route(x, params["router"], config=config)
+  order, inverse, group_sizes = sort_by_expert(routing.expert_ids, num_experts=num_experts)
+  # NOTE: sorted row i is flat row order[i] = t * k + j, i.e. token order[i] // k.
+  rows = x[order // k]
+  wi, wo = params["wi"].astype(dt), params["wo"].astype(dt)
+  rows_b = buffer_rows_for(
+    config, tokens_per_device=t, expert_parallelism=ep, buffer_rows=buffer_rows
+  )
+  if ep == 1:
+    out = expert_mlp(rows, wi, wo, group_sizes, config=config)
+    dropped = jnp.zeros((), jnp.int32)
+    needed = jnp.asarray(t * k, jnp.int32)
+  else:
+    out, dropped, needed = _expert_parallel(
+      rows, wi, wo, group_sizes, config=config, buffer_rows=rows_b
+    )
+  # NOTE: inverse[r] is where flat row r = t * k + j sits in sorted order.
+  per_choice = out[inverse].reshape(t, k, -1).astype(jnp.float32)
+  y = jnp.einsum("tk,tkd->td", routing.weights, per_choice, precision=_HIGHEST)
+  if config.shared_width:
+    y = y + shared_mlp(x, params["shared_wi"].astype(dt), params["shared_wo"].astype(dt)).astype(
+      jnp.float32
+    )
+  aux = {
+    "aux_loss": load_balance_loss(probs=routing.probs, group_sizes=group_sizes, top_k=k, axes=axes),
+    "dropped_rows": _global(dropped, axes, jax.lax.psum),
+    "needed_rows": _global(needed, axes, jax.lax.pmax),
+    "buffer_rows": jnp.asarray(rows_b, jnp.int32),
+  }
+  return y.astype(dt), aux
+
+
+def _global(v, axes, reduce):
+  return reduce(_vary(v, axes), axes) if axes else v
+
+
+def _expert_parallel(rows, wi, wo, group_sizes, *, config: MoEConfig, buffer_rows: int):
+  """Dispatch -> experts -> combine over the expert axis, dropped rows exactly 0.
+
+  Returns:
+    `(out [T*k, d] in sorted order, rows dropped at this device's buffer, needed rows)`.
+  """
+  axis = config.expert_axis
+  poison = config.debug_nan_poison
+  plan = collectives.plan_from_group_sizes(group_sizes, axis_name=axis, buffer_rows=buffer_rows)
+  buf = collectives.dispatch(rows, plan, axis_name=axis, poison=poison)
+  y_buf = expert_mlp(buf, wi, wo, plan.recv_group_sizes, config=config)
+  back = collectives.combine(y_buf, plan, num_rows=rows.shape[0], axis_name=axis, poison=poison)
+  # NOTE: sorted row i belongs to expert e = the group whose [start, end) holds i; it was sent in
+  # chunk e (experts are contiguous per device, so chunk index = expert) of which only the first
+  # send_sizes[e] rows were delivered. Rows past that were dropped: force them to exactly 0.
+  input_offsets, send_sizes = plan.dispatch_args[0], plan.dispatch_args[1]
+  i = jnp.arange(rows.shape[0], dtype=jnp.int32)
+  expert = jnp.searchsorted(jnp.cumsum(group_sizes), i, side="right")
+  expert = jnp.minimum(expert, group_sizes.shape[0] - 1)
+  delivered = (i - input_offsets[expert]) < send_sizes[expert]
+  out = jnp.where(delivered[:, None], back, jnp.zeros_like(back))
+  return out, plan.num_dropped, plan.needed_rows
+
+
+# ---------------------------------------------------------------------------------------------
+# shard_map wrapper and exact buffer sizing.
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_mesh(mesh, config: MoEConfig) -> int:
+  for a in (config.data_axis, config.expert_axis):
+    if a not in mesh.shape:
+      raise ValueError(f"mesh axes {tuple(mesh.shape)} lack {a!r} (from the MoEConfig).")
+  ep = mesh.shape[config.expert_axis]
+  if config.expert_parallelism is not None and config.expert_parallelism != ep:
+    raise ValueError(
+      f"config.expert_parallelism={config.expert_parallelism} but the mesh's "
+      f"{config.expert_axis!r} axis has size {ep}."
+    )
+  return ep
+
+
+def moe_layer(
+  params: dict,
+  x: jax.Array,
+  config: MoEConfig,
+  mesh: jax.sharding.Mesh,
+  *,
+  buffer_rows: int | None = None,
+):
+  """`moe_block` under `jax.shard_map` over `mesh`.
+
+  Specs: x [tokens, d] split over (data, expert) on tokens; `wi`/`wo` split over the expert axis
+  (replicated over data); router and shared weights replicated. y like x; aux replicated.
+
+  Args:
+    params: see `init_params`.
+    x: [tokens, d] global tokens; tokens must divide by the mesh's data * expert size.
+    config: the layer config.
+    mesh: a mesh with `config.data_axis` and `config.expert_axis`.
+    buffer_rows: see `moe_block`.
+
+  Returns:
+    `(y, aux)` as `moe_block`, y global [tokens, d].
+  """
+  _check_mesh(mesh, config)
+  tok = P((config.data_axis, config.expert_axis))
+  fn = functools.partial(moe_block, config=config, buffer_rows=buffer_rows)
+  aux_spec = {k: P() for k in ("aux_loss", "dropped_rows", "needed_rows", "buffer_rows")}
+  return jax.shard_map(
+    fn,
+    mesh=mesh,
+    in_specs=(param_specs(config, params), tok),
+    out_specs=(tok, aux_spec),
+  )(params, x)
+
+
+def _receive_counts(expert_ids: np.ndarray, *, num_experts: int, data: int, ep: int) -> np.ndarray:
+  """[data, ep] rows each device receives, from global [tokens, k] expert ids (host numpy)."""
+  # NOTE: tokens are split over (data, expert) with data major: device (a, b) holds token block
+  # a * ep + b. It receives every row, from the ep devices of its data slice, whose expert is one of
+  # its E_l experts [b * E_l, (b + 1) * E_l), i.e. whose expert // E_l == b.
+  ids = expert_ids.reshape(data, -1) // (num_experts // ep)
+  return np.stack([np.bincount(row, minlength=ep) for row in ids])
+
+
+def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_of: int = 8) -> int:
+  """The exact dropless receive buffer for this batch, computed ahead of the step.
+
+  Runs only the router (sharded like the block, so the routing is the block's), pulls the expert
+  ids to the host and counts the rows each device will receive. Pass the result as
+  `buffer_rows=` (a static argument: a new value recompiles the step; `multiple_of` buckets it).
+
+  Args:
+    params: the params (only `router` is used).
+    x: [tokens, d] the global batch (concrete).
+    config: the layer config.
+    mesh: the mesh `moe_layer` runs on.
+    multiple_of: round the row count up to this.
+
+  Returns:
+    Rows per device that drop nothing for this batch.
+  """
+  ep = _check_mesh(mesh, config)
+  data = mesh.shape[config.data_axis]
+  ids = np.asarray(_router_ids(config, mesh)(params["router"], x))
+  need = int(_receive_counts(ids, num_experts=config.num_experts, data=data, ep=ep).max())
+  return max(1, -(-need // multiple_of) * multiple_of)
+
+
+@functools.lru_cache(maxsize=16)
+def _router_ids(config: MoEConfig, mesh):
+  tok = P((config.data_axis, config.expert_axis))
+
+  def ids(router, x):
+    return route(x.astype(config.compute_dtype), router, config=config).expert_ids
+
+  return jax.jit(jax.shard_map(ids, mesh=mesh, in_specs=(P(), tok), out_specs=tok))
+
+
+def shardings(config: MoEConfig, mesh, params: dict | None = None):
+  """NamedShardings `(params, x)` matching `moe_layer`'s specs (for device_put / AOT lowering)."""
+  ps = {k: NamedSharding(mesh, s) for k, s in param_specs(config, params).items()}
+  return ps, NamedSharding(mesh, P((config.data_axis, config.expert_axis)))

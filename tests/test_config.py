@@ -1,0 +1,202 @@
+"""Tests for pallas_moe.config: MaxText and Hugging Face names, aliases, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from pallas_moe import Tiling
+from pallas_moe.config import IGNORED_KEYS, MoEConfig
+
+# MaxText's configs/models/deepseek2-16b.yml, plus the run flags a MoE training run sets.
+MAXTEXT_DEEPSEEK2_16B = {
+  "base_emb_dim": 2048,
+  "base_num_query_heads": 16,
+  "base_num_kv_heads": 16,
+  "base_mlp_dim": 10944,
+  "base_moe_mlp_dim": 1408,
+  "base_num_decoder_layers": 27,
+  "first_num_dense_layers": 1,
+  "mlp_activations": ["silu", "linear"],
+  "vocab_size": 102400,
+  "enable_dropout": False,
+  "logits_via_embedding": False,
+  "normalization_layer_epsilon": 1.0e-6,
+  "num_experts": 64,
+  "num_experts_per_tok": 6,
+  "shared_experts": 2,
+  "routed_scaling_factor": 1.0,
+  "routed_score_func": "softmax",
+  "routed_bias": False,
+  "decoder_block": "deepseek",
+  "attention_type": "mla",
+  "q_lora_rank": 0,
+  "kv_lora_rank": 512,
+  "qk_nope_head_dim": 128,
+  "qk_rope_head_dim": 64,
+  "v_head_dim": 128,
+  "rope_type": "yarn",
+  "rope_max_timescale": 10_000,
+  "max_position_embeddings": 163840,
+  "original_max_position_embeddings": 4096,
+  "rope_factor": 40,
+  "beta_fast": 32,
+  "mscale": 0.707,
+  "rope_interleave": True,
+  "rope_truncate": True,
+  "rope_attention_scaling": False,
+  # run flags
+  "dtype": "bfloat16",
+  "megablox": True,
+  "sparse_matmul": True,
+  "capacity_factor": -1.0,
+  "ragged_buffer_factor": -1.0,
+  "load_balance_loss_weight": 0.001,
+}
+
+# deepseek-ai/DeepSeek-V2-Lite config.json.
+HF_DEEPSEEK_V2_LITE = """{
+  "architectures": ["DeepseekV2ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV2Config"},
+  "aux_loss_alpha": 0.001,
+  "bos_token_id": 100000,
+  "eos_token_id": 100001,
+  "first_k_dense_replace": 1,
+  "hidden_act": "silu",
+  "hidden_size": 2048,
+  "initializer_range": 0.02,
+  "intermediate_size": 10944,
+  "kv_lora_rank": 512,
+  "max_position_embeddings": 163840,
+  "model_type": "deepseek_v2",
+  "moe_intermediate_size": 1408,
+  "moe_layer_freq": 1,
+  "n_group": 1,
+  "n_routed_experts": 64,
+  "n_shared_experts": 2,
+  "norm_topk_prob": false,
+  "num_attention_heads": 16,
+  "num_experts_per_tok": 6,
+  "num_hidden_layers": 27,
+  "num_key_value_heads": 16,
+  "pretraining_tp": 1,
+  "q_lora_rank": null,
+  "qk_nope_head_dim": 128,
+  "qk_rope_head_dim": 64,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                   "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                   "type": "yarn"},
+  "rope_theta": 10000,
+  "routed_scaling_factor": 1.0,
+  "scoring_func": "softmax",
+  "seq_aux": true,
+  "tie_word_embeddings": false,
+  "topk_group": 1,
+  "topk_method": "greedy",
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.33.1",
+  "use_cache": true,
+  "v_head_dim": 128,
+  "vocab_size": 102400
+}"""
+
+
+def test_maxtext_and_hf_deepseek_v2_lite_are_equal():
+  mt = MoEConfig.from_dict(MAXTEXT_DEEPSEEK2_16B)
+  hf = MoEConfig.from_dict(json.loads(HF_DEEPSEEK_V2_LITE))
+  assert mt == hf
+  assert (mt.num_experts, mt.top_k, mt.d_model, mt.expert_ffn_dim) == (64, 6, 2048, 1408)
+  assert mt.num_shared_experts == 2 and mt.shared_width == 2 * 1408
+  assert mt.buffer_factor is None  # dropless
+  assert mt.dtype == "bfloat16" and mt.score_func == "softmax" and not mt.norm_topk_prob
+  assert mt.gmm_impl == "pallas" and mt.aux_loss_coef == 0.001
+
+
+def test_maxtext_tiles_map_to_pass_coordinates():
+  tiles = {
+    f"{proj}_tile_{p}_{dim}": v
+    for proj, base in (("wi", 0), ("wo", 100))
+    for p, pb in (("fwd", 0), ("dlhs", 10), ("drhs", 20))
+    for dim, v0 in (("batch_seq", 1), ("embed_dim", 2), ("mlp_dim", 3))
+    for v in [base + pb + v0]
+  }
+  c = MoEConfig.from_dict({**MAXTEXT_DEEPSEEK2_16B, **tiles})
+  # NOTE: (rows, contraction, out cols) of each pass: wi fwd contracts embed, dlhs contracts mlp.
+  assert c.wi_tiling == Tiling(fwd=(1, 2, 3), dlhs=(11, 13, 12), drhs=(21, 22, 23))
+  assert c.wo_tiling == Tiling(fwd=(101, 103, 102), dlhs=(111, 112, 113), drhs=(121, 123, 122))
+  partial = MoEConfig.from_dict({**MAXTEXT_DEEPSEEK2_16B, "wi_tile_fwd_batch_seq": 256})
+  assert partial.wi_tiling == Tiling(fwd=(256, 1024, 1024)) and partial.wo_tiling is None
+
+
+def test_values_and_aliases():
+  c = MoEConfig.from_dict(
+    {
+      "n_routed_experts": 8,
+      "num_experts_per_tok": 2,
+      "emb_dim": 64,
+      "moe_mlp_dim": 32,
+      "capacity_factor": 1.5,
+      "ici_expert_parallelism": 4,
+      "megablox": False,
+      "scoring_func": "sigmoid",
+      "norm_topk_prob": True,
+    }
+  )
+  assert c.buffer_factor == 1.5 and c.expert_parallelism == 4 and c.gmm_impl == "ragged_dot"
+  assert c.score_func == "sigmoid" and c.norm_topk_prob
+  # NOTE: MaxText's "unset" values agree with any other value of the same field.
+  c2 = MoEConfig.from_dict(
+    {**MAXTEXT_DEEPSEEK2_16B, "capacity_factor": -1, "ragged_buffer_factor": 2}
+  )
+  assert c2.buffer_factor == 2.0
+  own = MoEConfig.from_dict(dataclasses.asdict(c))
+  assert own == c
+
+
+@pytest.mark.parametrize(
+  "extra, match",
+  [
+    ({"num_expert": 8}, r"unknown key 'num_expert'.*Did you mean 'num_experts'"),
+    ({"moe_intermediat_size": 8}, r"unknown key 'moe_intermediat_size'.*'moe_intermediate_size'"),
+    ({"wi_tile_fwd_batch": 8}, r"unknown key.*Did you mean 'wi_tile_fwd_batch_seq'"),
+    ({"n_routed_experts": 32}, r"'num_experts'=64 and 'n_routed_experts'=32"),
+    ({"emb_dim": 1024}, r"'base_emb_dim'=2048 and 'emb_dim'=1024 both set 'd_model'"),
+    ({"ragged_buffer_factor": 2.0, "capacity_factor": 1.5}, r"'buffer_factor'"),
+    ({"sparse_matmul": False}, r"sparse_matmul=False"),
+    ({"routed_bias": True}, r"routed_bias=True is not supported"),
+    ({"topk_method": "noaux_tc"}, r"topk_method must be one of"),
+    ({"mlp_activations": ["gelu"]}, r"only \['silu', 'linear'\]"),
+  ],
+)
+def test_errors_name_the_key(extra, match):
+  with pytest.raises(ValueError, match=match):
+    MoEConfig.from_dict({**MAXTEXT_DEEPSEEK2_16B, **extra})
+
+
+def test_ignore_unknown_and_ignored_keys():
+  d = {**MAXTEXT_DEEPSEEK2_16B, "some_new_flag": 1}
+  with pytest.raises(ValueError, match="some_new_flag"):
+    MoEConfig.from_dict(d)
+  assert MoEConfig.from_dict(d, ignore_unknown=True) == MoEConfig.from_dict(MAXTEXT_DEEPSEEK2_16B)
+  assert "vocab_size" in IGNORED_KEYS and "num_hidden_layers" in IGNORED_KEYS
+  with pytest.raises(ValueError, match=r"missing \['expert_ffn_dim'\].*moe_intermediate_size"):
+    MoEConfig.from_dict({"num_experts": 4, "top_k": 2, "d_model": 8})
+
+
+def test_direct_validation():
+  base = dict(num_experts=8, top_k=2, d_model=16, expert_ffn_dim=8)
+  with pytest.raises(ValueError, match="top_k=9"):
+    MoEConfig(**{**base, "top_k": 9})
+  with pytest.raises(ValueError, match="buffer_factor"):
+    MoEConfig(**base, buffer_factor=0.0)
+  with pytest.raises(ValueError, match="must differ"):
+    MoEConfig(**base, data_axis="x", expert_axis="x")
+  with pytest.raises(TypeError):
+    MoEConfig(8, 2, 16, 8)  # keyword-only
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    MoEConfig(**base).top_k = 3
