@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_moe import _moe_workarounds, collectives
+from pallas_moe import collectives
 from pallas_moe.config import MoEConfig
 from pallas_moe.ops import gmm
 
@@ -62,7 +62,6 @@ __all__ = [
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 # WORKAROUND: makes gmm's CPU interpret mode lower inside shard_map(check_vma=True); see the module.
-_moe_workarounds.install()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 from pallas_moe import moe, reference
 from pallas_moe.config import MoEConfig
@@ -247,26 +246,6 @@ def test_errors():
   with pytest.raises(ValueError, match="lack 'data'"):
     mesh = jax.make_mesh((8,), ("expert",), axis_types=(jax.sharding.AxisType.Auto,))
     moe.moe_layer(params, x, MoEConfig(**SMALL), mesh)
-
-
-def test_gmm_hlo_interpret_in_shard_map_workaround():
-  """Documents the gmm bug `_moe_workarounds` fixes: the HLO interpreter under check_vma with a
-  varying lhs. With the workaround installed (importing pallas_moe.moe does it) this runs."""
-  import pallas_moe
-
-  mesh = jax.make_mesh(
-    (4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4]
-  )
-  lhs = jax.random.normal(jax.random.key(0), (4 * 16, 128))
-  rhs = jax.random.normal(jax.random.key(1), (4, 128, 128))
-  sizes = jnp.array([4, 4, 4, 4] * 4, jnp.int32)
-  fn = lambda lhs, rhs, gs: pallas_moe.gmm(lhs, rhs, gs, interpret=True)
-  sm = jax.shard_map(fn, mesh=mesh, in_specs=(P("x"), P(), P("x")), out_specs=P("x"))
-  out = jax.jit(sm)(lhs, rhs, sizes)
-  want = jnp.concatenate(
-    [reference.gmm(lhs[i * 16 : (i + 1) * 16], rhs, sizes[:4]) for i in range(4)]
-  )
-  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
 def test_demo_loss_falls():

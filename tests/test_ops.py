@@ -239,3 +239,21 @@ def test_shard_map_check_vma_forward_and_grads(mode):
   )
   for a, b in zip(grads, ref_grads, strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_shard_map_varying_lhs_hlo_interpreter():
+  """The HLO interpreter under check_vma with an lhs that varies over the mesh axis (the EP MoE
+  case; jax 0.10.2 needs `_jax_compat`'s lowering fix)."""
+  mesh = jax.make_mesh(
+    (4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4]
+  )
+  lhs = jax.random.normal(jax.random.key(0), (4 * 16, 128))
+  rhs = jax.random.normal(jax.random.key(1), (4, 128, 128))
+  sizes = jnp.array([4, 4, 4, 4] * 4, jnp.int32)
+  fn = lambda lhs, rhs, gs: pallas_moe.gmm(lhs, rhs, gs, interpret=True)
+  sm = jax.shard_map(fn, mesh=mesh, in_specs=(P("x"), P(), P("x")), out_specs=P("x"))
+  out = jax.jit(sm)(lhs, rhs, sizes)
+  want = jnp.concatenate(
+    [reference.gmm(lhs[i * 16 : (i + 1) * 16], rhs, sizes[:4]) for i in range(4)]
+  )
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-4)
