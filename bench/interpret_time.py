@@ -114,7 +114,7 @@ def table(records: list[dict], *, markdown: bool) -> str:
     f"G={s['num_groups']}, tiling {'x'.join(map(str, records[0]['tiling']))})"
   )
   by = {(r["op"], r["impl"]): r for r in records}
-  cols = ("op", "pallas_moe_ms", "megablox_ms", "megablox/ours", "max|diff|")
+  cols = ("op", "pallas_moe_ms", "megablox_ms", "megablox/ours", "max_abs_diff")
   rows = []
   for op in dict.fromkeys(r["op"] for r in records):
     o, t = by[(op, "pallas_moe")], by[(op, "megablox")]
