@@ -7,10 +7,11 @@ for TPU). Operands and group sizes are abstract `ShapeDtypeStruct`s: nothing is 
 
 Coverage: all four benchmark shapes of DESIGN.md (bench/shapes.py, native token counts) on v5e
 and v6e, and one representative shape, mixtral-8x7b, on v5p, tpu7x and v4. The full matrix
-(4 shapes x 5 generations x 3 programs) compiled in 2.5 minutes on an idle 2-core CPU and took
-over 6 minutes in pytest on a loaded one: above the ~3 minute budget for these tests. mixtral
-is the representative because its k and n are the largest, so the heuristic's tiles come closest
-to the VMEM budget. (All 60 compiled once by hand, except the case below on v4 too.)
+(4 shapes x 5 generations x 3 programs) took 2.5 minutes compiled by a script on a lightly loaded
+2-core CPU, and over 6 minutes in pytest while other jobs shared the machine: above the ~3 minute
+budget for these tests. mixtral is the representative because its k and n are the largest, so
+the heuristic's tiles come closest to the VMEM budget. (In that one-off full run every kernel
+compiled on every generation; only the case below failed, on HBM, on v5e and v4.)
 
 One case does not fit a chip's HBM (not a kernel problem): the deepseek-v3 training step on one
 v5e (or v4) device needs ~22 GB of HLO temporaries (lhs 3.8 GB, rhs 7.5 GB, and their gradients)
