@@ -1,9 +1,18 @@
 """`python -m bench`: modeled TPU time of grouped matmuls (and measured time on a TPU).
 
 For each shape / op / chip / implementation: modeled_us (bench.costmodel over the real
-pallas_call schedule), roofline_us, achievable_us, modeled/achievable, MXU row waste
-(executed / useful rows) and HBM bytes / minimum. On a TPU (jax.default_backend() == "tpu")
-cases for the local chip are also timed: warm-up, several runs, median, TFLOP/s, % of peak.
+pallas_call schedule), roofline_us, achievable_us, modeled/achievable, modeled/roofline, MXU row
+waste (executed / useful rows), HBM bytes / minimum, and the speedup of the modeled time against
+upstream megablox at MaxText's tiles (x_mb512) and at its default 128^3 tiles (x_mb128) on the
+same chip (> 1: faster than megablox). On a TPU (jax.default_backend() == "tpu") cases for the
+local chip are also timed: warm-up, several runs, median, TFLOP/s, % of peak.
+
+Off TPU, a second small table gives the CPU wall time of interpret mode (ours vs megablox) on a
+reduced shape (--interpret_shape; --nointerpret_table to skip it). It says nothing about TPU
+speed; it is there to show both run, and what interpret-mode tests cost.
+
+--memory prints, per shape, the temp bytes XLA reports (`compiled.memory_analysis()`) for an
+AOT-compiled gmm training step (fwd + dlhs + drhs) on one device of --memory_chip (needs libtpu).
 
 Example: python -m bench --chip v5e,v6e --ops fwd,dlhs,drhs --tokens native,4096 --json out.json
 """
@@ -32,7 +41,10 @@ from pallas_moe.tiling import current_generation, get_generation  # noqa: E402
 _CHIP = flags.DEFINE_list("chip", ["v5e", "v6e"], "TPU generations to model.")
 _SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Shapes: {', '.join(SHAPES)}.")
 _OPS = flags.DEFINE_list("ops", list(OPS), "Ops: fwd, dlhs, drhs.")
-_IMPLS = flags.DEFINE_list("impls", None, "Implementations (default: all registered).")
+# Default: ours (heuristic tiles) and upstream megablox at MaxText's and at its default tiles.
+# `pallas_moe-maxtext` (ours at MaxText's tiles) is registered too; select it with --impls.
+DEFAULT_IMPLS = ["pallas_moe", "megablox-maxtext", "megablox-default"]
+_IMPLS = flags.DEFINE_list("impls", None, f"Implementations (default: {','.join(DEFAULT_IMPLS)}).")
 _TOKENS = flags.DEFINE_list(
   "tokens",
   ["native", str(SMALL_BATCH_TOKENS)],
@@ -44,6 +56,19 @@ _JSON = flags.DEFINE_string("json", None, "Write one JSON record per case here."
 _MARKDOWN = flags.DEFINE_string("markdown", None, "Write the tables as markdown here.")
 _RUNS = flags.DEFINE_integer("runs", 10, "Timed runs per case on TPU (median is reported).")
 _WARMUP = flags.DEFINE_integer("warmup", 3, "Warm-up runs per case on TPU.")
+_INTERPRET_TABLE = flags.DEFINE_bool(
+  "interpret_table", True, "Off TPU: time interpret mode (ours vs megablox) on a reduced shape."
+)
+_INTERPRET_SHAPE = flags.DEFINE_list(
+  "interpret_shape", ["2048", "512", "256", "16"], "m, k, n, G of the interpret-mode table."
+)
+_INTERPRET_TILING = flags.DEFINE_list(
+  "interpret_tiling", ["128", "128", "128"], "tm, tk, tn for both kernels in that table."
+)
+_MEMORY = flags.DEFINE_bool(
+  "memory", False, "Print temp bytes of an AOT-compiled gmm training step per shape (libtpu)."
+)
+_MEMORY_CHIP = flags.DEFINE_string("memory_chip", "v5e", "Generation for --memory.")
 
 
 def _log(msg: str) -> None:
@@ -118,21 +143,33 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10, warmu
         for impl in impls:
           done += 1
           for gen in gens:
-            key = (
-              impl.name,
-              shape.label,
-              routing,
-              op,
-              gen.name if impl.tiling_depends_on_generation else None,
-            )
             try:
               case = impl.build(op=op, shape=shape, group_sizes=gs, generation=gen)
             except Unsupported as e:
               _log(f"[{done}/{total}] {impl.name} {shape.label} {op}: skipped ({e})")
               break
+            # NOTE: the schedule depends on the tiles, not the chip, except where the
+            # implementation refuses tiles per chip (VMEM budget).
+            key = (
+              impl.name,
+              shape.label,
+              routing,
+              op,
+              tuple(case.tiling),
+              gen.name if impl.checks_vmem_per_generation else None,
+            )
             if key not in cache:
               t0 = time.time()
-              cache[key] = costmodel.analyze(case.fn, *case.args, step_scale=case.step_scale)
+              try:
+                cache[key] = costmodel.analyze(case.fn, *case.args, step_scale=case.step_scale)
+              except ValueError as e:
+                if "VMEM" not in str(e):
+                  raise
+                _log(
+                  f"[{done}/{total}] {impl.name} {shape.label} {op} on {gen.name}: refused "
+                  f"({str(e)[:120]}...)"
+                )
+                continue
               steps = sum(s.steps for s in cache[key])
               _log(
                 f"[{done}/{total}] {impl.name} {shape.label}/{routing} {op} "
@@ -179,8 +216,25 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10, warmu
                 notes=sorted({n for c in rep.calls for n in c.notes}),
               )
             )
+  _add_speedups(records)
   _log(f"done: {len(records)} records in {time.time() - t_start:.0f}s")
   return records
+
+
+# Speedup columns: modeled time of these references / the row's modeled time, same chip.
+SPEEDUP_REFS = {"x_mb512": "megablox-maxtext", "x_mb128": "megablox-default"}
+
+
+def _add_speedups(records: list[dict]) -> None:
+  """Adds `speedup_vs` {column: ref modeled / this modeled (or None)} to every record."""
+  by_case = {
+    (r["impl"], r["shape"], r["routing"], r["op"], r["chip"]): r["modeled_us"] for r in records
+  }
+  for r in records:
+    r["speedup_vs"] = {}
+    for col, ref in SPEEDUP_REFS.items():
+      t = by_case.get((ref, r["shape"], r["routing"], r["op"], r["chip"]))
+      r["speedup_vs"][col] = t / r["modeled_us"] if t and r["modeled_us"] else None
 
 
 _COLUMNS = (
@@ -192,6 +246,9 @@ _COLUMNS = (
   "roofline_us",
   "achievable_us",
   "mod/ach",
+  "mod/roof",
+  "x_mb512",
+  "x_mb128",
   "row_waste",
   "hbm/min",
   "mxu_us",
@@ -209,6 +266,8 @@ def _row(r: dict) -> list[str]:
     else None
   )
   ratio = r["modeled_us"] / r["achievable_us"] if r["achievable_us"] else None
+  roof = r["modeled_us"] / r["roofline_us"] if r["roofline_us"] else None
+  sp = r.get("speedup_vs", {})
   return [
     r["chip"],
     r["impl"],
@@ -218,6 +277,9 @@ def _row(r: dict) -> list[str]:
     f(r["roofline_us"]),
     f(r["achievable_us"]),
     f(ratio, 2),
+    f(roof, 2),
+    f(sp.get("x_mb512"), 2),
+    f(sp.get("x_mb128"), 2),
     f(waste, 2),
     f(r["hbm_bytes"] / r["min_hbm_bytes"], 2),
     f(r["mxu_us"]),
@@ -260,7 +322,11 @@ def tables(records: list[dict], *, markdown: bool) -> str:
 
 def main(argv) -> None:
   del argv
-  impl_names = _IMPLS.value or list(IMPLS)
+  t_start = time.time()
+  impl_names = _IMPLS.value or DEFAULT_IMPLS
+  # NOTE: the cost model compiles many small XLA:CPU programs (schedules, vmapped index maps);
+  # without most optimizations they compile ~30% faster and compute the same integers.
+  jax.config.update("jax_disable_most_optimizations", True)
   records = run(
     chips=_CHIP.value,
     shape_names=_SHAPES.value,
@@ -271,13 +337,39 @@ def main(argv) -> None:
     runs=_RUNS.value,
     warmup=_WARMUP.value,
   )
-  print(tables(records, markdown=False))
+  jax.config.update("jax_disable_most_optimizations", False)
+  out = {"modeled": records}
+  text, md = [tables(records, markdown=False)], [tables(records, markdown=True)]
+  if _INTERPRET_TABLE.value and jax.default_backend() != "tpu":
+    from bench import interpret_time
+
+    m, k, n, g = map(int, _INTERPRET_SHAPE.value)
+    til = tuple(map(int, _INTERPRET_TILING.value))
+    t0 = time.time()
+    recs = interpret_time.interpret_walltime(m=m, k=k, n=n, num_groups=g, tiling=til)
+    _log(f"interpret-mode table in {time.time() - t0:.0f}s")
+    out["interpret_cpu"] = recs
+    text.append(interpret_time.table(recs, markdown=False))
+    md.append(interpret_time.table(recs, markdown=True))
+  if _MEMORY.value:
+    from bench import aot_memory
+
+    recs = []
+    for s in _SHAPES.value:
+      t0 = time.time()
+      recs.append(aot_memory.training_step_memory(get_shape(s), generation=_MEMORY_CHIP.value))
+      _log(f"memory analysis {s} in {time.time() - t0:.0f}s")
+    out["aot_memory"] = recs
+    text.append(aot_memory.table(recs, markdown=False))
+    md.append(aot_memory.table(recs, markdown=True))
+  print("\n".join(text))
+  _log(f"bench total {time.time() - t_start:.0f}s")
   if _JSON.value:
     with open(_JSON.value, "w") as f:
-      json.dump(records, f, indent=1)
+      json.dump(out, f, indent=1)
   if _MARKDOWN.value:
     with open(_MARKDOWN.value, "w") as f:
-      f.write(tables(records, markdown=True))
+      f.write("\n".join(md))
 
 
 if __name__ == "__main__":

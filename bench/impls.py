@@ -28,9 +28,18 @@ import numpy as np
 
 from bench.costmodel import StepContext
 from bench.shapes import Shape
-from pallas_moe.tiling import TpuGeneration, pick_tiling
+from pallas_moe.tiling import TpuGeneration, pick_tiling, use_generation
 
-__all__ = ["Case", "Impl", "Unsupported", "IMPLS", "register", "op_arrays", "OPS"]
+__all__ = [
+  "Case",
+  "Impl",
+  "Unsupported",
+  "IMPLS",
+  "register",
+  "op_arrays",
+  "OPS",
+  "pallas_moe_step_scale",
+]
 
 OPS = ("fwd", "dlhs", "drhs")
 DTYPE = jnp.bfloat16
@@ -68,13 +77,17 @@ class Impl:
     name: registry key (`--impls`).
     build: (*, op, shape, group_sizes, generation) -> Case.
     available: () -> None if usable, else the reason it is skipped.
-    tiling_depends_on_generation: whether `build` picks tiles per generation (cache key).
+    tiling_depends_on_generation: whether `build` picks tiles per generation.
+    checks_vmem_per_generation: whether the implementation may refuse (raise ValueError) the same
+      tiles on one generation and accept them on another (our ops check VMEM against the
+      generation's budget); the bench then analyzes each generation separately.
   """
 
   name: str
   build: Callable[..., Case]
   available: Callable[[], str | None] = lambda: None
   tiling_depends_on_generation: bool = False
+  checks_vmem_per_generation: bool = False
 
 
 IMPLS: dict[str, Impl] = {}
@@ -183,62 +196,111 @@ register(Impl(name="megablox-default", build=_megablox_build((128, 128, 128))))
 
 
 # ----------------------------------------------------------------------------------------------
-# Our kernels (pallas_moe), once they exist.
+# Our kernels (pallas_moe).
+#
+# NOTE: `pallas_moe.gmm` / `pallas_moe.tgmm` are functions (re-exported from `pallas_moe.ops`);
+# there is no module of that name. The cases call them with `interpret=False` (compiled Mosaic):
+# the bench only traces them, and `interpret=None` would put both the Mosaic and the interpret
+# kernel behind a `lax.platform_dependent`, which the cost model cannot schedule. They are traced
+# under `tiling.use_generation(generation)` so the ops' VMEM check uses the modeled chip's budget.
 
 
 def _pallas_moe_available() -> str | None:
   try:
-    importlib.import_module("pallas_moe.gmm")
-    importlib.import_module("pallas_moe.tgmm")
+    ops = importlib.import_module("pallas_moe.ops")
   except ImportError as e:
-    return f"pallas_moe kernels not importable yet ({e})"
+    return f"pallas_moe.ops not importable ({e})"
+  if not (callable(getattr(ops, "gmm", None)) and callable(getattr(ops, "tgmm", None))):
+    return "pallas_moe.ops has no callable gmm/tgmm"
   return None
 
 
-def _pallas_moe_api():
-  """The public API (DESIGN.md): pallas_moe.ops.gmm / tgmm, else pallas_moe.gmm / tgmm."""
-  for mod_name in ("pallas_moe.ops", "pallas_moe"):
-    try:
-      mod = importlib.import_module(mod_name)
-    except ImportError:
-      continue
-    gmm, tgmm = getattr(mod, "gmm", None), getattr(mod, "tgmm", None)
-    if callable(gmm) and callable(tgmm):
-      return gmm, tgmm
-  raise Unsupported("pallas_moe exposes no callable gmm/tgmm")
+def pallas_moe_step_scale(
+  *, op: str, dots_per_step: int = 1
+) -> Callable[[StepContext], np.ndarray]:
+  """Per-step MXU work of our kernels: a visit multiplies only when `visit_active` is 1.
+
+  Our gmm visits (group, m-tile) pairs from `metadata.make_schedule`, including fill visits that
+  only write zeros / existing_out; tgmm also visits empty groups once. Each active visit runs one
+  full [tm, tk] x [tk, tn] (gmm) or [tk, tm] x [tm, tn] (tgmm) dot per grid step. The cost model
+  counts every `pl.when` branch that holds a dot; gmm with a ragged last k tile has two such
+  branches (masked and unmasked; exactly one runs), hence `dots_per_step`.
+
+  Args:
+    op: "fwd"/"dlhs" (gmm: prefetch (group_offsets, visit_group, visit_m_tile, visit_load_tile,
+      visit_active, group_offset), visit = grid axis 1) or "drhs" (tgmm: prefetch
+      (group_offsets, visit_group, visit_load_tile, visit_active, group_offset), visit = axis 2).
+    dots_per_step: dot-holding branches in the kernel body (1, or 2 for gmm with k % tk != 0).
+
+  Returns:
+    The hook.
+  """
+  active_idx, visit_axis = (3, 2) if op == "drhs" else (4, 1)
+
+  def scale(ctx: StepContext) -> np.ndarray:
+    active = np.asarray(ctx.index_operands[active_idx])
+    return active[ctx.program_ids[visit_axis]].astype(np.float64) / dots_per_step
+
+  return scale
 
 
-def _pallas_moe_build(
-  *, op: str, shape: Shape, group_sizes: np.ndarray, generation: TpuGeneration
-) -> Case:
-  gmm, tgmm = _pallas_moe_api()
-  m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
-  args = op_arrays(op=op, shape=shape, group_sizes=group_sizes)
-  dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE, generation=generation)
-  if op == "fwd":
-    til = pick_tiling(m=m, k=k, n=n, num_groups=g, kind="gmm", **dt)
-    fn = functools.partial(gmm, preferred_element_type=DTYPE, tiling=til)
-    row_macs = _gmm_row_macs(k, n, til[1], til[2])
-  elif op == "dlhs":
-    til = pick_tiling(m=m, k=n, n=k, num_groups=g, kind="gmm", **dt)
-    fn = functools.partial(gmm, preferred_element_type=DTYPE, tiling=til, transpose_rhs=True)
-    row_macs = _gmm_row_macs(n, k, til[1], til[2])
-  else:
-    til = pick_tiling(m=m, k=k, n=n, num_groups=g, kind="tgmm", **dt)
-    fn = functools.partial(tgmm, preferred_element_type=DTYPE, tiling=til)
-    row_macs = _tgmm_row_macs(k, n, til[1], til[2])
-  # If the kernel skips MXU work inside a step, give it a step_scale hook here (or export one
-  # as pallas_moe.gmm.cost_step_scale / pallas_moe.tgmm.cost_step_scale).
-  mod = importlib.import_module("pallas_moe.tgmm" if op == "drhs" else "pallas_moe.gmm")
-  scale = getattr(mod, "cost_step_scale", None)
-  return Case(fn=fn, args=args, tiling=til, step_scale=scale, row_macs=row_macs)
+def _in_generation(fn: Callable[..., Any], generation: TpuGeneration) -> Callable[..., Any]:
+  def wrapped(*args):
+    with use_generation(generation):
+      return fn(*args)
+
+  return wrapped
+
+
+def _pallas_moe_build(tiling: tuple[int, int, int] | None):
+  """Our kernels with fixed tiles (clamped to the dims, like MaxText), or None: the heuristic."""
+
+  def build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation: TpuGeneration) -> Case:
+    ops = importlib.import_module("pallas_moe.ops")
+    m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
+    args = op_arrays(op=op, shape=shape, group_sizes=group_sizes)
+    dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE, generation=generation)
+    # (kind, m, contraction-or-k, n) as pick_tiling sees the op.
+    kind, dk, dn = ("tgmm", k, n) if op == "drhs" else ("gmm", *((k, n) if op == "fwd" else (n, k)))
+    if tiling is None:
+      til = pick_tiling(m=m, k=dk, n=dn, num_groups=g, kind=kind, **dt)
+    else:
+      til = (min(tiling[0], m), min(tiling[1], dk), min(tiling[2], dn))
+    kw = dict(preferred_element_type=DTYPE, interpret=False)
+    if op == "drhs":
+      fn = functools.partial(ops.tgmm, tiling=til, **kw)
+      row_macs = _tgmm_row_macs(k, n, til[1], til[2])
+      dots = 1
+    else:
+      # Tiling(fwd=) only: the single-op bench never runs the backward passes.
+      tl = ops.Tiling(fwd=til, dlhs=(128, 128, 128), drhs=(128, 128, 128))
+      fn = functools.partial(ops.gmm, tiling=tl, transpose_rhs=op == "dlhs", **kw)
+      row_macs = _gmm_row_macs(dk, dn, til[1], til[2])
+      dots = 2 if dk % til[1] else 1
+    return Case(
+      fn=_in_generation(fn, generation),
+      args=args,
+      tiling=til,
+      step_scale=pallas_moe_step_scale(op=op, dots_per_step=dots),
+      row_macs=row_macs,
+    )
+
+  return build
 
 
 register(
   Impl(
     name="pallas_moe",
-    build=_pallas_moe_build,
+    build=_pallas_moe_build(None),
     available=_pallas_moe_available,
     tiling_depends_on_generation=True,
+  )
+)
+register(
+  Impl(
+    name="pallas_moe-maxtext",
+    build=_pallas_moe_build((512, 1024, 1024)),
+    available=_pallas_moe_available,
+    checks_vmem_per_generation=True,
   )
 )

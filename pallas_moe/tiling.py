@@ -11,6 +11,10 @@ AOT check (libtpu for jax 0.10.2, upstream megablox gmm bf16, no vmem_limit_byte
 accumulator alone are 16 MiB); on v6e:2x2 (512,2048,2048) compiles (blocks + acc 28 MiB) and
 (1024,2048,2048) fails. `vmem_estimate_bytes` says 14.2 / 20.8 / 36.2 / 53.8 MiB for these, so
 it is on the safe side (by up to ~8 MiB at large tiles).
+Our gmm kernel (AOT, same libtpu): without the lhs-copy term the estimate said "fits" for
+(512,4096,256) (15.8 MiB) and (1024,2048,256) (15.3 MiB) on v5e, but Mosaic needed 17.0 and
+16.1 MiB (buffers + accumulator + about one lhs block). With it, every bf16 tiling we probed that
+the estimate admits compiles (tests/test_aot.py re-checks a set near the v5e and v6e budgets).
 
 When a tiling needs more than the scoped default, a kernel must pass
 `pltpu.CompilerParams(vmem_limit_bytes=...)` (jax documents that it overrides the default limit;
@@ -25,6 +29,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -173,21 +178,31 @@ _GENERATION_OVERRIDE: contextvars.ContextVar[TpuGeneration | None] = contextvars
 
 
 @contextlib.contextmanager
-def use_generation(generation: str | TpuGeneration):
-  """Within the block, tiles and VMEM limits are chosen for `generation`.
+def use_generation(generation: str | TpuGeneration) -> Iterator[TpuGeneration]:
+  """Makes `current_generation()` return `generation` inside the block.
 
-  For compiling ahead of time for a TPU topology from a host with no TPU (or another generation):
-  `with use_generation("v6e"): jax.jit(step).lower(...).compile()`.
+  For ahead-of-time compilation from a host that is not that TPU (e.g. compiling for a v6e
+  topology from a CPU): the default tiles (`pick_tiling`) and the VMEM check of `pallas_moe.gmm`
+  / `tgmm` then follow the target, not the host. The override applies when the ops are *traced*
+  (e.g. inside `jax.jit(f).lower(...)`), so lower inside the block. Nests; thread- and
+  asyncio-safe (a `contextvars.ContextVar`).
+
+  Args:
+    generation: a generation name ("v5e", "v6e", ...) or a `TpuGeneration`.
+
+  Yields:
+    The `TpuGeneration` in effect.
   """
-  token = _GENERATION_OVERRIDE.set(get_generation(generation))
+  gen = get_generation(generation)
+  token = _GENERATION_OVERRIDE.set(gen)
   try:
-    yield
+    yield gen
   finally:
     _GENERATION_OVERRIDE.reset(token)
 
 
 def current_generation() -> TpuGeneration:
-  """The `use_generation` override, else the generation of `jax.devices()[0]` on TPU, else v5e.
+  """The generation set by `use_generation`, else that of `jax.devices()[0]` on TPU, else v5e.
 
   Returns:
     The `TpuGeneration`.
@@ -223,8 +238,9 @@ def vmem_estimate_bytes(
   """Estimates the VMEM a gmm/tgmm tiling needs.
 
   Counts: every pipelined input/output block twice (double buffering), the f32 accumulator
-  scratch, the f32 dot result temporary, and for tgmm the f32 masked copies of the two input
-  blocks (a kernel that zeroes rows outside the group materializes them); then a safety margin
+  scratch, the f32 dot result temporary, for gmm a copy of the lhs block, and for tgmm the f32
+  masked copies of the two input blocks (a kernel that zeroes rows outside the group
+  materializes them); then a safety margin
   for Mosaic's internal scratch (1 MiB + 10%).
 
   Args:
@@ -244,7 +260,9 @@ def vmem_estimate_bytes(
   if kind == "gmm":
     blocks = tm * tk * li + tk * tn * ri + tm * tn * oi
     acc = tm * tn * 4
-    temps = tm * tn * 4
+    # NOTE: Mosaic can materialize the loaded lhs block as a value in internal scratch (AOT,
+    # v5e: (512, 4096, 256) needs 17.0 MiB = buffers + acc + ~4 MiB, the size of the lhs block).
+    temps = tm * tn * 4 + tm * tk * li
   elif kind == "tgmm":
     blocks = tm * tk * li + tm * tn * ri + tk * tn * oi
     acc = tk * tn * 4

@@ -239,3 +239,81 @@ def test_design_megablox_row_waste(name, tokens, expected):
   )
   assert rep.row_waste == pytest.approx(expected, rel=0.03)
   assert rep.mxu_rows_executed == _visited_tiles(gs, 512) * 512
+
+
+# The bench's pallas_moe entries ---------------------------------------------------------------
+
+
+def _tiny_shape(*, m, k, n, g):
+  from bench.shapes import Shape
+
+  return Shape(name="tiny", tokens=m, top_k=1, num_groups=g, k=k, n=n)
+
+
+# Groups with empty ones, sizes summing to less than m (so the kernel has fill visits).
+_GS = np.array([100, 0, 300, 0, 0, 170, 130], np.int32)  # sum 700 of m = 1024
+
+
+@pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
+def test_pallas_moe_rows_equal_active_visits(op):
+  """Rows executed = active visits x tm; active visits counted with numpy from group sizes."""
+  m, k, n = 1024, 256, 384
+  shape = _tiny_shape(m=m, k=k, n=n, g=len(_GS))
+  case = IMPLS["pallas_moe"].build(op=op, shape=shape, group_sizes=_GS, generation=V5E)
+  tm, tk, tn = case.tiling
+  (s,) = cm.analyze(case.fn, *case.args, step_scale=case.step_scale)
+  active = _visited_tiles(_GS, tm)
+  contract, out_cols = (n, k) if op == "dlhs" else (k, n)
+  if op == "drhs":
+    # Every group visited, empty ones once (inactive); visits innermost.
+    assert s.grid == (-(-k // tk), -(-n // tn), _visited_tiles(_GS, tm, visit_empty=True))
+  else:
+    # Plus one fill visit per m-tile with no row of any group: rows [700, 1024).
+    fill = -(-m // tm) - (-(-int(_GS.sum()) // tm))
+    assert s.grid == (-(-out_cols // tn), active + fill, -(-contract // tk))
+  rep = cm.cost([s], generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=int(_GS.sum()))
+  assert rep.mxu_rows_executed == pytest.approx(active * tm)
+
+
+def test_pallas_moe_rows_with_ragged_k():
+  """k % tk != 0: the kernel has a masked and an unmasked dot branch; exactly one runs."""
+  from bench import impls
+
+  m, k, n = 1024, 1408, 256
+  shape = _tiny_shape(m=m, k=k, n=n, g=len(_GS))
+  build = impls._pallas_moe_build((128, 1024, 256))
+  case = build(op="fwd", shape=shape, group_sizes=_GS, generation=V5E)
+  assert case.tiling == (128, 1024, 256)
+  rep = cm.model(
+    case.fn,
+    *case.args,
+    generation=V5E,
+    step_scale=case.step_scale,
+    row_macs=case.row_macs(128),
+    mxu_rows_useful=int(_GS.sum()),
+  )
+  assert rep.mxu_rows_executed == pytest.approx(_visited_tiles(_GS, 128) * 128)
+
+
+@pytest.mark.parametrize("tk", [128, 256])
+def test_pallas_moe_single_dense_group_bytes(tk):
+  """One group owning all rows: every block is fetched as in a dense tiled matmul."""
+  from bench import impls
+
+  m, k, n, tm, tn = 512, 256, 384, 128, 128
+  shape = _tiny_shape(m=m, k=k, n=n, g=1)
+  case = impls._pallas_moe_build((tm, tk, tn))(
+    op="fwd", shape=shape, group_sizes=np.array([m], np.int32), generation=V5E
+  )
+  (s,) = cm.analyze(case.fn, *case.args, step_scale=case.step_scale)
+  tiles_m, tiles_k, tiles_n = m // tm, k // tk, n // tn
+  assert s.grid == (tiles_n, tiles_m, tiles_k)
+  steps = tiles_n * tiles_m * tiles_k
+  lhs = steps * tm * tk * 2  # the (m_tile, k_tile) block changes every step
+  rhs = (steps if tiles_k > 1 else tiles_n) * tk * tn * 2  # fixed per n tile when tiles_k == 1
+  out = tiles_n * tiles_m * tm * tn * 2
+  assert sorted(s.operand_bytes.values()) == sorted([lhs, rhs, out])
+  assert s.hbm_bytes == lhs + rhs + out
+  assert s.min_hbm_bytes == 2 * (m * k + k * n + m * n)
+  rep = cm.cost([s], generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=m)
+  assert rep.mxu_rows_executed == m
