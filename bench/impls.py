@@ -216,21 +216,25 @@ def _pallas_moe_available() -> str | None:
 
 
 def pallas_moe_step_scale(
-  *, op: str, dots_per_step: int = 1
+  *, op: str, tm: int, sub_m: int, branches_per_sub: int = 1
 ) -> Callable[[StepContext], np.ndarray]:
-  """Per-step MXU work of our kernels: a visit multiplies only when `visit_active` is 1.
+  """Per-step MXU work of our kernels, from their schedule (what they really multiply).
 
   Our gmm visits (group, m-tile) pairs from `metadata.make_schedule`, including fill visits that
-  only write zeros / existing_out; tgmm also visits empty groups once. Each active visit runs one
-  full [tm, tk] x [tk, tn] (gmm) or [tk, tm] x [tm, tn] (tgmm) dot per grid step. The cost model
-  counts every `pl.when` branch that holds a dot; gmm with a ragged last k tile has two such
-  branches (masked and unmasked; exactly one runs), hence `dots_per_step`.
+  only write zeros / existing_out; tgmm also visits empty groups once. An active visit multiplies
+  each `sub_m`-row sub-block of its m-tile that holds a row of its group and skips the others
+  (`metadata.mxu_rows` is the same count; tests check it against the kernels' interpret-mode
+  `count_rows` instrumentation). The kernel body holds tm / sub_m sub-block dots (each in its own
+  `pl.when`), twice over for gmm with a ragged last k tile (masked and unmasked branches, one
+  runs); the cost model counts all of them, so the hook scales by hits / dots in the body.
 
   Args:
     op: "fwd"/"dlhs" (gmm: prefetch (group_offsets, visit_group, visit_m_tile, visit_load_tile,
       visit_active, group_offset), visit = grid axis 1) or "drhs" (tgmm: prefetch
       (group_offsets, visit_group, visit_load_tile, visit_active, group_offset), visit = axis 2).
-    dots_per_step: dot-holding branches in the kernel body (1, or 2 for gmm with k % tk != 0).
+    tm: the m tile.
+    sub_m: rows per MXU pass in the kernel.
+    branches_per_sub: dot-holding branches per sub-block (2 for gmm with k % tk != 0).
 
   Returns:
     The hook.
@@ -238,8 +242,15 @@ def pallas_moe_step_scale(
   active_idx, visit_axis = (3, 2) if op == "drhs" else (4, 1)
 
   def scale(ctx: StepContext) -> np.ndarray:
-    active = np.asarray(ctx.index_operands[active_idx])
-    return active[ctx.program_ids[visit_axis]].astype(np.float64) / dots_per_step
+    prefetch = [np.asarray(x) for x in ctx.index_operands]
+    visit = ctx.program_ids[visit_axis]
+    offsets = prefetch[0]
+    group = prefetch[1][visit] + int(prefetch[-1].reshape(-1)[0])
+    start, end = offsets[group], offsets[group + 1]
+    lo = prefetch[2][visit][:, None] * tm + np.arange(0, tm, sub_m)[None, :]
+    active = prefetch[active_idx][visit] == 1
+    hits = active[:, None] & (lo < end[:, None]) & (lo + sub_m > start[:, None])
+    return hits.sum(axis=1) / ((tm // sub_m) * branches_per_sub)
 
   return scale
 
@@ -267,6 +278,8 @@ def _pallas_moe_build(tiling: tuple[int, int, int] | None):
     else:
       til = (min(tiling[0], m), min(tiling[1], dk), min(tiling[2], dn))
     kw = dict(preferred_element_type=DTYPE, interpret=False)
+    mxu = generation.mxu_size
+    sub_m = mxu if til[0] % mxu == 0 else til[0]  # as pallas_moe.ops chooses it
     if op == "drhs":
       fn = functools.partial(ops.tgmm, tiling=til, **kw)
       row_macs = _tgmm_row_macs(k, n, til[1], til[2])
@@ -281,7 +294,7 @@ def _pallas_moe_build(tiling: tuple[int, int, int] | None):
       fn=_in_generation(fn, generation),
       args=args,
       tiling=til,
-      step_scale=pallas_moe_step_scale(op=op, dots_per_step=dots),
+      step_scale=pallas_moe_step_scale(op=op, tm=til[0], sub_m=sub_m, branches_per_sub=dots),
       row_macs=row_macs,
     )
 
