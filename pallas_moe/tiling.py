@@ -417,7 +417,8 @@ def pick_tiling(
   Our kernels multiply an m-tile in sub-blocks of the MXU's row count and skip sub-blocks outside
   the visit's group, so MXU work does not grow with tm; what tm, tk and tn change is HBM traffic
   and the number of grid steps. Every candidate that fits the VMEM budget is scored by
-  max(MXU time, HBM time) + steps x per-step overhead, where:
+  max(MXU time, HBM time) + steps x per-step overhead (of those within 2% of the best, the one
+  needing the least VMEM wins), where:
 
   - gmm: with tk == k an m-tile's lhs block keeps its block index over the consecutive visits of
     the groups that share it, and the expert's weight block keeps its index over the group's
@@ -449,7 +450,7 @@ def pick_tiling(
   budget = vmem_budget_bytes if vmem_budget_bytes is not None else usable_vmem_bytes(gen)
   li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
   bw, peak = gen.hbm_bytes_per_s, gen.peak_bf16_flops
-  best = None
+  scored = []
   for tm in _tm_candidates(m, gen.mxu_size):
     visits = -(-m // tm) + num_groups
     for tk in _dim_candidates(k, gen.mxu_size):
@@ -477,12 +478,13 @@ def pick_tiling(
         mxu_s = 2 * m * (nk * tk) * (nn * tn) / peak
         steps = visits * nk * nn
         score = max(mxu_s, traffic / bw) + steps * step_overhead_s
-        key = (score, traffic, -tm)
-        if best is None or key < best[0]:
-          best = (key, (tm, tk, tn))
-  if best is None:
+        scored.append((score, est, (tm, tk, tn)))
+  if not scored:
     raise ValueError(
       f"no {kind} tiling fits {budget / _MIB:.1f} MiB of VMEM on {gen.name} "
       f"for (m, k, n)={(m, k, n)}"
     )
-  return best[1]
+  # NOTE: among tilings within 2% of the best modeled time, take the one needing the least VMEM:
+  # bigger blocks buy nothing once a kernel is MXU-bound, and they cost Mosaic compile time.
+  best_score = min(score for score, _, _ in scored)
+  return min((est, tiles) for score, est, tiles in scored if score <= 1.02 * best_score)[1]

@@ -1,9 +1,11 @@
 """Ahead-of-time TPU compilation of the public ops with real Mosaic (libtpu), from this CPU host.
 
-What is compiled: three programs, `pallas_moe.gmm`, `pallas_moe.tgmm`, and `jax.grad` of gmm
-wrt lhs and rhs (fwd gmm + dlhs gmm + drhs tgmm in one program); bf16, tiles from the heuristic
-for *that* generation (`tiling.use_generation`), `interpret=None` (compiled Mosaic when lowering
-for TPU). Operands and group sizes are abstract `ShapeDtypeStruct`s: nothing is allocated.
+What is compiled: `jax.grad` of gmm wrt lhs and rhs, one program holding all three kernels (fwd
+gmm, dlhs gmm with the transposed rhs, drhs tgmm), each with the heuristic's tiles for its own
+dims; bf16, tiles for *that* generation (`tiling.use_generation`), `interpret=None` (compiled
+Mosaic when lowering for TPU). Operands and group sizes are abstract `ShapeDtypeStruct`s: nothing
+is allocated. (Separate gmm / tgmm programs compiled the same kernels again and were dropped to
+keep the suite's time.)
 
 Coverage: all four benchmark shapes of DESIGN.md (bench/shapes.py, native token counts) on v5e
 and v6e, and one representative shape, mixtral-8x7b, on v5p, tpu7x and v4. The full matrix
@@ -111,14 +113,6 @@ def _pallas_calls(compiled) -> int:
 
 
 @pytest.mark.parametrize("gen, shape_name", CASES)
-def test_forward_kernels_compile(gen, shape_name):
-  shape = SHAPES[shape_name]
-  for fn, program in ((_gmm, "gmm"), (_tgmm, "tgmm")):
-    compiled = _compile(gen, fn, *_args(gen, shape, program))
-    assert _pallas_calls(compiled) == 1, program
-
-
-@pytest.mark.parametrize("gen, shape_name", CASES)
 def test_grad_compiles(gen, shape_name):
   shape = SHAPES[shape_name]
   args = _args(gen, shape, "grad")
@@ -186,24 +180,19 @@ def _find_pallas_calls(jaxpr):
 
 # --- VMEM estimate vs Mosaic ---------------------------------------------------------------------
 
-# bf16 tilings within ~15% of the scoped-VMEM budget that the estimate admits (chosen from a sweep
-# of the estimate; Mosaic's real need is unknown until compiled).
+# bf16 tilings the estimate admits within Mosaic's *scoped default* (the raw kernel, no
+# vmem_limit_bytes, compiles them), near that budget.
 _ADMITTED = [
   ("v5e", "gmm", (512, 1024, 1024)),  # MaxText's default tiles
-  ("v5e", "gmm", (2048, 512, 256)),
-  ("v5e", "gmm", (256, 4096, 256)),
   ("v5e", "tgmm", (2048, 512, 256)),
-  ("v5e", "tgmm", (256, 512, 1536)),
-  ("v6e", "gmm", (2048, 2048, 128)),
   ("v6e", "gmm", (1024, 4096, 128)),
-  ("v6e", "tgmm", (1024, 1024, 1024)),
   ("v6e", "tgmm", (128, 2048, 1024)),
 ]
-# Tilings Mosaic rejects (measured: scoped VMEM exceeded by 1.03 / 2.08 / 3.31 / 8.00 MiB).
-# (512, 4096, 256) is the one the estimate used to admit before it counted gmm's lhs copy.
-_REJECTED = [
+# Tilings Mosaic rejects at the scoped default (measured: exceeded by 1.03 / 3.31 / 8.00 MiB). Our
+# estimate says they need more than the default too, so the public ops pass a raised
+# `vmem_limit_bytes` for them, and they compile.
+_OVER_DEFAULT = [
   ("v5e", "gmm", (512, 4096, 256)),
-  ("v5e", "gmm", (512, 2048, 1024)),
   ("v5e", "tgmm", (1024, 1024, 1024)),
   ("v6e", "gmm", (1024, 2048, 2048)),
 ]
@@ -219,20 +208,20 @@ def _estimate(gen: str, kind: str, tiles) -> tuple[int, int]:
   return est, tiling.get_generation(gen).scoped_vmem_default_bytes
 
 
-def _public_op(gen: str, kind: str, tiles):
+def _public_op(gen: str, kind: str, tiles, m=_M, k=_K, n=_N):
   """The public op with these tiles for the one pass compiled (the others get small tiles)."""
   if kind == "gmm":
     til = pallas_moe.Tiling(fwd=tiles, dlhs=(128, 128, 128), drhs=(128, 128, 128))
     fn = functools.partial(pallas_moe.gmm, tiling=til)
-    args = (_sds(gen, _M, _K), _sds(gen, _G, _K, _N))
+    args = (_sds(gen, m, k), _sds(gen, _G, k, n))
   else:
     fn = functools.partial(pallas_moe.tgmm, tiling=tiles)
-    args = (_sds(gen, _K, _M), _sds(gen, _M, _N))
+    args = (_sds(gen, k, m), _sds(gen, m, n))
   return fn, (*args, _sds(gen, _G, dtype=jnp.int32))
 
 
 def _raw_kernel(gen: str, kind: str, tiles):
-  """The kernel without our VMEM check: Mosaic decides."""
+  """The kernel without our VMEM check or limit: Mosaic's scoped default decides."""
   common = dict(tiling=tiles, out_dtype=BF16, group_offset=jnp.int32(0), interpret=False)
   if kind == "gmm":
     fn = lambda x, w, gs: gmm_pallas(x, w, gs, **common)
@@ -244,21 +233,32 @@ def _raw_kernel(gen: str, kind: str, tiles):
 
 
 @pytest.mark.parametrize("gen, kind, tiles", _ADMITTED, ids=str)
-def test_admitted_tiling_compiles(gen, kind, tiles):
+def test_admitted_tiling_compiles_at_scoped_default(gen, kind, tiles):
   est, budget = _estimate(gen, kind, tiles)
-  assert 0.8 * budget < est <= budget, "keep these near the budget"
-  fn, args = _public_op(gen, kind, tiles)
-  _compile(gen, fn, *args)  # our check passes and Mosaic compiles
+  assert 0.75 * budget < est <= budget, "keep these near the budget"
+  fn, args = _raw_kernel(gen, kind, tiles)
+  _compile(gen, fn, *args)  # the estimate says "fits the default" and Mosaic agrees
 
 
-@pytest.mark.parametrize("gen, kind, tiles", _REJECTED, ids=str)
-def test_rejected_tiling_refused_before_mosaic(gen, kind, tiles):
+@pytest.mark.parametrize("gen, kind, tiles", _OVER_DEFAULT, ids=str)
+def test_over_default_tiling_gets_a_raised_limit(gen, kind, tiles):
   est, budget = _estimate(gen, kind, tiles)
-  assert est > budget
+  assert est > budget  # never "fits" where Mosaic says it does not
   fn, args = _raw_kernel(gen, kind, tiles)
   with pytest.raises(jax.errors.JaxRuntimeError, match="(?s)RESOURCE_EXHAUSTED.*scoped vmem limit"):
     _compile(gen, fn, *args)
+  assert tiling.vmem_limit_for(est, gen) == tiling.usable_vmem_bytes(gen)
   fn, args = _public_op(gen, kind, tiles)
-  msg = re.escape(f"{kind} tiling (tm, tk, tn)={tiles}") + rf".*{gen} budget"
+  _compile(gen, fn, *args)  # the public op raises vmem_limit_bytes and Mosaic compiles
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v4"])
+def test_over_budget_tiling_refused_before_mosaic(gen):
+  """Tiles needing more than the usable VMEM get our error, not Mosaic's."""
+  tiles = (2048, 4096, 2048)
+  est, _ = _estimate(gen, "gmm", tiles)
+  assert est > tiling.usable_vmem_bytes(gen)
+  fn, args = _public_op(gen, "gmm", tiles, m=8192, k=8192, n=8192)
+  msg = re.escape(f"gmm tiling (tm, tk, tn)={tiles}") + rf".*{gen} budget"
   with pytest.raises(ValueError, match=msg):
     _compile(gen, fn, *args)
