@@ -224,9 +224,9 @@ def pallas_moe_step_scale(
   only write zeros / existing_out; tgmm also visits empty groups once. An active visit multiplies
   each `sub_m`-row sub-block of its m-tile that holds a row of its group and skips the others
   (`metadata.mxu_rows` is the same count; tests check it against the kernels' interpret-mode
-  `count_rows` instrumentation). The kernel body holds tm / sub_m sub-block dots (each in its own
-  `pl.when`), twice over for gmm with a ragged last k tile (masked and unmasked branches, one
-  runs); the cost model counts all of them, so the hook scales by hits / dots in the body.
+  `count_rows` instrumentation). The kernel body holds one sub-block dot inside a loop over the
+  hit sub-blocks, twice over for gmm with a ragged last k tile (masked and unmasked branches, one
+  runs); the cost model counts each dot once per step, so the hook scales by hits / branches.
 
   Args:
     op: "fwd"/"dlhs" (gmm: prefetch (group_offsets, visit_group, visit_m_tile, visit_load_tile,
@@ -250,7 +250,7 @@ def pallas_moe_step_scale(
     lo = prefetch[2][visit][:, None] * tm + np.arange(0, tm, sub_m)[None, :]
     active = prefetch[active_idx][visit] == 1
     hits = active[:, None] & (lo < end[:, None]) & (lo + sub_m > start[:, None])
-    return hits.sum(axis=1) / ((tm // sub_m) * branches_per_sub)
+    return hits.sum(axis=1) / branches_per_sub
 
   return scale
 

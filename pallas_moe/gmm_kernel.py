@@ -124,35 +124,39 @@ def gmm_pallas(
       if rows_ref is not None:
         rows_ref[n_i, visit] = 0
 
-    def accumulate(sub: int, last_k: bool):
-      rows = pl.ds(sub * sub_m, sub_m)
-      lhs_blk, rhs_blk = lhs_ref[rows, :], rhs_ref[...]
-      if last_k and k_rem:
-        lhs_blk = _mask_k(lhs_blk, valid_k=k_rem, axis=1)
-        rhs_blk = _mask_k(rhs_blk, valid_k=k_rem, axis=1 if transpose_rhs else 0)
-      acc_ref[rows, :] += lax.dot_general(
-        lhs_blk.astype(compute_dtype),
-        rhs_blk.astype(compute_dtype),
-        dimension_numbers=_dot_dims(transpose_rhs),
-        preferred_element_type=jnp.float32,
-      )
-      if rows_ref is not None:
+    # NOTE: the tile is multiplied in sub-blocks of sub_m rows (the MXU's row granularity), and
+    # only the sub-blocks holding rows of the visit's group: first_sub .. last_sub. A tile that
+    # straddles group boundaries costs each group only the sub-blocks it touches.
+    first_sub = jnp.maximum(start - row0, 0) // sub_m
+    last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
 
-        @pl.when(k_i == 0)
-        def _count():
-          rows_ref[n_i, visit] += sub_m
+    def accumulate(last_k: bool):
+      def body(sub, carry):
+        rows = pl.ds(pl.multiple_of(sub * sub_m, sub_m), sub_m)
+        lhs_blk, rhs_blk = lhs_ref[rows, :], rhs_ref[...]
+        if last_k and k_rem:
+          lhs_blk = _mask_k(lhs_blk, valid_k=k_rem, axis=1)
+          rhs_blk = _mask_k(rhs_blk, valid_k=k_rem, axis=1 if transpose_rhs else 0)
+        acc_ref[rows, :] += lax.dot_general(
+          lhs_blk.astype(compute_dtype),
+          rhs_blk.astype(compute_dtype),
+          dimension_numbers=_dot_dims(transpose_rhs),
+          preferred_element_type=jnp.float32,
+        )
+        return carry
 
-    # NOTE: the tile is multiplied in sub-blocks of sub_m rows (the MXU's row granularity); a
-    # sub-block holding no row of the visit's group is skipped, so a tile that straddles group
-    # boundaries costs each group only the sub-blocks it touches, not the whole tile.
-    for sub in range(tm // sub_m):
-      lo = row0 + sub * sub_m
-      hit = active & (lo < end) & (lo + sub_m > start)
-      if k_rem:
-        pl.when(hit & (k_i == tiles_k - 1))(functools.partial(accumulate, sub, True))
-        pl.when(hit & (k_i != tiles_k - 1))(functools.partial(accumulate, sub, False))
-      else:
-        pl.when(hit)(functools.partial(accumulate, sub, False))
+      lax.fori_loop(first_sub, last_sub + 1, body, 0)
+
+    if k_rem:
+      pl.when(active & (k_i == tiles_k - 1))(functools.partial(accumulate, True))
+      pl.when(active & (k_i != tiles_k - 1))(functools.partial(accumulate, False))
+    else:
+      pl.when(active)(functools.partial(accumulate, False))
+    if rows_ref is not None:
+
+      @pl.when(active & (k_i == 0))
+      def _count():
+        rows_ref[n_i, visit] += (last_sub + 1 - first_sub) * sub_m
 
     @pl.when(k_i == tiles_k - 1)
     def _store():

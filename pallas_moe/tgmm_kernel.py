@@ -10,7 +10,6 @@ or `existing_out` for empty groups).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -113,12 +112,19 @@ def tgmm_pallas(
     def _zero_acc():
       acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    def accumulate(sub: int):
-      rows = pl.ds(sub * sub_m, sub_m)
+    # NOTE: rows are tgmm's contraction dim. The tile is reduced in sub-blocks of sub_m rows (the
+    # MXU granularity), only those holding rows of the group: first_sub .. last_sub. A tile
+    # straddling group boundaries costs each group only the sub-blocks it touches.
+    first_sub = jnp.maximum(start - row0, 0) // sub_m
+    last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
+
+    def body(sub, carry):
+      r0 = pl.multiple_of(sub * sub_m, sub_m)
+      rows = pl.ds(r0, sub_m)
       # NOTE: only the rows of this sub-block that belong to the group contribute. Mask both
       # operands: rows of a ragged last m-tile are uninitialized (NaN under interpret mode) and
       # 0 * NaN = NaN.
-      lo = row0 + sub * sub_m
+      lo = row0 + r0
       lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, sub_m), 1)
       rhs_rows = lo + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
       lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_ref[:, rows], 0)
@@ -128,15 +134,13 @@ def tgmm_pallas(
         rhs_blk.astype(compute_dtype),
         preferred_element_type=jnp.float32,
       )
-      if rows_ref is not None:
-        rows_ref[k_i, n_i, visit] += sub_m
+      return carry
 
-    # NOTE: rows are tgmm's contraction dim. The tile is reduced in sub-blocks of sub_m rows (the
-    # MXU granularity), skipping sub-blocks that hold no row of the group: a tile straddling group
-    # boundaries costs each group only the sub-blocks it touches.
-    for sub in range(tm // sub_m):
-      lo = row0 + sub * sub_m
-      pl.when(active & (lo < end) & (lo + sub_m > start))(functools.partial(accumulate, sub))
+    @pl.when(active)
+    def _accumulate():
+      lax.fori_loop(first_sub, last_sub + 1, body, 0)
+      if rows_ref is not None:
+        rows_ref[k_i, n_i, visit] += (last_sub + 1 - first_sub) * sub_m
 
     @pl.when(last)
     def _store():
