@@ -193,3 +193,27 @@ def run_kernel(build: Callable[[Interpret], Callable[..., Any]], interpret: Inte
   if interpret is None:
     return jax.lax.platform_dependent(*args, tpu=build(False), default=build(True))
   return build(interpret)(*args)
+
+
+def run_counting_rows(build, interpret: Interpret, schedule, *args):
+  """Runs an instrumented kernel (interpret mode only) and returns (out, rows per grid step).
+
+  Args:
+    build: maps an `interpret` value to the pallas_call; its second output counts MXU rows per
+      grid step with the visit axis last.
+    interpret: True or a `pltpu.InterpretParams`.
+    schedule: the kernel's `metadata.Schedule`.
+    *args: the pallas_call operands.
+  """
+  if interpret is None or interpret is False:
+    raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
+  out, rows = build(interpret)(*args)
+  # NOTE: entries past num_visits belong to no grid step and were never written.
+  return out, jnp.where(jnp.arange(schedule.max_visits) < schedule.num_visits, rows, 0)
+
+
+def result_dtype(lhs, rhs, preferred_element_type) -> jnp.dtype:
+  """The output dtype: `preferred_element_type`, or the promoted dtype of lhs and rhs."""
+  if preferred_element_type is None:
+    return jnp.dtype(jnp.promote_types(lhs.dtype, rhs.dtype))
+  return jnp.dtype(preferred_element_type)

@@ -240,10 +240,5 @@ def gmm_pallas(
     )
 
   if count_rows:
-    if interpret is None or interpret is False:
-      raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
-    out, rows = build(interpret)(*prefetch, *operands)
-    # NOTE: entries past num_visits belong to no grid step and were never written.
-    real = jnp.arange(schedule.max_visits) < schedule.num_visits
-    return out, jnp.where(real[None, :], rows, 0)
+    return common.run_counting_rows(build, interpret, schedule, *prefetch, *operands)
   return common.run_kernel(build, interpret, *prefetch, *operands)

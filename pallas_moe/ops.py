@@ -360,11 +360,7 @@ def gmm(
   group_offset = common.check_group_offset(
     group_offset, num_groups_total=num_groups_total, num_local_groups=num_local_groups
   )
-  out_dtype = jnp.dtype(
-    jnp.promote_types(lhs.dtype, rhs.dtype)
-    if preferred_element_type is None
-    else preferred_element_type
-  )
+  out_dtype = common.result_dtype(lhs, rhs, preferred_element_type)
   common.check_existing_out(existing_out, shape=(m, n), dtype=out_dtype)
   tilings = Tiling.of(tiling)
   resolve = functools.partial(_resolve_tiles, num_groups=num_local_groups, interpret=interpret)
@@ -444,11 +440,7 @@ def tgmm(
   group_offset = common.check_group_offset(
     group_offset, num_groups_total=num_groups_total, num_local_groups=num_actual_groups
   )
-  out_dtype = jnp.dtype(
-    jnp.promote_types(lhs.dtype, rhs.dtype)
-    if preferred_element_type is None
-    else preferred_element_type
-  )
+  out_dtype = common.result_dtype(lhs, rhs, preferred_element_type)
   common.check_existing_out(existing_out, shape=(num_actual_groups, k, n), dtype=out_dtype)
   tiles = _resolve_tiles(
     tiling,
