@@ -99,7 +99,9 @@ SMALL = dict(num_experts=8, top_k=2, d_model=32, expert_ffn_dim=16, num_shared_e
     (4, 2, "float32"),
     (2, 4, "float32"),
     (1, 8, "float32"),
+    (8, 1, "bfloat16"),
     (4, 2, "bfloat16"),
+    (2, 4, "bfloat16"),
     (1, 8, "bfloat16"),
   ],
 )
