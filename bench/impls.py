@@ -78,16 +78,16 @@ class Impl:
     build: (*, op, shape, group_sizes, generation) -> Case.
     available: () -> None if usable, else the reason it is skipped.
     tiling_depends_on_generation: whether `build` picks tiles per generation.
-    checks_vmem_per_generation: whether the implementation may refuse (raise ValueError) the same
-      tiles on one generation and accept them on another (our ops check VMEM against the
-      generation's budget); the bench then analyzes each generation separately.
+    program_depends_on_generation: whether the traced kernel differs per generation for the same
+      tiles (ours: the MXU sub-block rows, the VMEM limit, and the VMEM check that may refuse
+      tiles on one generation only); the bench then analyzes each generation separately.
   """
 
   name: str
   build: Callable[..., Case]
   available: Callable[[], str | None] = lambda: None
   tiling_depends_on_generation: bool = False
-  checks_vmem_per_generation: bool = False
+  program_depends_on_generation: bool = False
 
 
 IMPLS: dict[str, Impl] = {}
@@ -307,6 +307,7 @@ register(
     build=_pallas_moe_build(None),
     available=_pallas_moe_available,
     tiling_depends_on_generation=True,
+    program_depends_on_generation=True,
   )
 )
 register(
@@ -314,6 +315,6 @@ register(
     name="pallas_moe-maxtext",
     build=_pallas_moe_build((512, 1024, 1024)),
     available=_pallas_moe_available,
-    checks_vmem_per_generation=True,
+    program_depends_on_generation=True,
   )
 )
