@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kernel_testing import INTERPRET_MODES, examples, group_sizes_strategy, random_array
 
 import pallas_moe
-from pallas_moe import reference, tiling
+from pallas_moe import MoEConfig, moe, reference, tiling
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -273,3 +273,36 @@ def test_quantized_gmm_compiles_aot(gen, dtype):
   assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 1
   compiled = _aot_compile(gen, dtype, grad=True)
   assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
+
+
+# --- MoEConfig -------------------------------------------------------------------------------
+
+_BASE = dict(num_experts=4, top_k=2, d_model=64, expert_ffn_dim=32)
+
+
+@pytest.mark.parametrize("raw, want", [("", None), (None, None), ("int8", "int8"), ("fp8", "fp8")])
+def test_config_maps_maxtext_quantization(raw, want):
+  assert MoEConfig.from_dict({**_BASE, "quantization": raw}).weight_quantization == want
+
+
+def test_config_refuses_other_quantizations():
+  with pytest.raises(ValueError, match="quantization='int4w' is not supported"):
+    MoEConfig.from_dict({**_BASE, "quantization": "int4w"})
+  with pytest.raises(ValueError, match="weight_quantization must be one of"):
+    MoEConfig(**_BASE, weight_quantization="int4")
+  with pytest.raises(ValueError, match="needs gmm_impl='pallas'"):
+    MoEConfig(**_BASE, weight_quantization="int8", gmm_impl="ragged_dot")
+
+
+def test_expert_mlp_with_weight_quantization():
+  """The MoE experts quantize their weights: same as ragged_dot on the dequantized weights."""
+  config = MoEConfig(**_BASE, weight_quantization="int8")
+  g, d, f, rows = 4, _BASE["d_model"], _BASE["expert_ffn_dim"], 40
+  x = random_array(11, (rows, d), F32)
+  wi = random_array(12, (g, d, 2 * f), F32)
+  wo = random_array(13, (g, f, d), F32)
+  gs = jnp.array([10, 0, 20, 6], jnp.int32)
+  out = moe.expert_mlp(x, wi, wo, gs, config=config)
+  deq = [pallas_moe.dequantize(pallas_moe.quantize(w, dtype="int8")) for w in (wi, wo)]
+  ref = moe.expert_mlp(x, *deq, gs, config=MoEConfig(**_BASE, gmm_impl="ragged_dot"))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-3)
