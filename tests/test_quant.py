@@ -111,21 +111,22 @@ def test_gmm_bad_quantized_inputs():
 # --- the quantized kernel vs the dequantized reference ---------------------------------------
 
 
-def _check_forward(case, dtype, sizes, seed, group_offset, interpret):
+def _check_forward(case, dtype, sizes, seed, group_offset, interpret, lhs_dtype=F32):
   m, k, n, tiles, g, _, transpose_rhs = case
-  x = random_array(seed, (m, k), F32)
+  x = random_array(seed, (m, k), lhs_dtype)
   _, q = _weights(case, seed, dtype)
   gs = jnp.asarray(sizes)
   out = pallas_moe.gmm(
-    x, q, gs, tiling=tiles, group_offset=group_offset, transpose_rhs=transpose_rhs,
-    interpret=interpret,
+    x, q, gs, preferred_element_type=F32, tiling=tiles, group_offset=group_offset,
+    transpose_rhs=transpose_rhs, interpret=interpret,
   )  # fmt: skip
   ref = reference.gmm(
     x, pallas_moe.dequantize(q), gs, group_offset=group_offset, transpose_rhs=transpose_rhs
   )
   assert out.shape == (m, n) and out.dtype == F32
-  # f32 lhs: the kernel multiplies exactly the dequantized values (scale applied per column
-  # after the dot, exact up to f32 rounding); tolerance of an f32 k-long dot.
+  # The kernel multiplies lhs by the quantized values upcast to lhs's dtype (exact for int8 and
+  # e4m3 in bf16 and f32) with f32 accumulation, then scales per column: the dequantized
+  # product up to f32 rounding, for f32 and bf16 lhs alike. Tolerance of an f32 k-long dot.
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5 * np.sqrt(k))
 
 
@@ -139,6 +140,18 @@ def test_quantized_gmm_matches_dequantized_reference_hlo(case, dtype, data):
   group_offset = data.draw(st.integers(0, g_total - g))
   seed = data.draw(st.integers(0, 2**16))
   _check_forward(case, dtype, sizes, seed, group_offset, INTERPRET_MODES["hlo"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@examples(0.25)
+@given(data=st.data())
+def test_quantized_gmm_bf16_lhs_hlo(dtype, data):
+  case = CASES[0]
+  m, _, _, _, g, g_total, _ = case
+  sizes = data.draw(group_sizes_strategy(m=m, num_groups=g_total))
+  group_offset = data.draw(st.integers(0, g_total - g))
+  seed = data.draw(st.integers(0, 2**16))
+  _check_forward(case, dtype, sizes, seed, group_offset, INTERPRET_MODES["hlo"], lhs_dtype=BF16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -306,3 +319,34 @@ def test_expert_mlp_with_weight_quantization():
   deq = [pallas_moe.dequantize(pallas_moe.quantize(w, dtype="int8")) for w in (wi, wo)]
   ref = moe.expert_mlp(x, *deq, gs, config=MoEConfig(**_BASE, gmm_impl="ragged_dot"))
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-3)
+
+
+# --- bench ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", ["fwd", "dlhs"])
+def test_bench_int8_moves_fewer_weight_bytes(op):
+  """The bench's pallas_moe-int8 case reads the weights at 1 byte/element plus f32 scales."""
+  from bench import costmodel as cm
+  from bench.impls import IMPLS
+  from bench.shapes import Shape
+
+  shape = Shape(name="tiny", tokens=1024, top_k=1, num_groups=4, k=256, n=384)
+  gs = np.array([300, 0, 500, 100], np.int32)
+  v5e = tiling.get_generation("v5e")
+  (bf16,) = cm.analyze(*_case_call(IMPLS["pallas_moe"], op, shape, gs, v5e))
+  (int8,) = cm.analyze(*_case_call(IMPLS["pallas_moe-int8"], op, shape, gs, v5e))
+  assert bf16.grid == int8.grid
+  w_key, s_key = "in1:args[7]", "in2:args[8]"
+  # The weight blocks fetched are the same; int8 halves their bytes. Scales: one f32 per column
+  # of each fetched group (here the tiles span k and n: the 3 non-empty groups, once each).
+  assert int8.operand_bytes[w_key] * 2 == bf16.operand_bytes[w_key]
+  assert int8.operand_bytes[s_key] == 3 * shape.n * 4
+  for key in ("in0:args[6]", "out0:outputs"):
+    assert int8.operand_bytes[key] == bf16.operand_bytes[key]
+  print(f"\n{op}: HBM bytes bf16 {bf16.hbm_bytes:,} int8 {int8.hbm_bytes:,}")
+
+
+def _case_call(impl, op, shape, gs, gen):
+  case = impl.build(op=op, shape=shape, group_sizes=gs, generation=gen)
+  return case.fn, *case.args
