@@ -18,13 +18,16 @@ from pallas_moe.moe import (
   moe_layer,
 )
 from pallas_moe.ops import Tiling, gmm, tgmm
+from pallas_moe.quant import QuantizedWeights, dequantize, quantize
 
 __all__ = [
   "BufferPolicy",
   "MoEConfig",
+  "QuantizedWeights",
   "RaggedPlan",
   "Tiling",
   "combine",
+  "dequantize",
   "dispatch",
   "dropless_buffer_rows",
   "exact_buffer_rows",
@@ -34,6 +37,7 @@ __all__ = [
   "moe_layer",
   "plan_from_group_sizes",
   "plan_from_send_counts",
+  "quantize",
   "ragged_all_to_all",
   "tgmm",
 ]

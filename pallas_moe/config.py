@@ -32,6 +32,7 @@ _SCORE_FUNCS = ("softmax", "sigmoid")
 _ACTIVATIONS = ("swiglu",)
 _TOPK_METHODS = ("greedy",)
 _GMM_IMPLS = ("pallas", "ragged_dot")
+_WEIGHT_QUANTIZATIONS = (None, "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,6 +64,10 @@ class MoEConfig:
     dtype: activation and matmul dtype name.
     weight_dtype: parameter dtype name (`init_params`).
     aux_loss_coef: weight of the load-balancing loss (the block returns it unweighted too).
+    weight_quantization: None, "int8" or "fp8": the routed experts' gmms quantize their float
+      weights on the fly (per-expert, per-output-channel scales; straight-through gradients; see
+      `pallas_moe.gmm`). Weights only: activations stay in `dtype`. Needs gmm_impl="pallas".
+      MaxText's `quantization` maps here ("" means None); its other modes are refused.
     debug_nan_poison: fill unwritten exchange-buffer rows with NaN (debugging).
   """
 
@@ -87,6 +92,7 @@ class MoEConfig:
   dtype: str = "float32"
   weight_dtype: str = "float32"
   aux_loss_coef: float = 0.0
+  weight_quantization: str | None = None
   debug_nan_poison: bool = False
 
   def __post_init__(self):
@@ -106,6 +112,12 @@ class MoEConfig:
     _check_choice("score_func", self.score_func, _SCORE_FUNCS)
     _check_choice("topk_method", self.topk_method, _TOPK_METHODS)
     _check_choice("gmm_impl", self.gmm_impl, _GMM_IMPLS)
+    _check_choice("weight_quantization", self.weight_quantization, _WEIGHT_QUANTIZATIONS)
+    if self.weight_quantization is not None and self.gmm_impl != "pallas":
+      raise ValueError(
+        f"MoEConfig.weight_quantization={self.weight_quantization!r} needs gmm_impl='pallas' "
+        f"(got {self.gmm_impl!r}): ragged_dot has no quantized-weight path here."
+      )
     if self.buffer_factor is not None and not self.buffer_factor > 0:
       raise ValueError(
         f"MoEConfig.buffer_factor must be None (dropless) or > 0, got {self.buffer_factor!r}."
@@ -237,6 +249,18 @@ def _shared(v) -> int:
   return 0 if v is None else int(v)
 
 
+def _maxtext_quantization(v):
+  """MaxText's `quantization`: "" / None -> not set; "int8" / "fp8" -> weight quantization."""
+  if v is None or v == "":
+    return None
+  if v not in ("int8", "fp8"):
+    raise ValueError(
+      f"MaxText quantization={v!r} is not supported: only '' (none), 'int8' and 'fp8' map to "
+      "MoEConfig.weight_quantization (weight-only, per-channel scales)."
+    )
+  return v
+
+
 def _parallelism(v):
   return None if v is None or int(v) <= 0 else int(v)
 
@@ -266,6 +290,7 @@ _ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
   "sparse_matmul": ("gmm_impl", _true_only("sparse_matmul")),
   "ici_expert_parallelism": ("expert_parallelism", _parallelism),
   "load_balance_loss_weight": ("aux_loss_coef", float),
+  "quantization": ("weight_quantization", _maxtext_quantization),
   # Hugging Face (DeepSeek-V2/V3, Qwen-MoE, Mixtral)
   "n_routed_experts": ("num_experts", int),
   "num_local_experts": ("num_experts", int),

@@ -47,6 +47,8 @@ def gmm_pallas(
   group_offset: jax.Array,
   existing_out: jax.Array | None = None,
   transpose_rhs: bool = False,
+  rhs_scales: jax.Array | None = None,
+  scales_on_k: bool = False,
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
   count_rows: bool = False,
@@ -63,6 +65,13 @@ def gmm_pallas(
     group_offset: [] int32, the first global group that rhs holds.
     existing_out: optional [m, n] of `out_dtype`; rows outside the local groups keep its values.
     transpose_rhs: whether rhs is [G, n, k].
+    rhs_scales: optional f32 dequantization scales of a quantized (int8 / fp8) rhs. The rhs block
+      is upcast to the compute dtype (lhs's) in VMEM, on every TPU generation. Per output column
+      (default): [G, 1, n] in either layout; each partial product is scaled per column before it
+      is accumulated. With `scales_on_k` (per contraction row, the lhs-gradient pass): rhs's shape
+      with the n axis reduced to 1, [G, k, 1] or [G, 1, k] with `transpose_rhs`; the upcast rhs
+      block is scaled before the dot.
+    scales_on_k: see `rhs_scales`.
     sub_m: rows per MXU pass; sub-blocks of the m-tile outside the visit's group are skipped.
       Must divide tm. None: the whole tile (no skipping).
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
@@ -82,7 +91,9 @@ def gmm_pallas(
     raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
   tiles_n, tiles_k = metadata.cdiv(n, tn), metadata.cdiv(k, tk)
   k_rem = k % tk
-  compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  quantized = rhs_scales is not None
+  # NOTE: 8-bit floats have no implicit promotion; a quantized rhs is multiplied in lhs's dtype.
+  compute_dtype = lhs.dtype if quantized else jnp.promote_types(lhs.dtype, rhs.dtype)
 
   schedule = metadata.make_schedule(
     group_sizes=group_sizes,
@@ -106,10 +117,12 @@ def gmm_pallas(
   def kernel(offsets_ref, group_ref, m_tile_ref, _load_ref, active_ref, goff_ref, *refs):
     refs = list(refs)
     rows_ref = refs.pop(-2) if count_rows else None
+    lhs_ref, rhs_ref = refs[:2]
+    scales_ref = refs.pop(2) if quantized else None
     if has_existing:
-      lhs_ref, rhs_ref, existing_ref, out_ref, acc_ref = refs
+      _, _, existing_ref, out_ref, acc_ref = refs
     else:
-      lhs_ref, rhs_ref, out_ref, acc_ref = refs
+      _, _, out_ref, acc_ref = refs
       existing_ref = None
     n_i, visit, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     active = active_ref[visit] == 1
@@ -134,15 +147,26 @@ def gmm_pallas(
       def body(sub, carry):
         rows = pl.ds(pl.multiple_of(sub * sub_m, sub_m), sub_m)
         lhs_blk, rhs_blk = lhs_ref[rows, :], rhs_ref[...]
+        if quantized:
+          rhs_blk = rhs_blk.astype(jnp.float32)
+          if scales_on_k:
+            # NOTE: scales [tk, 1] (or [1, tk] transposed) broadcast along rhs's k axis. Scaled
+            # before the ragged-k mask, so garbage scales past k are zeroed with the values.
+            rhs_blk = rhs_blk * scales_ref[...]
+          rhs_blk = rhs_blk.astype(compute_dtype)
         if last_k and k_rem:
           lhs_blk = _mask_k(lhs_blk, valid_k=k_rem, axis=1)
           rhs_blk = _mask_k(rhs_blk, valid_k=k_rem, axis=1 if transpose_rhs else 0)
-        acc_ref[rows, :] += lax.dot_general(
+        prod = lax.dot_general(
           lhs_blk.astype(compute_dtype),
           rhs_blk.astype(compute_dtype),
           dimension_numbers=_dot_dims(transpose_rhs),
           preferred_element_type=jnp.float32,
         )
+        if quantized and not scales_on_k:
+          # NOTE: one scale per output column: dot(lhs, q) * s[None, :] == dot(lhs, q * s).
+          prod = prod * scales_ref[...]
+        acc_ref[rows, :] += prod
         return carry
 
       lax.fori_loop(first_sub, last_sub + 1, body, 0)
@@ -187,12 +211,28 @@ def gmm_pallas(
       return group[visit], n_i, k_blk
     return group[visit], k_blk, n_i
 
+  def scales_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
+    if not scales_on_k:
+      return group[visit], 0, n_i
+    k_blk = k_i * active[visit]
+    return (group[visit], 0, k_blk) if transpose_rhs else (group[visit], k_blk, 0)
+
   def out_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
     return m_tile[visit], n_i
 
   rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
   in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
   operands = [lhs, rhs]
+  if quantized:
+    if scales_on_k:
+      scales_block = (None, 1, tk) if transpose_rhs else (None, tk, 1)
+      want = (num_local_groups, 1, k) if transpose_rhs else (num_local_groups, k, 1)
+    else:
+      scales_block, want = (None, 1, tn), (num_local_groups, 1, n)
+    if tuple(rhs_scales.shape) != want:
+      raise ValueError(f"rhs_scales has shape {tuple(rhs_scales.shape)}, expected {want}.")
+    in_specs.append(pl.BlockSpec(scales_block, scales_map))
+    operands.append(rhs_scales.astype(jnp.float32))
   if has_existing:
     in_specs.append(pl.BlockSpec((tm, tn), out_map))
     operands.append(existing_out)
@@ -202,11 +242,12 @@ def gmm_pallas(
     flops=2 * m * k * n,
     bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
     + rhs.size * rhs.dtype.itemsize
+    + (rhs_scales.size * 4 if quantized else 0)
     + out_bytes * (2 if has_existing else 1),
     transcendentals=0,
   )
   out_shape = common.out_struct(
-    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
+    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out, rhs_scales
   )
 
   out_shapes = [out_shape]
@@ -233,7 +274,9 @@ def gmm_pallas(
       # NOTE: on TPU the output reuses existing_out's HBM buffer. The TPU simulator returns the
       # padded buffer for an aliased output with a ragged last block (jax 0.10.2), and aliasing
       # saves nothing there, so interpret mode reads existing_out as a plain input.
-      input_output_aliases={len(prefetch) + 2: 0} if has_existing and not interpret else {},
+      input_output_aliases={len(prefetch) + len(operands) - 1: 0}
+      if has_existing and not interpret
+      else {},
       cost_estimate=cost,
       interpret=interpret,
       name="pallas_moe_gmm",

@@ -199,7 +199,14 @@ def swiglu(h: jax.Array) -> jax.Array:
 def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig):
   if config.gmm_impl == "ragged_dot":
     return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=rows.dtype)
-  return gmm(rows, w, group_sizes, preferred_element_type=rows.dtype, tiling=tiling)
+  return gmm(
+    rows,
+    w,
+    group_sizes,
+    preferred_element_type=rows.dtype,
+    tiling=tiling,
+    weight_quantization=config.weight_quantization,
+  )
 
 
 def expert_mlp(rows, wi, wo, group_sizes, *, config: MoEConfig) -> jax.Array:

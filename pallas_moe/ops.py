@@ -21,8 +21,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_moe import common
+from pallas_moe import common, quant
 from pallas_moe import tiling as tiling_lib
 from pallas_moe.gmm_kernel import gmm_pallas
 from pallas_moe.tgmm_kernel import tgmm_pallas
@@ -155,6 +156,7 @@ class _GmmStatic:
   drhs: KernelTiling  # In tgmm's coordinates: (tm, tn, tk) of the rhs when transpose_rhs.
   transpose_rhs: bool
   interpret: Any
+  weight_dtype: str | None = None  # Quantized paths: "int8" or "float8_e4m3fn".
 
 
 def _round_tm(tiles: Any) -> Any:
@@ -259,6 +261,143 @@ def _gmm_diff_bwd(static, residuals, dout):
 
 _gmm_diff.defvjp(_gmm_diff_fwd, _gmm_diff_bwd)
 
+
+# --- Quantized weights ------------------------------------------------------------------------
+#
+# Both quantized paths run the forward and the lhs gradient through the gmm kernel with int8 /
+# fp8 weights upcast in VMEM. Kernel scales are [G, 1, n] per output column; quantize's scales
+# for the transposed [G, n, k] layout are [G, n, 1], the same bytes, so a reshape is free.
+
+
+def _row_scales(scales):
+  """[G, 1, n] output-column scales for the forward kernel (from [G, 1, n] or [G, n, 1])."""
+  g = scales.shape[0]
+  return scales.reshape(g, 1, scales.size // g)
+
+
+def _k_scales(scales, *, transpose_rhs: bool):
+  """Scales for the lhs-gradient kernel, whose contraction axis is the forward's n.
+
+  NOTE: the dlhs call reads rhs with the opposite `transpose_rhs`; its scales must broadcast along
+  that call's k (the forward's n): [G, 1, n] for a forward [G, k, n] (read as [G, n', k'=n]), and
+  [G, n, 1] for a forward [G, n, k] (read as [G, k'=n, n']). These are quantize's own layouts.
+  """
+  g = scales.shape[0]
+  n = scales.size // g
+  return scales.reshape(g, n, 1) if transpose_rhs else scales.reshape(g, 1, n)
+
+
+def _quant_fwd_impl(static, lhs, values, scales, group_sizes, group_offset, existing_out):
+  return gmm_pallas(
+    lhs,
+    values,
+    group_sizes,
+    **static.fwd.kwargs(),
+    out_dtype=static.out_dtype,
+    group_offset=group_offset,
+    existing_out=existing_out,
+    transpose_rhs=static.transpose_rhs,
+    rhs_scales=_row_scales(scales),
+    interpret=static.interpret,
+  )
+
+
+def _quant_dlhs(static, lhs, values, scales, group_sizes, group_offset, dout):
+  """dlhs = dout @ dequantize(q)^T: the quantized kernel, transposed, scales on its k."""
+  return gmm_pallas(
+    dout.astype(lhs.dtype),
+    values,
+    group_sizes,
+    **static.dlhs.kwargs(),
+    out_dtype=lhs.dtype,
+    group_offset=group_offset,
+    transpose_rhs=not static.transpose_rhs,
+    rhs_scales=_k_scales(scales, transpose_rhs=static.transpose_rhs),
+    scales_on_k=True,
+    interpret=static.interpret,
+  )
+
+
+def _dexisting(group_sizes, group_offset, num_local_groups, m, dout, has_existing):
+  if not has_existing:
+    return None
+  written = _local_rows_mask(group_sizes, group_offset, num_local_groups, m)
+  return jnp.where(written[:, None], jnp.zeros_like(dout), dout)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qgmm_frozen(static, lhs, values, scales, group_sizes, group_offset, existing_out):
+  return _quant_fwd_impl(static, lhs, values, scales, group_sizes, group_offset, existing_out)
+
+
+def _qgmm_frozen_fwd(static, lhs, values, scales, group_sizes, group_offset, existing_out):
+  out = _quant_fwd_impl(static, lhs, values, scales, group_sizes, group_offset, existing_out)
+  return out, (lhs, values, scales, group_sizes, group_offset, existing_out is not None)
+
+
+def _qgmm_frozen_bwd(static, residuals, dout):
+  lhs, values, scales, group_sizes, group_offset, has_existing = residuals
+  dlhs = _quant_dlhs(static, lhs, values, scales, group_sizes, group_offset, dout)
+  # NOTE: frozen quantized weights get a zero cotangent (float0 for the int8 values); to train
+  # through quantization, pass float weights with `weight_quantization` (straight-through).
+  if jnp.issubdtype(values.dtype, jnp.integer):
+    dvalues = np.zeros(values.shape, jax.dtypes.float0)
+  else:
+    dvalues = jnp.zeros_like(values)
+  dex = _dexisting(group_sizes, group_offset, values.shape[0], lhs.shape[0], dout, has_existing)
+  return dlhs, dvalues, jnp.zeros_like(scales), None, None, dex
+
+
+_qgmm_frozen.defvjp(_qgmm_frozen_fwd, _qgmm_frozen_bwd)
+_qgmm_frozen_jit = jax.jit(_qgmm_frozen, static_argnums=(0,))
+
+
+def _quantize_master(static, w):
+  return quant.quantize(w, dtype=static.weight_dtype, axis=2 if static.transpose_rhs else 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _qgmm_master(static, lhs, w, group_sizes, group_offset, existing_out):
+  q = _quantize_master(static, w)
+  return _quant_fwd_impl(static, lhs, q.values, q.scales, group_sizes, group_offset, existing_out)
+
+
+def _qgmm_master_fwd(static, lhs, w, group_sizes, group_offset, existing_out):
+  q = _quantize_master(static, w)
+  out = _quant_fwd_impl(static, lhs, q.values, q.scales, group_sizes, group_offset, existing_out)
+  # NOTE: a zero-size array carries w's dtype (residuals must be arrays).
+  w_dtype = jnp.zeros((0,), w.dtype)
+  res = (lhs, q.values, q.scales, w_dtype, group_sizes, group_offset, existing_out is not None)
+  return out, res
+
+
+def _qgmm_master_bwd(static, residuals, dout):
+  lhs, values, scales, w_dtype, group_sizes, group_offset, has_existing = residuals
+  dlhs = _quant_dlhs(static, lhs, values, scales, group_sizes, group_offset, dout)
+  # NOTE: straight-through estimator: d(quantize(w))/dw is taken as the identity, so the weight
+  # gradient is the plain tgmm gradient (in lhs's dtype) wrt the float master weight.
+  dout_c = dout.astype(lhs.dtype)
+  if static.transpose_rhs:
+    t_lhs, t_rhs = dout_c.T, lhs
+  else:
+    t_lhs, t_rhs = lhs.T, dout_c
+  dw = tgmm_pallas(
+    t_lhs,
+    t_rhs,
+    group_sizes,
+    **static.drhs.kwargs(),
+    out_dtype=w_dtype.dtype,
+    group_offset=group_offset,
+    num_actual_groups=values.shape[0],
+    interpret=static.interpret,
+  )
+  dex = _dexisting(group_sizes, group_offset, values.shape[0], lhs.shape[0], dout, has_existing)
+  return dlhs, dw, None, None, dex
+
+
+_qgmm_master.defvjp(_qgmm_master_fwd, _qgmm_master_bwd)
+_qgmm_master_jit = jax.jit(_qgmm_master, static_argnums=(0,))
+
 # NOTE: jit with the validated static configuration as the cache key: eager calls would otherwise
 # re-trace and re-lower the kernel on every call (a new kernel closure each time).
 _gmm_jit = jax.jit(_gmm_diff, static_argnums=(0,))
@@ -312,6 +451,8 @@ def gmm(
   existing_out: jax.Array | None = None,
   transpose_rhs: bool = False,
   interpret: common.Interpret = None,
+  *,
+  weight_quantization: str | None = None,
 ) -> jax.Array:
   """Grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g - group_offset]. Differentiable.
 
@@ -320,9 +461,21 @@ def gmm(
   `existing_out` (or are 0); rows past sum(group_sizes) are 0 (or keep `existing_out`), and so is
   their lhs gradient. m, k and n need not be multiples of the tiles.
 
+  Quantized weights (int8 or float8_e4m3fn values with per-(group, output-channel) f32 scales):
+  the kernel upcasts each weight block to lhs's dtype in VMEM and scales each partial product per
+  output column before accumulating, so int8 and fp8 run on every TPU generation (v5e has no fp8
+  MXU: the upcast path never uses the native int8/fp8 MXU modes). HBM traffic for the weights is
+  halved relative to bf16. Two ways in:
+  - `rhs` a `QuantizedWeights` (from `quantize`): frozen weights. The lhs gradient runs the same
+    quantized kernel transposed; the weights' cotangent is zero (float0 for int8 values).
+  - float `rhs` with `weight_quantization="int8" | "fp8"`: quantize-on-the-fly training with a
+    straight-through estimator. The forward and the lhs gradient use the quantized weights; the
+    gradient wrt the float master weight is the plain tgmm gradient (d quantize(w)/dw taken as 1).
+
   Args:
     lhs: [m, k] float array.
-    rhs: [G, k, n] float array, or [G, n, k] with `transpose_rhs`.
+    rhs: [G, k, n] float array, or [G, n, k] with `transpose_rhs`; or a `QuantizedWeights` whose
+      scales are [G, 1, n] (or [G, n, 1] with `transpose_rhs`).
     group_sizes: [G_total] integer rows per group, G_total >= G.
     preferred_element_type: output dtype; None means the promoted dtype of lhs and rhs.
     tiling: (tm, tk, tn) for all passes, a `Tiling(fwd=, dlhs=, drhs=)`, a callable
@@ -333,12 +486,27 @@ def gmm(
     transpose_rhs: rhs is [G, n, k] and is used transposed.
     interpret: None: compiled on TPU, interpret mode elsewhere (decided per lowering platform).
       True or a `pltpu.InterpretParams`: interpret mode. False: compiled.
+    weight_quantization: None, "int8" or "fp8" ("float8_e4m3fn"): quantize a float `rhs` on the
+      fly (see above). Not allowed with a `QuantizedWeights` rhs.
 
   Returns:
     [m, n] array of `preferred_element_type`.
   """
   common.check_float_array("lhs", lhs, ndim=2)
-  common.check_float_array("rhs", rhs, ndim=3)
+  qweights = None
+  if isinstance(rhs, quant.QuantizedWeights):
+    if weight_quantization is not None:
+      raise ValueError(
+        "`weight_quantization` quantizes a float rhs; rhs is already QuantizedWeights."
+      )
+    quant.check_quantized(rhs, transpose_rhs=bool(transpose_rhs))
+    qweights, rhs = rhs, rhs.values
+    weight_dtype = quant.canonical_dtype(rhs.dtype)
+  else:
+    common.check_float_array("rhs", rhs, ndim=3)
+    weight_dtype = None
+    if weight_quantization is not None:
+      weight_dtype = quant.canonical_dtype(weight_quantization)
   m, k = lhs.shape
   num_local_groups = rhs.shape[0]
   rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
@@ -360,11 +528,18 @@ def gmm(
   group_offset = common.check_group_offset(
     group_offset, num_groups_total=num_groups_total, num_local_groups=num_local_groups
   )
-  out_dtype = common.result_dtype(lhs, rhs, preferred_element_type)
+  if weight_dtype is not None:
+    # NOTE: a quantized rhs is upcast to lhs's dtype in VMEM: it computes (and, for the VMEM
+    # estimate, is counted) as lhs's dtype, an over-estimate covering the upcast copy.
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    rhs_for_tiles = lhs
+  else:
+    out_dtype = common.result_dtype(lhs, rhs, preferred_element_type)
+    rhs_for_tiles = rhs
   common.check_existing_out(existing_out, shape=(m, n), dtype=out_dtype)
   tilings = Tiling.of(tiling)
   resolve = functools.partial(_resolve_tiles, num_groups=num_local_groups, interpret=interpret)
-  compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  compute_dtype = jnp.promote_types(lhs.dtype, rhs_for_tiles.dtype)
   # NOTE: with transpose_rhs the weight gradient is [G, n, k]: tgmm's (tk, tn) tile (n, k).
   if transpose_rhs:
     drhs_spec = tilings.drhs
@@ -377,17 +552,35 @@ def gmm(
     drhs_spec, drhs_dims = tilings.drhs, (m, k, n)
   static = _GmmStatic(
     out_dtype=out_dtype,
-    fwd=resolve(tilings.fwd, dims=(m, k, n), kind="gmm", dtypes=(lhs.dtype, rhs.dtype, out_dtype)),
+    fwd=resolve(
+      tilings.fwd, dims=(m, k, n), kind="gmm", dtypes=(lhs.dtype, rhs_for_tiles.dtype, out_dtype)
+    ),
     dlhs=resolve(
-      tilings.dlhs, dims=(m, n, k), kind="gmm", dtypes=(compute_dtype, rhs.dtype, lhs.dtype)
+      tilings.dlhs,
+      dims=(m, n, k),
+      kind="gmm",
+      dtypes=(compute_dtype, rhs_for_tiles.dtype, lhs.dtype),
     ),
     drhs=resolve(
-      drhs_spec, dims=drhs_dims, kind="tgmm", dtypes=(lhs.dtype, compute_dtype, rhs.dtype)
+      drhs_spec,
+      dims=drhs_dims,
+      kind="tgmm",
+      dtypes=(lhs.dtype, compute_dtype, rhs_for_tiles.dtype),
     ),
     transpose_rhs=bool(transpose_rhs),
     interpret=interpret,
+    weight_dtype=weight_dtype,
   )
-  return _gmm_jit(static, *_vary_together(lhs, rhs, group_sizes, group_offset, existing_out))
+  if qweights is not None:
+    lhs, values, scales, group_sizes, group_offset, existing_out = (
+      None if x is None else common.pvary_like(x, lhs, qweights.values, existing_out)
+      for x in (lhs, qweights.values, qweights.scales, group_sizes, group_offset, existing_out)
+    )
+    return _qgmm_frozen_jit(static, lhs, values, scales, group_sizes, group_offset, existing_out)
+  operands = _vary_together(lhs, rhs, group_sizes, group_offset, existing_out)
+  if weight_dtype is not None:
+    return _qgmm_master_jit(static, *operands)
+  return _gmm_jit(static, *operands)
 
 
 def tgmm(

@@ -1,0 +1,148 @@
+"""Weight quantization for gmm: int8 / fp8 (e4m3) values with per-(group, output-channel) scales.
+
+`quantize(w)` maps float weights [G, k, n] to `QuantizedWeights(values [G, k, n] int8 or
+float8_e4m3fn, scales [G, 1, n] f32)`: symmetric absmax over the contraction axis k, one scale per
+(group, output column), so `values * scales` approximates w. For the transposed layout [G, n, k]
+(`axis=2`) the scales are [G, n, 1]. `pallas_moe.gmm` accepts a `QuantizedWeights` as its rhs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# Largest representable magnitude of each quantized dtype (symmetric range).
+_QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+_DTYPES = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
+# MaxText-style short names accepted as aliases.
+_ALIASES = {"fp8": "float8_e4m3fn", "float8": "float8_e4m3fn"}
+
+
+def canonical_dtype(dtype: Any) -> str:
+  """The quantized dtype name ("int8" or "float8_e4m3fn") for a name, alias or dtype.
+
+  Args:
+    dtype: "int8", "float8_e4m3fn", "fp8", or the numpy/jax dtype.
+
+  Returns:
+    The canonical name.
+  """
+  if isinstance(dtype, str):
+    name = _ALIASES.get(dtype, dtype)
+  else:
+    try:
+      name = jnp.dtype(dtype).name
+    except TypeError:
+      name = None
+  if name not in _DTYPES:
+    raise ValueError(
+      f"Unsupported quantized weight dtype {dtype!r}: use 'int8' or 'float8_e4m3fn' ('fp8')."
+    )
+  return name
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeights:
+  """Quantized expert weights: `values * scales` approximates the float weights.
+
+  Attributes:
+    values: [G, k, n] (or [G, n, k] for the transposed layout) int8 or float8_e4m3fn.
+    scales: f32 with `values`'s shape and the contraction axis reduced to 1: [G, 1, n] (or
+      [G, n, 1]); one scale per (group, output channel).
+  """
+
+  values: jax.Array
+  scales: jax.Array
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.values.shape)
+
+  @property
+  def dtype(self):
+    return self.values.dtype
+
+
+def _contraction_axis(axis: int) -> int:
+  if isinstance(axis, bool) or not isinstance(axis, int) or axis not in (1, 2, -1, -2):
+    raise ValueError(
+      f"`axis`={axis!r} must be the contraction (k) axis of a [G, k, n] (axis=1) or [G, n, k] "
+      "(axis=2) weight."
+    )
+  return axis % 3
+
+
+def quantize(w: jax.Array, *, dtype: Any = "int8", axis: int = 1) -> QuantizedWeights:
+  """Symmetric absmax quantization with one scale per (group, output channel).
+
+  Args:
+    w: [G, k, n] float weights (or [G, n, k] with axis=2).
+    dtype: "int8" or "float8_e4m3fn" (alias "fp8").
+    axis: the contraction axis k that each scale spans: 1 for [G, k, n], 2 for [G, n, k].
+
+  Returns:
+    `QuantizedWeights` with values of `dtype` and f32 scales of w's shape with `axis` reduced to 1.
+  """
+  name = canonical_dtype(dtype)
+  if not hasattr(w, "dtype") or not hasattr(w, "ndim"):
+    raise TypeError(f"`w` must be a jax or numpy array, got {type(w).__name__}.")
+  if w.ndim != 3:
+    raise ValueError(f"`w` must be a 3-d [G, k, n] array, got shape {tuple(w.shape)}.")
+  if not jnp.issubdtype(w.dtype, jnp.floating):
+    raise TypeError(f"`w` must be a floating-point array, got {w.dtype}.")
+  axis = _contraction_axis(axis)
+  w32 = jnp.asarray(w).astype(jnp.float32)
+  qmax = _QMAX[name]
+  absmax = jnp.max(jnp.abs(w32), axis=axis, keepdims=True)
+  # NOTE: an all-zero channel gets scale 1 (its values are all 0 either way), never a 0 divisor.
+  scales = jnp.where(absmax > 0, absmax / qmax, 1.0).astype(jnp.float32)
+  scaled = w32 / scales
+  if name == "int8":
+    values = jnp.clip(jnp.round(scaled), -qmax, qmax).astype(jnp.int8)
+  else:
+    values = jnp.clip(scaled, -qmax, qmax).astype(jnp.float8_e4m3fn)
+  return QuantizedWeights(values=values, scales=scales)
+
+
+def dequantize(q: QuantizedWeights, *, dtype: Any = jnp.float32) -> jax.Array:
+  """`values * scales` in `dtype` (f32 by default)."""
+  check_quantized(q)
+  return (q.values.astype(jnp.float32) * q.scales).astype(dtype)
+
+
+def check_quantized(q: Any, *, transpose_rhs: bool | None = None) -> None:
+  """Checks a `QuantizedWeights`: dtypes, rank, and the scales' shape.
+
+  Args:
+    q: the value to check.
+    transpose_rhs: when given, the layout the scales must follow: [G, 1, n] for [G, k, n]
+      (False) or [G, n, 1] for [G, n, k] (True). None accepts either.
+  """
+  if not isinstance(q, QuantizedWeights):
+    raise TypeError(f"Expected a QuantizedWeights, got {type(q).__name__}.")
+  values, scales = q.values, q.scales
+  for name, x in (("values", values), ("scales", scales)):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+      raise TypeError(f"QuantizedWeights.{name} must be an array, got {type(x).__name__}.")
+  if jnp.dtype(values.dtype).name not in _DTYPES:
+    raise TypeError(
+      f"QuantizedWeights.values must be int8 or float8_e4m3fn, got {values.dtype}; "
+      "build it with pallas_moe.quantize."
+    )
+  if jnp.dtype(scales.dtype) != jnp.float32:
+    raise TypeError(f"QuantizedWeights.scales must be float32, got {scales.dtype}.")
+  if values.ndim != 3:
+    raise ValueError(f"QuantizedWeights.values must be 3-d, got shape {tuple(values.shape)}.")
+  g, a, b = values.shape
+  layouts = {False: (g, 1, b), True: (g, a, 1)}
+  allowed = [layouts[transpose_rhs]] if transpose_rhs is not None else list(layouts.values())
+  if tuple(scales.shape) not in allowed:
+    want = " or ".join(str(s) for s in allowed)
+    raise ValueError(
+      f"QuantizedWeights.scales has shape {tuple(scales.shape)} but values {tuple(values.shape)} "
+      f"need scales of shape {want} (one per group and output channel)."
+    )
