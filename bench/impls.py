@@ -383,5 +383,6 @@ register(
     build=_pallas_moe_int8_build,
     available=_pallas_moe_available,
     tiling_depends_on_generation=True,
+    program_depends_on_generation=True,
   )
 )
