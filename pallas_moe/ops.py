@@ -218,6 +218,25 @@ def _gmm_diff_fwd(static, lhs, rhs, group_sizes, group_offset, existing_out):
   return out, (lhs, rhs, group_sizes, group_offset, existing_out is not None)
 
 
+def _weight_grad(static, lhs, dout, group_sizes, group_offset, *, num_groups, out_dtype):
+  """The weight gradient by tgmm, laid out as the weights ([G, k, n], or [G, n, k] transposed).
+
+  NOTE: tgmm contracts over rows; its operands are picked so the output is already in the weights'
+  layout and no weight gradient needs a transpose: lhs^T @ dout, or dout^T @ lhs.
+  """
+  t_lhs, t_rhs = (dout.T, lhs) if static.transpose_rhs else (lhs.T, dout)
+  return tgmm_pallas(
+    t_lhs,
+    t_rhs,
+    group_sizes,
+    **static.drhs.kwargs(),
+    out_dtype=out_dtype,
+    group_offset=group_offset,
+    num_actual_groups=num_groups,
+    interpret=static.interpret,
+  )
+
+
 def _gmm_diff_bwd(static, residuals, dout):
   lhs, rhs, group_sizes, group_offset, has_existing = residuals
   m = lhs.shape[0]
@@ -236,21 +255,14 @@ def _gmm_diff_bwd(static, residuals, dout):
     transpose_rhs=not static.transpose_rhs,
     interpret=static.interpret,
   )
-  # NOTE: tgmm contracts over rows; pick operands so its output is rhs's own layout and no weight
-  # gradient needs a transpose: [G, k, n] = lhs^T @ dout, or [G, n, k] = dout^T @ lhs.
-  if static.transpose_rhs:
-    t_lhs, t_rhs = dout_c.T, lhs
-  else:
-    t_lhs, t_rhs = lhs.T, dout_c
-  drhs = tgmm_pallas(
-    t_lhs,
-    t_rhs,
+  drhs = _weight_grad(
+    static,
+    lhs,
+    dout_c,
     group_sizes,
-    **static.drhs.kwargs(),
+    group_offset,
+    num_groups=num_local_groups,
     out_dtype=rhs.dtype,
-    group_offset=group_offset,
-    num_actual_groups=num_local_groups,
-    interpret=static.interpret,
   )
   dexisting = None
   if has_existing:
@@ -376,20 +388,14 @@ def _qgmm_master_bwd(static, residuals, dout):
   dlhs = _quant_dlhs(static, lhs, values, scales, group_sizes, group_offset, dout)
   # NOTE: straight-through estimator: d(quantize(w))/dw is taken as the identity, so the weight
   # gradient is the plain tgmm gradient (in lhs's dtype) wrt the float master weight.
-  dout_c = dout.astype(lhs.dtype)
-  if static.transpose_rhs:
-    t_lhs, t_rhs = dout_c.T, lhs
-  else:
-    t_lhs, t_rhs = lhs.T, dout_c
-  dw = tgmm_pallas(
-    t_lhs,
-    t_rhs,
+  dw = _weight_grad(
+    static,
+    lhs,
+    dout.astype(lhs.dtype),
     group_sizes,
-    **static.drhs.kwargs(),
+    group_offset,
+    num_groups=values.shape[0],
     out_dtype=w_dtype.dtype,
-    group_offset=group_offset,
-    num_actual_groups=values.shape[0],
-    interpret=static.interpret,
   )
   dex = _dexisting(group_sizes, group_offset, values.shape[0], lhs.shape[0], dout, has_existing)
   return dlhs, dw, None, None, dex
