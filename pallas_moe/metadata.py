@@ -205,3 +205,143 @@ def mxu_rows(schedule: Schedule, *, group_offset: jax.Array | int, tm: int, sub_
   # NOTE: sub-block [lo, lo + sub_m) is multiplied iff it intersects the group's [start, end).
   hit = active[:, None] & (lo < end[:, None]) & (lo + sub_m > start[:, None])
   return jnp.sum(hit).astype(jnp.int32) * sub_m
+
+
+# ------------------------------------------------------------------------------------------------
+# Row-tile schedules: the grid walks m-tiles only; each step loops over the groups in its tile.
+#
+# The visit schedule above gives each (group, m-tile) pair its own grid step, so a Pallas pipeline
+# fetches a whole m-tile in the first visit and a whole weight block in a group's first visit,
+# whatever work that step has. The row-tile kernels (`gmm_rowtile_kernel`, `tgmm_rowtile_kernel`)
+# instead keep one m-tile per grid step and move the per-group blocks (gmm: weights in; tgmm:
+# weight gradients out) with manual, double-buffered DMAs inside the step.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TileGroups:
+  """Which local groups each m-tile holds, as int32 arrays for scalar prefetch.
+
+  Attributes:
+    group_offsets: [num_groups_total + 1] row at which each (global) group starts, clipped to m.
+    tile_first_group: [tiles_m] first local group the tile's step handles.
+    tile_last_group: [tiles_m] last local group the tile's step handles (inclusive; smaller than
+      `tile_first_group` when the step handles none).
+    load_rank: [num_local_groups] gmm: rank of each local group among the non-empty ones, i.e. its
+      position in the sequence of weight loads (loads alternate between two VMEM slots).
+    load_group: [num_local_groups] gmm: the local group of each load rank (entries past
+      `num_loads` repeat the last load).
+    num_loads: [1] gmm: number of non-empty local groups.
+    finalize_tile: [num_local_groups] tgmm: the m-tile in whose step the group's weight gradient
+      is complete and written out.
+  """
+
+  group_offsets: jax.Array
+  tile_first_group: jax.Array
+  tile_last_group: jax.Array
+  load_rank: jax.Array
+  load_group: jax.Array
+  num_loads: jax.Array
+  finalize_tile: jax.Array
+
+
+def make_tile_groups(
+  *,
+  group_sizes: jax.Array,
+  group_offset: jax.Array | int,
+  num_local_groups: int,
+  m: int,
+  tm: int,
+  finalize_empty_groups: bool,
+) -> TileGroups:
+  """Computes the row-tile schedule for a shard of groups.
+
+  Args:
+    group_sizes: [num_groups_total] int32 rows per group (negative sizes count as 0, rows past m
+      are clipped).
+    group_offset: first global group held by this shard (may be traced).
+    num_local_groups: groups held by this shard (static).
+    m: number of rows.
+    tm: m-tile size.
+    finalize_empty_groups: tgmm: every local group, empty ones included, is finalized (its
+      output written) in exactly one tile's step, in group order; tile ranges cover them.
+      gmm (False): a tile's range is the local groups whose rows intersect it.
+
+  Returns:
+    The `TileGroups`.
+  """
+  tiles_m = cdiv(m, tm)
+  group_sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+  group_offset = jnp.asarray(group_offset, jnp.int32).reshape(())
+  ends = jnp.minimum(jnp.cumsum(group_sizes), m).astype(jnp.int32)
+  group_offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+  starts = jax.lax.dynamic_slice_in_dim(group_offsets, group_offset, num_local_groups)
+  ends = jax.lax.dynamic_slice_in_dim(group_offsets, group_offset + 1, num_local_groups)
+  nonempty = ends > starts
+  tile_lo = jnp.arange(tiles_m, dtype=jnp.int32) * tm
+  tile_hi = jnp.minimum(tile_lo + tm, m)
+  # NOTE: local starts and ends are sorted, so "groups with start < hi" and "groups with end <= lo"
+  # are prefixes; searchsorted gives their lengths.
+  starts_before_hi = jnp.searchsorted(starts, tile_hi, side="left").astype(jnp.int32)
+  if finalize_empty_groups:
+    # NOTE: a non-empty group is complete in the tile of its last row; an empty one is written in
+    # the tile of its (empty) position, clamped into the grid (a position of m is past the last
+    # tile). Both are non-decreasing in g, so finalization happens in group order.
+    finalize_tile = jnp.where(nonempty, (ends - 1) // tm, starts // tm)
+    finalize_tile = jnp.clip(finalize_tile, 0, tiles_m - 1).astype(jnp.int32)
+    # NOTE: groups finalized before tile t are a prefix, so the tile's first group is the first
+    # one not yet finalized (it may have started in an earlier tile). The last is the last group
+    # starting before the tile's end; the last tile also takes every group left (those at m).
+    first = jnp.searchsorted(finalize_tile, jnp.arange(tiles_m), side="left").astype(jnp.int32)
+    last = jnp.where(jnp.arange(tiles_m) == tiles_m - 1, num_local_groups - 1, starts_before_hi - 1)
+  else:
+    finalize_tile = jnp.zeros((num_local_groups,), jnp.int32)
+    # NOTE: group g intersects [lo, hi) iff end > lo and start < hi; empty groups inside the range
+    # are skipped by the kernel.
+    first = jnp.searchsorted(ends, tile_lo, side="right").astype(jnp.int32)
+    last = starts_before_hi - 1
+  load_rank = (jnp.cumsum(nonempty) - 1).astype(jnp.int32)
+  num_loads = jnp.sum(nonempty).astype(jnp.int32)
+  # NOTE: stable argsort of "is empty" lists the non-empty groups first, in group order.
+  load_group = jnp.argsort(~nonempty, stable=True).astype(jnp.int32)
+  last_load = jnp.maximum(num_loads - 1, 0)
+  load_group = jnp.where(
+    jnp.arange(num_local_groups) < num_loads, load_group, load_group[last_load]
+  ).astype(jnp.int32)
+  return TileGroups(
+    group_offsets=group_offsets,
+    tile_first_group=first,
+    tile_last_group=last.astype(jnp.int32),
+    load_rank=load_rank,
+    load_group=load_group,
+    num_loads=num_loads.reshape((1,)),
+    finalize_tile=finalize_tile,
+  )
+
+
+def rowtile_mxu_rows(
+  tile_groups: TileGroups, *, group_offset: jax.Array | int, m: int, tm: int, sub_m: int
+) -> jax.Array:
+  """Rows the row-tile kernels push through the MXU for one sweep over n (and k), per m-tile.
+
+  Each non-empty local group multiplies, in every tile it intersects, the sub_m-row sub-blocks
+  holding its rows. This is the count the cost model uses at full size; the kernels'
+  `count_rows` instrumentation measures it by running them.
+
+  Args:
+    tile_groups: from `make_tile_groups`.
+    group_offset: the shard's first global group.
+    m: rows.
+    tm: m-tile size.
+    sub_m: rows per MXU pass (divides tm).
+
+  Returns:
+    [tiles_m] int32 rows.
+  """
+  num_local = tile_groups.load_rank.shape[0]
+  goff = jnp.asarray(group_offset, jnp.int32).reshape(())
+  starts = jax.lax.dynamic_slice_in_dim(tile_groups.group_offsets, goff, num_local)
+  ends = jax.lax.dynamic_slice_in_dim(tile_groups.group_offsets, goff + 1, num_local)
+  lo = jnp.arange(cdiv(m, tm))[:, None, None] * tm + jnp.arange(0, tm, sub_m)[None, :, None]
+  hit = (lo < ends[None, None, :]) & (lo + sub_m > starts[None, None, :]) & (lo < m)
+  return (jnp.sum(hit, axis=(1, 2)) * sub_m).astype(jnp.int32)

@@ -1,0 +1,262 @@
+"""Row-tile Pallas TPU grouped matmul: one grid step per m-tile, weights streamed per group.
+
+Computes the same thing as `gmm_kernel.gmm_pallas` (out[rows of g] = lhs[rows of g] @ rhs[g]) with
+another schedule, chosen by `pallas_moe.ops` when its blocks fit VMEM:
+
+- Grid (tiles_n, tiles_m). The Pallas pipeline fetches the [tm, k] lhs block (the whole k) and
+  writes the [tm, tn] output block of each step, so every step moves the same bytes per row.
+- rhs stays in HBM (`pl.ANY`). The step loops over the local groups whose rows meet its tile
+  (`metadata.make_tile_groups`) and multiplies only their MXU-row sub-blocks. Each group's
+  [k, tn] weight block is DMA'd into one of two VMEM slots once per n-tile: a group that spans
+  several m-tiles keeps its slot, and the next group's block is fetched while the current group
+  computes (double buffering across groups and across grid steps).
+
+So weights are read exactly once per n-tile, lhs once per n-tile, the output written once, and
+there are tiles_n x tiles_m grid steps instead of tiles_n x (tiles_m + groups): the weight
+traffic that the visit schedule concentrates in one step per group is spread over the steps
+that compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_moe import common, metadata
+
+
+def vmem_bytes(
+  *, tm: int, k: int, tn: int, lhs_itemsize: int, rhs_itemsize: int, out_itemsize: int
+) -> int:
+  """VMEM the row-tile gmm needs: double-buffered lhs and out blocks, two weight slots, and the
+  f32 product of one sub-block (bounded by the tile)."""
+  return (
+    2 * tm * k * lhs_itemsize
+    + 2 * k * tn * rhs_itemsize
+    + 2 * tm * tn * out_itemsize
+    + (tm * tn * 4)
+  )
+
+
+def gmm_rowtile_pallas(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  tm: int,
+  tn: int,
+  out_dtype: Any,
+  group_offset: jax.Array,
+  existing_out: jax.Array | None = None,
+  transpose_rhs: bool = False,
+  sub_m: int | None = None,
+  vmem_limit_bytes: int | None = None,
+  count_rows: bool = False,
+  interpret: common.Interpret = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Runs the row-tile gmm kernel on validated arguments.
+
+  Args:
+    lhs: [m, k].
+    rhs: [num_local_groups, k, n], or [num_local_groups, n, k] with `transpose_rhs`.
+    group_sizes: [num_groups_total] int32.
+    tm: m-tile (rows per grid step); a multiple of 8 or m.
+    tn: n-tile; must divide n (manual weight DMAs are not ragged).
+    out_dtype: dtype of the result.
+    group_offset: [] int32, the first global group that rhs holds.
+    existing_out: optional [m, n] of `out_dtype`; rows outside the local groups keep its values.
+    transpose_rhs: whether rhs is [G, n, k].
+    sub_m: rows per MXU pass (divides tm); sub-blocks without rows of a group are skipped for
+      that group. None: the whole tile.
+    vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    count_rows: interpret-mode instrumentation: also return [tiles_n, tiles_m, 2] int32: rows
+      pushed through the MXU and weight blocks loaded, per grid step.
+    interpret: see `common.run_kernel`.
+
+  Returns:
+    [m, n] of `out_dtype` (and the counts with `count_rows`).
+  """
+  m, k = lhs.shape
+  num_local_groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  sub_m = tm if sub_m is None else sub_m
+  if tm % sub_m:
+    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
+  if n % tn:
+    raise ValueError(f"tn={tn} must divide n={n} for the row-tile gmm.")
+  tiles_n, tiles_m = n // tn, metadata.cdiv(m, tm)
+  compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  groups = metadata.make_tile_groups(
+    group_sizes=group_sizes,
+    group_offset=group_offset,
+    num_local_groups=num_local_groups,
+    m=m,
+    tm=tm,
+    finalize_empty_groups=False,
+  )
+  prefetch = (
+    groups.group_offsets,
+    groups.tile_first_group,
+    groups.tile_last_group,
+    groups.load_rank,
+    groups.load_group,
+    groups.num_loads,
+    group_offset.reshape((1,)),
+  )
+  has_existing = existing_out is not None
+  w_block = (tn, k) if transpose_rhs else (k, tn)
+  # NOTE: rhs blocks are [k, tn], or [tn, k] when transposed; contract lhs's k with rhs's k.
+  dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+
+  def kernel(offsets_ref, first_ref, last_ref, rank_ref, load_ref, nloads_ref, goff_ref, *refs):
+    refs = list(refs)
+    counts_ref = refs.pop(-3) if count_rows else None
+    lhs_ref, rhs_hbm = refs[0], refs[1]
+    existing_ref = refs[2] if has_existing else None
+    out_ref, w_vmem, sems = refs[-3:]
+    n_i, t = pl.program_id(0), pl.program_id(1)
+    row0 = t * tm
+    col0 = pl.multiple_of(n_i * tn, tn)
+
+    def weight_copy(rank):
+      # NOTE: load `rank` (the rank-th non-empty local group) lives in slot rank % 2.
+      group = load_ref[rank]
+      src = (
+        rhs_hbm.at[group, pl.ds(col0, tn), :]
+        if transpose_rhs
+        else rhs_hbm.at[group, :, pl.ds(col0, tn)]
+      )
+      slot = rank % 2
+      return pltpu.make_async_copy(src, w_vmem.at[slot], sems.at[slot])
+
+    # NOTE: the output block starts as existing_out (or zeros); each group overwrites its rows.
+    # Rows of other shards' groups and rows past sum(group_sizes) keep this value.
+    if existing_ref is None:
+      out_ref[...] = jnp.zeros_like(out_ref)
+    else:
+      out_ref[...] = existing_ref[...]
+    if counts_ref is not None:
+      counts_ref[n_i, t, 0] = 0
+      counts_ref[n_i, t, 1] = 0
+
+    def group_body(g, carry):
+      start = offsets_ref[g + goff_ref[0]]
+      end = offsets_ref[g + goff_ref[0] + 1]
+
+      @pl.when(end > start)
+      def _compute():
+        rank = rank_ref[g]
+
+        # NOTE: a group whose first row is in this tile has not been loaded for this n-tile yet
+        # (one that started in an earlier tile is still in its slot). Its load was started while
+        # the previous group computed, except the first load of an n-tile sweep, started here.
+        # Then the next group's load starts, into the other slot, whose group is finished.
+        @pl.when(start >= row0)
+        def _load():
+          @pl.when(rank == 0)
+          def _first():
+            weight_copy(rank).start()
+
+          @pl.when(rank + 1 < nloads_ref[0])
+          def _prefetch():
+            weight_copy(rank + 1).start()
+
+          weight_copy(rank).wait()
+          if counts_ref is not None:
+            counts_ref[n_i, t, 1] += 1
+
+        slot = rank % 2
+        # NOTE: only the sub_m-row sub-blocks holding rows of g are multiplied: first_sub ..
+        # last_sub of this tile. A sub-block shared with a neighbouring group is multiplied for
+        # each, and the row mask keeps each group's rows.
+        first_sub = (jnp.maximum(start, row0) - row0) // sub_m
+        last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
+
+        def sub_body(sub, c):
+          r0 = pl.multiple_of(sub * sub_m, sub_m)
+          rows = pl.ds(r0, sub_m)
+          prod = lax.dot_general(
+            lhs_ref[rows, :].astype(compute_dtype),
+            w_vmem[slot].astype(compute_dtype),
+            dimension_numbers=dims,
+            preferred_element_type=jnp.float32,
+          )
+          row_ids = row0 + r0 + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
+          mine = (row_ids >= start) & (row_ids < end)
+          out_ref[rows, :] = jnp.where(mine, prod.astype(out_ref.dtype), out_ref[rows, :])
+          return c
+
+        lax.fori_loop(first_sub, last_sub + 1, sub_body, 0)
+        if counts_ref is not None:
+          counts_ref[n_i, t, 0] += (last_sub + 1 - first_sub) * sub_m
+
+      return carry
+
+    lax.fori_loop(first_ref[t], last_ref[t] + 1, group_body, 0)
+
+  # Index maps get (n_i, t, *prefetch refs).
+  def lhs_map(n_i, t, *_):
+    return t, 0
+
+  def out_map(n_i, t, *_):
+    return t, n_i
+
+  in_specs = [pl.BlockSpec((tm, k), lhs_map), pl.BlockSpec(memory_space=pl.ANY)]
+  operands = [lhs, rhs]
+  if has_existing:
+    in_specs.append(pl.BlockSpec((tm, tn), out_map))
+    operands.append(existing_out)
+  out_bytes = m * n * jnp.dtype(out_dtype).itemsize
+  cost = pl.CostEstimate(
+    flops=2 * m * k * n,
+    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+    + rhs.size * rhs.dtype.itemsize
+    + out_bytes * (2 if has_existing else 1),
+    transcendentals=0,
+  )
+  out_shape = common.out_struct(
+    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
+  )
+  out_shapes = [out_shape]
+  out_specs = [pl.BlockSpec((tm, tn), out_map)]
+  if count_rows:
+    out_shapes.append(jax.ShapeDtypeStruct((tiles_n, tiles_m, 2), jnp.int32))
+    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+
+  def build(interpret):
+    return pl.pallas_call(
+      kernel,
+      out_shape=out_shapes if count_rows else out_shape,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        in_specs=in_specs,
+        out_specs=out_specs if count_rows else out_specs[0],
+        grid=(tiles_n, tiles_m),
+        scratch_shapes=[pltpu.VMEM((2, *w_block), rhs.dtype), pltpu.SemaphoreType.DMA((2,))],
+      ),
+      # NOTE: m-tiles run in order (a group's weights stay in their slot across tiles, and the
+      # next load is started a group ahead); each n-tile restarts its load sequence, so n-tiles
+      # are independent and may be split across TensorCores.
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=("parallel", "arbitrary"),
+        vmem_limit_bytes=vmem_limit_bytes,
+      ),
+      # NOTE: as in gmm_kernel: alias existing_out only when compiled (simulator padding issue).
+      input_output_aliases={len(prefetch) + len(operands) - 1: 0}
+      if has_existing and not interpret
+      else {},
+      cost_estimate=cost,
+      interpret=interpret,
+      name="pallas_moe_gmm_rowtile",
+    )
+
+  if count_rows:
+    if interpret is None or interpret is False:
+      raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
+    return build(interpret)(*prefetch, *operands)
+  return common.run_kernel(build, interpret, *prefetch, *operands)
