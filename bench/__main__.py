@@ -161,7 +161,12 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10, warmu
             if key not in cache:
               t0 = time.time()
               try:
-                cache[key] = costmodel.analyze(case.fn, *case.args, step_scale=case.step_scale)
+                cache[key] = costmodel.analyze(
+                  case.fn,
+                  *case.args,
+                  step_scale=case.step_scale,
+                  step_manual_bytes=case.step_manual_bytes,
+                )
               except ValueError as e:
                 if "VMEM" not in str(e):
                   raise
@@ -200,6 +205,7 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10, warmu
                 op=op,
                 chip=gen.name,
                 tiling=list(case.tiling),
+                kernel=case.kernel,
                 modeled_us=rep.modeled_us,
                 roofline_us=rep.roofline_us,
                 achievable_us=rep.achievable_us,

@@ -392,7 +392,11 @@ def _pipelined(bm) -> bool:
 
 
 def analyze(
-  fn: Callable, *args, step_scale: Callable[[StepContext], np.ndarray] | None = None, **kwargs
+  fn: Callable,
+  *args,
+  step_scale: Callable[[StepContext], np.ndarray] | None = None,
+  step_manual_bytes: Callable[[StepContext], np.ndarray] | None = None,
+  **kwargs,
 ) -> list[CallSchedule]:
   """Traces `fn(*args, **kwargs)` and schedules every pallas_call it launches.
 
@@ -401,6 +405,9 @@ def analyze(
     *args: arrays (concrete: used to compute scalar-prefetch values) or `jax.ShapeDtypeStruct`
       (abstract: for big operands).
     step_scale: optional hook, see the module docstring; applied to every pallas_call.
+    step_manual_bytes: optional hook (same context) giving the bytes a kernel moves by manual DMA
+      (operands in `pl.ANY`) in each step; added to the step's DMA and reported as operand
+      "manual". Without it, manual DMAs are not counted (and a note says so).
     **kwargs: keyword arguments of `fn`, same rules as args.
 
   Returns:
@@ -452,9 +459,15 @@ def analyze(
         math.prod(bm.array_aval.shape) * np.dtype(bm.array_aval.dtype).itemsize
       )
     scale = None
+    ctx = StepContext(name=name, grid=grid, program_ids=pids, index_operands=index_operands)
     if step_scale is not None and steps:
-      ctx = StepContext(name=name, grid=grid, program_ids=pids, index_operands=index_operands)
       scale = np.broadcast_to(np.asarray(step_scale(ctx), np.float64), (steps,))
+    if step_manual_bytes is not None and steps:
+      manual = np.broadcast_to(np.asarray(step_manual_bytes(ctx), np.float64), (steps,))
+      step_bytes = step_bytes + manual
+      operand_bytes["manual"] = int(manual.sum())
+      notes = [n for n in notes if "not pipelined" not in n]
+      notes.append("manual DMAs counted from the kernel's schedule (step_manual_bytes hook)")
     cp = eqn.params.get("compiler_params")
     sem = None
     if cp is not None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from bench.costmodel import StepContext
 from bench.shapes import Shape
+from pallas_moe import tiling as tiling_lib
 from pallas_moe.tiling import TpuGeneration, pick_tiling, use_generation
 
 __all__ = [
@@ -58,6 +59,8 @@ class Case:
     args: its arguments (ShapeDtypeStruct for big operands, concrete group_sizes).
     tiling: (tm, tk, tn) as the implementation uses them (for the report).
     step_scale: optional per-step MXU-work hook for the cost model.
+    step_manual_bytes: optional per-step manual-DMA bytes hook for the cost model.
+    kernel: which of an implementation's kernels runs (for the report), e.g. "rowtile".
     row_macs: MACs per token row of one full sweep, padded as the kernel pads (tile grid and
       MXU); makes `mxu_rows_executed` a pure row count. Callable of the MXU size.
   """
@@ -67,6 +70,8 @@ class Case:
   tiling: tuple[int, int, int]
   step_scale: Callable[[StepContext], np.ndarray] | None = None
   row_macs: Callable[[int], float] | None = None
+  step_manual_bytes: Callable[[StepContext], np.ndarray] | None = None
+  kernel: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -255,6 +260,58 @@ def pallas_moe_step_scale(
   return scale
 
 
+def _rowtile_hits(ctx: StepContext, *, op: str, tm: int, sub_m: int):
+  """Per step: sub-blocks multiplied, groups starting in the tile, groups finalized in it."""
+  prefetch = [np.asarray(x) for x in ctx.index_operands]
+  offsets, goff = prefetch[0], int(prefetch[-1].reshape(-1)[0])
+  num_local = prefetch[3].shape[0]
+  starts = offsets[goff : goff + num_local]
+  ends = offsets[goff + 1 : goff + num_local + 1]
+  tile = ctx.program_ids[-1]
+  lo = tile[:, None] * tm
+  sub_lo = lo[:, :, None] + np.arange(0, tm, sub_m)[None, None, :]  # [steps, 1, subs]
+  # NOTE: as in the kernels: group g multiplies each sub-block of the tile meeting [start, end).
+  hit = (sub_lo < ends[None, :, None]) & (sub_lo + sub_m > starts[None, :, None])
+  hits = hit.sum(axis=(1, 2))
+  nonempty = ends > starts
+  loads = ((starts[None, :] >= lo) & (starts[None, :] < lo + tm) & nonempty[None, :]).sum(axis=1)
+  finals = (prefetch[3][None, :] == tile[:, None]).sum(axis=1) if op == "drhs" else None
+  return hits, loads, finals
+
+
+def rowtile_hooks(*, op: str, tm: int, tk: int, tn: int, sub_m: int, itemsize: int = 2):
+  """Cost-model hooks of the row-tile kernels, from their prefetched schedule.
+
+  MXU: each step multiplies, for every group of its tile, the sub_m-row sub-blocks holding the
+  group's rows (the kernel's one sub-block dot runs once per hit: step_scale = hits; the same
+  count as `metadata.rowtile_mxu_rows`, checked against the kernels' `count_rows`). Manual DMA:
+  gmm loads a group's [k, tn] weight block in the tile of its first row; tgmm writes a group's
+  [tk, tn] output block in its `finalize_tile`.
+
+  Args:
+    op: "fwd"/"dlhs" (gmm prefetch: offsets, first, last, load_rank, load_group, num_loads,
+      group_offset) or "drhs" (tgmm prefetch: offsets, first, last, finalize_tile, group_offset).
+    tm: m tile.
+    tk: gmm: the contraction k (whole); tgmm: its k tile.
+    tn: n tile.
+    sub_m: rows per MXU pass.
+    itemsize: bytes per weight (gmm) / output (tgmm) element.
+
+  Returns:
+    (step_scale, step_manual_bytes).
+  """
+
+  def scale(ctx: StepContext) -> np.ndarray:
+    return _rowtile_hits(ctx, op=op, tm=tm, sub_m=sub_m)[0].astype(np.float64)
+
+  def manual(ctx: StepContext) -> np.ndarray:
+    _, loads, finals = _rowtile_hits(ctx, op=op, tm=tm, sub_m=sub_m)
+    count = finals if op == "drhs" else loads
+    return count.astype(np.float64) * tk * tn * itemsize
+
+  return scale, manual
+
+
 def _in_generation(fn: Callable[..., Any], generation: TpuGeneration) -> Callable[..., Any]:
   def wrapped(*args):
     with use_generation(generation):
@@ -263,8 +320,33 @@ def _in_generation(fn: Callable[..., Any], generation: TpuGeneration) -> Callabl
   return wrapped
 
 
-def _pallas_moe_build(tiling: tuple[int, int, int] | None):
-  """Our kernels with fixed tiles (clamped to the dims, like MaxText), or None: the heuristic."""
+def _visits_gmm(x, w, gs, *, zero, **kw):
+  from pallas_moe.gmm_kernel import gmm_pallas
+
+  return gmm_pallas(x, w, gs, out_dtype=DTYPE, group_offset=zero, interpret=False, **kw)
+
+
+def _visits_tgmm(x, y, gs, *, zero, num_groups, **kw):
+  from pallas_moe.tgmm_kernel import tgmm_pallas
+
+  return tgmm_pallas(
+    x,
+    y,
+    gs,
+    out_dtype=DTYPE,
+    group_offset=zero,
+    num_actual_groups=num_groups,
+    interpret=False,
+    **kw,
+  )
+
+
+def _pallas_moe_build(tiling: tuple[int, int, int] | None, schedule: str = "ops"):
+  """Our kernels with fixed tiles (clamped to the dims, like MaxText), or None: the heuristic.
+
+  schedule "ops": what `pallas_moe.ops` runs (the row-tile kernels when the tiles allow);
+  "visits": the visit-schedule kernels with `tiling.pick_tiling`'s tiles (the previous default).
+  """
 
   def build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation: TpuGeneration) -> Case:
     ops = importlib.import_module("pallas_moe.ops")
@@ -273,21 +355,83 @@ def _pallas_moe_build(tiling: tuple[int, int, int] | None):
     dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE, generation=generation)
     # (kind, m, contraction-or-k, n) as pick_tiling sees the op.
     kind, dk, dn = ("tgmm", k, n) if op == "drhs" else ("gmm", *((k, n) if op == "fwd" else (n, k)))
-    if tiling is None:
-      til = pick_tiling(m=m, k=dk, n=dn, num_groups=g, kind=kind, **dt)
-    else:
-      til = (min(tiling[0], m), min(tiling[1], dk), min(tiling[2], dn))
     kw = dict(preferred_element_type=DTYPE, interpret=False)
     mxu = generation.mxu_size
+    if tiling is None and schedule == "visits":
+      til = pick_tiling(m=m, k=dk, n=dn, num_groups=g, kind=kind, **dt)
+    elif tiling is None:
+      # NOTE: what pallas_moe.ops runs by default: row-tile tiles when they fit, else the visit
+      # kernel's; passing the resolved tiles back to ops selects the same kernel.
+      with use_generation(generation):
+        kt = ops._resolve_tiles(
+          None,
+          dims=(m, dk, dn),
+          kind=kind,
+          num_groups=g,
+          dtypes=(DTYPE, DTYPE, DTYPE),
+          interpret=False,
+        )
+      til = kt.tiles
+    else:
+      til = (min(tiling[0], m), min(tiling[1], dk), min(tiling[2], dn))
     sub_m = mxu if til[0] % mxu == 0 else til[0]  # as pallas_moe.ops chooses it
+    if schedule == "ops":
+      with use_generation(generation):
+        kt = ops._resolve_tiles(
+          til,
+          dims=(m, dk, dn),
+          kind=kind,
+          num_groups=g,
+          dtypes=(DTYPE, DTYPE, DTYPE),
+          interpret=False,
+        )
+      if kt.rowtile:
+        scale, manual = rowtile_hooks(op=op, tm=til[0], tk=til[1], tn=til[2], sub_m=sub_m)
+        tl = ops.Tiling(fwd=til, dlhs=til, drhs=til)
+        if op == "drhs":
+          fn = functools.partial(ops.tgmm, tiling=til, **kw)
+          row_macs = _tgmm_row_macs(k, n, til[1], til[2])
+        else:
+          fn = functools.partial(ops.gmm, tiling=tl, transpose_rhs=op == "dlhs", **kw)
+          row_macs = _gmm_row_macs(dk, dn, til[1], til[2])
+        return Case(
+          fn=_in_generation(fn, generation),
+          args=args,
+          tiling=til,
+          step_scale=scale,
+          step_manual_bytes=manual,
+          row_macs=row_macs,
+          kernel="rowtile",
+        )
+    # NOTE: the visit-schedule kernels, called directly (ops would pick the row-tile kernel for
+    # tiles it can run).
+    with use_generation(generation):
+      vmem = tiling_lib.vmem_estimate_bytes(
+        tm=til[0],
+        tk=til[1],
+        tn=til[2],
+        lhs_dtype=DTYPE,
+        rhs_dtype=DTYPE,
+        out_dtype=DTYPE,
+        kind=kind,
+      )
+    limit = tiling_lib.vmem_limit_for(vmem, generation)
+    zero = jnp.int32(0)
     if op == "drhs":
-      fn = functools.partial(ops.tgmm, tiling=til, **kw)
+      fn = functools.partial(
+        _visits_tgmm, tiling=til, sub_m=sub_m, vmem_limit_bytes=limit, num_groups=g, zero=zero
+      )
       row_macs = _tgmm_row_macs(k, n, til[1], til[2])
       dots = 1
     else:
-      # Tiling(fwd=) only: the single-op bench never runs the backward passes.
-      tl = ops.Tiling(fwd=til, dlhs=(128, 128, 128), drhs=(128, 128, 128))
-      fn = functools.partial(ops.gmm, tiling=tl, transpose_rhs=op == "dlhs", **kw)
+      fn = functools.partial(
+        _visits_gmm,
+        tiling=til,
+        sub_m=sub_m,
+        vmem_limit_bytes=limit,
+        transpose_rhs=op == "dlhs",
+        zero=zero,
+      )
       row_macs = _gmm_row_macs(dk, dn, til[1], til[2])
       dots = 2 if dk % til[1] else 1
     return Case(
@@ -305,6 +449,15 @@ register(
   Impl(
     name="pallas_moe",
     build=_pallas_moe_build(None),
+    available=_pallas_moe_available,
+    tiling_depends_on_generation=True,
+    program_depends_on_generation=True,
+  )
+)
+register(
+  Impl(
+    name="pallas_moe-visits",
+    build=_pallas_moe_build(None, "visits"),
     available=_pallas_moe_available,
     tiling_depends_on_generation=True,
     program_depends_on_generation=True,

@@ -26,7 +26,9 @@ import numpy as np
 from pallas_moe import common, quant
 from pallas_moe import tiling as tiling_lib
 from pallas_moe.gmm_kernel import gmm_pallas
+from pallas_moe.gmm_rowtile_kernel import gmm_rowtile_pallas
 from pallas_moe.tgmm_kernel import tgmm_pallas
+from pallas_moe.tgmm_rowtile_kernel import tgmm_rowtile_pallas
 
 Tiles = tuple[int, int, int]
 TileFn = Callable[[int, int, int], Tiles | None]
@@ -77,11 +79,14 @@ class KernelTiling:
     tiles: (tm, tk, tn), clamped to the dims and aligned.
     sub_m: rows per MXU pass: the MXU size when it divides tm, else tm (no sub-block skipping).
     vmem_limit_bytes: Mosaic's scoped VMEM limit when the tiles need more than the default.
+    rowtile: run the row-tile kernel (`gmm_rowtile_kernel` / `tgmm_rowtile_kernel`: one grid
+      step per m-tile, per-group blocks by manual DMA) instead of the visit-schedule kernel.
   """
 
   tiles: Tiles
   sub_m: int
   vmem_limit_bytes: int | None
+  rowtile: bool = False
 
   def kwargs(self) -> dict[str, Any]:
     return dict(tiling=self.tiles, sub_m=self.sub_m, vmem_limit_bytes=self.vmem_limit_bytes)
@@ -95,8 +100,14 @@ def _resolve_tiles(
   num_groups: int,
   dtypes: tuple[Any, Any, Any],
   interpret: common.Interpret,
+  allow_rowtile: bool = True,
 ) -> KernelTiling:
-  """Tiles for one kernel call: the heuristic, a LUT lookup, or the user's, checked.
+  """Tiles (and the kernel) for one call: the heuristic, a LUT lookup, or the user's, checked.
+
+  The row-tile kernel is used whenever it can run the tiles: gmm with the whole contraction in
+  one tile (tk == k) and tn dividing n; tgmm with tk dividing k and tn dividing n; and its
+  blocks within the VMEM budget. The heuristic picks row-tile tiles first
+  (`tiling.pick_rowtile_tiling`) and falls back to the visit kernel's (`tiling.pick_tiling`).
 
   Args:
     spec: (tm, tk, tn), a callable (m, k, n) -> tiles, or None for `tiling.pick_tiling`.
@@ -106,11 +117,29 @@ def _resolve_tiles(
     dtypes: (lhs, rhs, out) dtypes.
     interpret: when the call may compile for TPU (None or False), tiles over the current
       generation's VMEM budget are refused here rather than by Mosaic.
+    allow_rowtile: False keeps the visit kernel (the quantized gmm paths).
   """
   m, k, n = dims
   lhs_dtype, rhs_dtype, out_dtype = dtypes
   generation = tiling_lib.current_generation()
-  if spec is None:
+  budget = tiling_lib.usable_vmem_bytes(generation)
+  mxu = generation.mxu_size
+  picked = None
+  if spec is None and allow_rowtile:
+    picked = tiling_lib.pick_rowtile_tiling(
+      m=m,
+      k=k,
+      n=n,
+      num_groups=num_groups,
+      kind=kind,
+      lhs_dtype=lhs_dtype,
+      rhs_dtype=rhs_dtype,
+      out_dtype=out_dtype,
+      generation=generation,
+    )
+  if picked is not None:
+    spec = picked
+  elif spec is None:
     spec = tiling_lib.pick_tiling(
       m=m,
       k=k,
@@ -130,15 +159,26 @@ def _resolve_tiles(
   aligns = GMM_ALIGN if kind == "gmm" else TGMM_ALIGN
   tm, tk, tn = common.fit_tiles(spec, dims=dims, names=_NAMES, aligns=aligns)
   vmem = dict(tm=tm, tk=tk, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype, out_dtype=out_dtype)
+  # NOTE: the row-tile kernels move per-group blocks by manual DMA, which cannot be ragged: tn
+  # must divide n (and tgmm's tk divide k); gmm keeps the whole contraction in VMEM (tk == k).
+  fits_rowtile = (tk == k if kind == "gmm" else k % tk == 0) and n % tn == 0
+  if allow_rowtile and fits_rowtile:
+    estimate = tiling_lib.vmem_estimate_bytes(**vmem, kind=f"{kind}_rowtile")
+    if estimate <= budget or not (interpret is None or interpret is False):
+      return KernelTiling(
+        tiles=(tm, tk, tn),
+        sub_m=mxu if tm % mxu == 0 else tm,
+        vmem_limit_bytes=tiling_lib.vmem_limit_for(estimate, generation),
+        rowtile=True,
+      )
   estimate = tiling_lib.vmem_estimate_bytes(**vmem, kind=kind)
   if interpret is None or interpret is False:
     tiling_lib.check_fits_vmem(
       **vmem,
       kind=kind,
       generation=generation,
-      vmem_limit_bytes=tiling_lib.usable_vmem_bytes(generation),
+      vmem_limit_bytes=budget,
     )
-  mxu = generation.mxu_size
   return KernelTiling(
     tiles=(tm, tk, tn),
     sub_m=mxu if tm % mxu == 0 else tm,
@@ -194,12 +234,35 @@ def _local_rows_mask(group_sizes, group_offset, num_local_groups: int, m: int) -
   return (rows >= start) & (rows < end)
 
 
+def _run_gmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
+  """The gmm kernel `kt` selects (row-tile or visit schedule)."""
+  if kt.rowtile:
+    tm, _, tn = kt.tiles
+    return gmm_rowtile_pallas(
+      lhs,
+      rhs,
+      group_sizes,
+      tm=tm,
+      tn=tn,
+      sub_m=kt.sub_m,
+      vmem_limit_bytes=kt.vmem_limit_bytes,
+      **kwargs,
+    )
+  return gmm_pallas(lhs, rhs, group_sizes, **kt.kwargs(), **kwargs)
+
+
+def _run_tgmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
+  """The tgmm kernel `kt` selects (row-tile or visit schedule)."""
+  kernel = tgmm_rowtile_pallas if kt.rowtile else tgmm_pallas
+  return kernel(lhs, rhs, group_sizes, **kt.kwargs(), **kwargs)
+
+
 def _gmm_fwd_impl(static: _GmmStatic, lhs, rhs, group_sizes, group_offset, existing_out):
-  return gmm_pallas(
+  return _run_gmm(
+    static.fwd,
     lhs,
     rhs,
     group_sizes,
-    **static.fwd.kwargs(),
     out_dtype=static.out_dtype,
     group_offset=group_offset,
     existing_out=existing_out,
@@ -225,11 +288,11 @@ def _weight_grad(static, lhs, dout, group_sizes, group_offset, *, num_groups, ou
   layout and no weight gradient needs a transpose: lhs^T @ dout, or dout^T @ lhs.
   """
   t_lhs, t_rhs = (dout.T, lhs) if static.transpose_rhs else (lhs.T, dout)
-  return tgmm_pallas(
+  return _run_tgmm(
+    static.drhs,
     t_lhs,
     t_rhs,
     group_sizes,
-    **static.drhs.kwargs(),
     out_dtype=out_dtype,
     group_offset=group_offset,
     num_actual_groups=num_groups,
@@ -245,11 +308,11 @@ def _gmm_diff_bwd(static, residuals, dout):
   # the forward does; the accumulators stay f32.
   compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
   dout_c = dout.astype(compute_dtype)
-  dlhs = gmm_pallas(
+  dlhs = _run_gmm(
+    static.dlhs,
     dout_c,
     rhs,
     group_sizes,
-    **static.dlhs.kwargs(),
     out_dtype=lhs.dtype,
     group_offset=group_offset,
     transpose_rhs=not static.transpose_rhs,
@@ -424,11 +487,11 @@ def _tgmm_jit(
   num_actual_groups,
   interpret,
 ):
-  return tgmm_pallas(
+  return _run_tgmm(
+    tiling,
     lhs,
     rhs,
     group_sizes,
-    **tiling.kwargs(),
     out_dtype=out_dtype,
     group_offset=group_offset,
     num_actual_groups=num_actual_groups,
@@ -545,6 +608,8 @@ def gmm(
   common.check_existing_out(existing_out, shape=(m, n), dtype=out_dtype)
   tilings = Tiling.of(tiling)
   resolve = functools.partial(_resolve_tiles, num_groups=num_local_groups, interpret=interpret)
+  # NOTE: the quantized forward and lhs-gradient kernels (rhs scales) are visit-schedule only.
+  quantized_gmm = weight_dtype is not None
   compute_dtype = jnp.promote_types(lhs.dtype, rhs_for_tiles.dtype)
   # NOTE: with transpose_rhs the weight gradient is [G, n, k]: tgmm's (tk, tn) tile (n, k).
   if transpose_rhs:
@@ -559,13 +624,18 @@ def gmm(
   static = _GmmStatic(
     out_dtype=out_dtype,
     fwd=resolve(
-      tilings.fwd, dims=(m, k, n), kind="gmm", dtypes=(lhs.dtype, rhs_for_tiles.dtype, out_dtype)
+      tilings.fwd,
+      dims=(m, k, n),
+      kind="gmm",
+      dtypes=(lhs.dtype, rhs_for_tiles.dtype, out_dtype),
+      allow_rowtile=not quantized_gmm,
     ),
     dlhs=resolve(
       tilings.dlhs,
       dims=(m, n, k),
       kind="gmm",
       dtypes=(compute_dtype, rhs_for_tiles.dtype, lhs.dtype),
+      allow_rowtile=not quantized_gmm,
     ),
     drhs=resolve(
       drhs_spec,

@@ -44,6 +44,8 @@ __all__ = [
   "vmem_estimate_bytes",
   "check_fits_vmem",
   "pick_tiling",
+  "pick_rowtile_tiling",
+  "rowtile_step_costs",
 ]
 
 _MIB = 1024 * 1024
@@ -250,8 +252,10 @@ def vmem_estimate_bytes(
     lhs_dtype: lhs element type.
     rhs_dtype: rhs element type.
     out_dtype: output element type.
-    kind: "gmm" (blocks lhs[tm,tk], rhs[tk,tn], out[tm,tn], acc f32[tm,tn]) or "tgmm"
-      (blocks lhs[tm,tk], rhs[tm,tn], out[tk,tn], acc f32[tk,tn]).
+    kind: "gmm" (blocks lhs[tm,tk], rhs[tk,tn], out[tm,tn], acc f32[tm,tn]), "tgmm"
+      (blocks lhs[tm,tk], rhs[tm,tn], out[tk,tn], acc f32[tk,tn]), or the row-tile kernels
+      "gmm_rowtile" (tk = k; weight slots instead of rhs blocks) / "tgmm_rowtile" (staging slots
+      instead of out blocks).
 
   Returns:
     Estimated bytes.
@@ -267,8 +271,20 @@ def vmem_estimate_bytes(
     blocks = tm * tk * li + tm * tn * ri + tk * tn * oi
     acc = tk * tn * 4
     temps = tk * tn * 4 + tm * (tk + tn) * 4
+  elif kind == "gmm_rowtile":
+    # NOTE: pipelined lhs [tm, k] and out [tm, tn] blocks, an existing_out block (counted always),
+    # and two manual weight slots [k, tn] (counted once each: the pipeline does not double them).
+    blocks = tm * tk * li + 2 * tm * tn * oi
+    acc = tk * tn * ri
+    temps = tm * tn * 4 + tm * tk * li
+  elif kind == "tgmm_rowtile":
+    # NOTE: pipelined lhs [tk, tm] and rhs [tm, tn] blocks; the f32 accumulator, two staging slots
+    # and an existing_out buffer [tk, tn] (out dtype).
+    blocks = tm * tk * li + tm * tn * ri
+    acc = tk * tn * 4 + 3 * tk * tn * oi
+    temps = tk * tn * 4 + tm * (tk + tn) * 4
   else:
-    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+    raise ValueError(f"kind must be 'gmm', 'tgmm', 'gmm_rowtile' or 'tgmm_rowtile', got {kind!r}")
   explicit = 2 * blocks + acc + temps
   return int(explicit * (1 + _MOSAIC_FRACTION_MARGIN) + _MOSAIC_FIXED_MARGIN)
 
@@ -488,3 +504,173 @@ def pick_tiling(
   # bigger blocks buy nothing once a kernel is MXU-bound, and they cost Mosaic compile time.
   best_score = min(score for score, _, _ in scored)
   return min((est, tiles) for score, est, tiles in scored if score <= 1.02 * best_score)[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Row-tile kernels (`gmm_rowtile_kernel`, `tgmm_rowtile_kernel`): one grid step per m-tile.
+
+
+def _divisor_tiles(dim: int) -> list[int]:
+  """Tiles of a dim the row-tile kernels can use: the dim itself and 128-multiples dividing it
+  (their per-group DMAs move whole blocks, so tiles must divide the dim)."""
+  return sorted({dim, *(t for t in range(128, dim, 128) if dim % t == 0)})
+
+
+def rowtile_step_costs(
+  *,
+  group_sizes,
+  k: int,
+  n: int,
+  tm: int,
+  tk: int,
+  tn: int,
+  kind: str,
+  lhs_itemsize: int,
+  rhs_itemsize: int,
+  out_itemsize: int,
+  generation: str | TpuGeneration,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Per-step MXU seconds and HBM bytes of one (k, n) sweep of a row-tile kernel.
+
+  The same accounting as `bench.costmodel` applies to the real kernel (pipelined blocks plus the
+  manual per-group DMAs), in closed form from the group sizes: the picker's model.
+
+  Args:
+    group_sizes: rows per local group (numpy).
+    k: gmm's contraction / tgmm's output rows.
+    n: output columns.
+    tm: m tile.
+    tk: tgmm's k tile (gmm: k).
+    tn: n tile.
+    kind: "gmm" or "tgmm".
+    lhs_itemsize: bytes per lhs element.
+    rhs_itemsize: bytes per rhs element.
+    out_itemsize: bytes per output element.
+    generation: TPU generation.
+
+  Returns:
+    (mxu_seconds [tiles_m], hbm_bytes [tiles_m]).
+  """
+  gen = get_generation(generation)
+  mxu = gen.mxu_size
+  sub = mxu if tm % mxu == 0 else tm
+  gs = np.maximum(np.asarray(group_sizes, np.int64), 0)
+  ends = np.cumsum(gs)
+  starts = ends - gs
+  m = int(ends[-1]) if gs.size else 0
+  tiles_m = max(1, -(-m // tm))
+  nonempty = gs > 0
+  first_t = np.where(nonempty, starts // tm, 0)
+  last_t = np.where(nonempty, (np.maximum(ends, 1) - 1) // tm, -1)
+  counts = np.maximum(last_t - first_t + 1, 0)
+  g = np.repeat(np.arange(gs.size), counts)
+  t = np.repeat(first_t, counts) + (
+    np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+  )
+  lo = t * tm
+  s = np.maximum(starts[g], lo) - lo
+  e = np.minimum(ends[g], lo + tm) - lo
+  hits = (e - 1) // sub - s // sub + 1
+  mxu_s = np.bincount(t, hits * sub * 2.0 * max(tk, mxu) * max(tn, mxu), tiles_m)
+  mxu_s = mxu_s / gen.peak_bf16_flops
+  rows = np.minimum(m, (np.arange(tiles_m) + 1) * tm) - np.arange(tiles_m) * tm
+  if kind == "gmm":
+    # NOTE: a group's weight block is loaded in the tile holding its first row.
+    loads = np.bincount(t, (starts[g] >= lo).astype(np.float64), tiles_m)
+    dma = rows * (k * lhs_itemsize + tn * out_itemsize) + loads * k * tn * rhs_itemsize
+  else:
+    # NOTE: a group's output is written in the tile of its last row (empty: of its position).
+    fin = np.where(nonempty, (ends - 1) // tm, starts // tm).clip(0, tiles_m - 1)
+    writes = np.bincount(fin, minlength=tiles_m)
+    dma = rows * (tk * lhs_itemsize + tn * rhs_itemsize) + writes * tk * tn * out_itemsize
+  return mxu_s, dma.astype(np.float64)
+
+
+def pick_rowtile_tiling(
+  *,
+  m: int,
+  k: int,
+  n: int,
+  num_groups: int,
+  kind: str,
+  lhs_dtype,
+  rhs_dtype,
+  out_dtype,
+  generation: str | TpuGeneration,
+  vmem_budget_bytes: int | None = None,
+  step_overhead_s: float = 0.35e-6,
+) -> tuple[int, int, int] | None:
+  """Chooses (tm, tk, tn) for a row-tile kernel, or None when none fits VMEM.
+
+  Scores every candidate on equal group sizes (m / num_groups rows each; the kernel does not see
+  the real sizes when it is traced) by the sum over grid steps of max(MXU time, HBM time) plus
+  the per-step overhead: the DESIGN.md model applied to the row-tile schedule. Candidates: tm in
+  {128 .. 4096} (powers of two; or all of m), tn (and tgmm's tk) dividing the dim; gmm's tk is
+  always k (the whole contraction stays in VMEM). Among tilings within 1% of the best, the one
+  needing the least VMEM wins.
+
+  Args:
+    m: rows.
+    k: gmm's contraction dim / tgmm's output rows.
+    n: output columns.
+    num_groups: local groups.
+    kind: "gmm" or "tgmm".
+    lhs_dtype: lhs element type.
+    rhs_dtype: rhs element type.
+    out_dtype: output element type.
+    generation: TPU generation.
+    vmem_budget_bytes: default `usable_vmem_bytes(generation)`.
+    step_overhead_s: per grid step overhead.
+
+  Returns:
+    (tm, tk, tn), or None.
+  """
+  if kind not in ("gmm", "tgmm"):
+    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+  gen = get_generation(generation)
+  budget = vmem_budget_bytes if vmem_budget_bytes is not None else usable_vmem_bytes(gen)
+  li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+  sizes = np.full(num_groups, m // num_groups, np.int64)
+  sizes[: m % num_groups] += 1
+  # NOTE: tgmm's tm is the lane dim of its [tk, tm] lhs block: a multiple of 128 or all of m.
+  align = 128 if kind == "tgmm" else 8
+  tms = {min(t, -(-m // align) * align) for t in (128, 256, 512, 1024, 2048, 4096)}
+  tms = sorted(t if t < m else m for t in tms)
+  tks = _divisor_tiles(k) if kind == "tgmm" else [k]
+  scored = []
+  for tm in sorted(set(tms)):
+    for tk in tks:
+      for tn in _divisor_tiles(n):
+        est = vmem_estimate_bytes(
+          tm=tm,
+          tk=tk,
+          tn=tn,
+          lhs_dtype=lhs_dtype,
+          rhs_dtype=rhs_dtype,
+          out_dtype=out_dtype,
+          kind=f"{kind}_rowtile",
+        )
+        if est > budget:
+          continue
+        mxu_s, dma = rowtile_step_costs(
+          group_sizes=sizes,
+          k=k,
+          n=n,
+          tm=tm,
+          tk=tk,
+          tn=tn,
+          kind=kind,
+          lhs_itemsize=li,
+          rhs_itemsize=ri,
+          out_itemsize=oi,
+          generation=gen,
+        )
+        sweeps = (k // tk) * (n // tn)
+        score = sweeps * (
+          np.maximum(mxu_s, dma / gen.hbm_bytes_per_s).sum() + step_overhead_s * mxu_s.size
+        )
+        scored.append((float(score), est, (tm, tk, tn)))
+  if not scored:
+    return None
+  best = min(score for score, _, _ in scored)
+  return min((est, tiles) for score, est, tiles in scored if score <= 1.01 * best)[1]
