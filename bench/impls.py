@@ -271,9 +271,9 @@ def _rowtile_hits(ctx: StepContext, *, op: str, tm: int, sub_m: int):
   lo = tile[:, None] * tm
   sub_lo = lo[:, :, None] + np.arange(0, tm, sub_m)[None, None, :]  # [steps, 1, subs]
   # NOTE: as in the kernels: group g multiplies each sub-block of the tile meeting [start, end).
-  hit = (sub_lo < ends[None, :, None]) & (sub_lo + sub_m > starts[None, :, None])
-  hits = hit.sum(axis=(1, 2))
   nonempty = ends > starts
+  hit = (sub_lo < ends[None, :, None]) & (sub_lo + sub_m > starts[None, :, None])
+  hits = (hit & nonempty[None, :, None]).sum(axis=(1, 2))
   loads = ((starts[None, :] >= lo) & (starts[None, :] < lo + tm) & nonempty[None, :]).sum(axis=1)
   finals = (prefetch[3][None, :] == tile[:, None]).sum(axis=1) if op == "drhs" else None
   return hits, loads, finals

@@ -343,5 +343,10 @@ def rowtile_mxu_rows(
   starts = jax.lax.dynamic_slice_in_dim(tile_groups.group_offsets, goff, num_local)
   ends = jax.lax.dynamic_slice_in_dim(tile_groups.group_offsets, goff + 1, num_local)
   lo = jnp.arange(cdiv(m, tm))[:, None, None] * tm + jnp.arange(0, tm, sub_m)[None, :, None]
-  hit = (lo < ends[None, None, :]) & (lo + sub_m > starts[None, None, :]) & (lo < m)
+  # NOTE: an empty group multiplies nothing, even when its position is inside a sub-block.
+  hit = (
+    (lo < ends[None, None, :])
+    & (lo + sub_m > starts[None, None, :])
+    & (ends > starts)[None, None, :]
+  )
   return (jnp.sum(hit, axis=(1, 2)) * sub_m).astype(jnp.int32)

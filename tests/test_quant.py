@@ -342,7 +342,7 @@ def test_bench_int8_moves_fewer_weight_bytes(op):
   shape = Shape(name="tiny", tokens=1024, top_k=1, num_groups=4, k=256, n=384)
   gs = np.array([300, 0, 500, 100], np.int32)
   v5e = tiling.get_generation("v5e")
-  (bf16,) = cm.analyze(*_case_call(IMPLS["pallas_moe"], op, shape, gs, v5e))
+  (bf16,) = cm.analyze(*_case_call(IMPLS["pallas_moe-visits"], op, shape, gs, v5e))
   (int8,) = cm.analyze(*_case_call(IMPLS["pallas_moe-int8"], op, shape, gs, v5e))
   assert bf16.grid == int8.grid
   w_key, s_key = "in1:args[7]", "in2:args[8]"

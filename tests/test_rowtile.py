@@ -1,0 +1,324 @@
+"""Row-tile gmm / tgmm kernels: vs the references in both interpret modes, race detector, counts.
+
+The row-tile kernels (one grid step per m-tile, per-group weights / outputs by manual DMA) are
+what `pallas_moe.ops` runs by default; tests of the public ops exercise them too. Here they are
+called directly, so each static case is known to run them, and their instrumentation (MXU rows,
+weight loads, output writes per grid step) is checked against the schedule-derived counts the
+cost model uses.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kernel_testing import (
+  INTERPRET_MODES,
+  RACE_PARAMS,
+  examples,
+  group_sizes_strategy,
+  no_races_or_oob,
+  np_gmm,
+  np_tgmm,
+  random_array,
+  rounded,
+  tolerance,
+)
+
+import pallas_moe
+from pallas_moe import metadata, ops, reference, tiling
+from pallas_moe.gmm_rowtile_kernel import gmm_rowtile_pallas
+from pallas_moe.tgmm_rowtile_kernel import tgmm_rowtile_pallas
+
+# (m, k, n, tm, tn, sub_m, groups_total, local, in dtype, out dtype, transpose_rhs, existing)
+GMM_CASES = [
+  (67, 40, 48, 16, 16, 8, 5, 5, jnp.float32, jnp.float32, False, False),
+  (67, 40, 48, 16, 48, 16, 5, 3, jnp.float32, jnp.float32, True, True),
+  (200, 96, 256, 64, 128, 32, 16, 16, jnp.bfloat16, jnp.float32, False, False),
+  (130, 64, 128, 256, 128, 256, 6, 4, jnp.bfloat16, jnp.bfloat16, True, False),
+  (300, 128, 256, 128, 256, 128, 9, 9, jnp.float32, jnp.bfloat16, False, True),
+]
+GMM_IDS = [f"m{c[0]}k{c[1]}n{c[2]}tm{c[3]}g{c[6]}l{c[7]}" for c in GMM_CASES]
+
+# (m, k, n, tm, tk, tn, sub_m, groups_total, local, in dtype, out dtype, existing)
+TGMM_CASES = [
+  (67, 40, 48, 16, 40, 16, 8, 5, 5, jnp.float32, jnp.float32, False),
+  (67, 32, 48, 16, 16, 48, 16, 5, 3, jnp.float32, jnp.float32, True),
+  (200, 96, 256, 128, 32, 128, 128, 16, 16, jnp.bfloat16, jnp.float32, False),
+  (300, 64, 128, 256, 64, 128, 128, 9, 6, jnp.bfloat16, jnp.bfloat16, True),
+]
+TGMM_IDS = [f"m{c[0]}k{c[1]}n{c[2]}tm{c[3]}g{c[7]}l{c[8]}" for c in TGMM_CASES]
+
+
+def _draw_shard(data, total, local):
+  offset = data.draw(st.integers(0, total - local))
+  return offset
+
+
+def check_gmm(case, sizes, offset, seed, interpret):
+  m, k, n, tm, tn, sub_m, _, local, in_dtype, out_dtype, transpose_rhs, has_existing = case
+  lhs = random_array(seed, (m, k), in_dtype)
+  rhs = random_array(seed + 1, (local, n, k) if transpose_rhs else (local, k, n), in_dtype)
+  existing = random_array(seed + 2, (m, n), out_dtype) if has_existing else None
+  out, counts = gmm_rowtile_pallas(
+    lhs,
+    rhs,
+    jnp.asarray(sizes),
+    tm=tm,
+    tn=tn,
+    out_dtype=out_dtype,
+    group_offset=jnp.int32(offset),
+    existing_out=existing,
+    transpose_rhs=transpose_rhs,
+    sub_m=sub_m,
+    count_rows=True,
+    interpret=interpret,
+  )
+  assert out.shape == (m, n) and out.dtype == out_dtype
+  got = np.asarray(out.astype(jnp.float32))
+  tol = tolerance(in_dtype=in_dtype, out_dtype=out_dtype, k=k)
+  expected = np_gmm(
+    rounded(lhs, in_dtype),
+    rounded(rhs, in_dtype),
+    sizes,
+    group_offset=offset,
+    existing_out=None if existing is None else rounded(existing, out_dtype),
+    transpose_rhs=transpose_rhs,
+  )
+  np.testing.assert_allclose(got, expected, **tol)
+  ref = reference.gmm(
+    lhs,
+    rhs,
+    jnp.asarray(sizes),
+    out_dtype,
+    group_offset=offset,
+    existing_out=existing,
+    transpose_rhs=transpose_rhs,
+  )
+  np.testing.assert_allclose(got, np.asarray(ref.astype(jnp.float32)), **tol)
+  if existing is None:
+    # Rows outside the local groups (other shards, past sum(group_sizes)) are exactly zero.
+    mask = np.asarray(ops._local_rows_mask(jnp.asarray(sizes), offset, local, m))
+    assert not np.any(got[~mask])
+  # Instrumentation: MXU rows per tile = the schedule-derived count; each non-empty local group's
+  # weights are loaded exactly once per n-tile, in the tile of its first row.
+  counts = np.asarray(counts)
+  groups = metadata.make_tile_groups(
+    group_sizes=jnp.asarray(sizes),
+    group_offset=offset,
+    num_local_groups=local,
+    m=m,
+    tm=tm,
+    finalize_empty_groups=False,
+  )
+  rows = np.asarray(metadata.rowtile_mxu_rows(groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m))
+  np.testing.assert_array_equal(counts[..., 0], np.broadcast_to(rows, counts.shape[:2]))
+  nonempty = int(np.sum(np.asarray(sizes)[offset : offset + local] > 0))
+  np.testing.assert_array_equal(counts[..., 1].sum(axis=1), nonempty)
+
+
+@pytest.mark.parametrize("case", GMM_CASES, ids=GMM_IDS)
+@examples()
+@given(data=st.data())
+def test_gmm_rowtile_matches_references(case, data):
+  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[6]))
+  offset = _draw_shard(data, case[6], case[7])
+  check_gmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["hlo"])
+
+
+@pytest.mark.parametrize("case", GMM_CASES[1:4], ids=GMM_IDS[1:4])
+@examples(0.25)
+@given(data=st.data())
+def test_gmm_rowtile_tpu_simulator(case, data):
+  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[6]))
+  offset = _draw_shard(data, case[6], case[7])
+  check_gmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["tpu"])
+
+
+def check_tgmm(case, sizes, offset, seed, interpret):
+  m, k, n, tm, tk, tn, sub_m, _, local, in_dtype, out_dtype, has_existing = case
+  lhs = random_array(seed, (k, m), in_dtype)
+  rhs = random_array(seed + 1, (m, n), in_dtype)
+  existing = random_array(seed + 2, (local, k, n), out_dtype) if has_existing else None
+  out, counts = tgmm_rowtile_pallas(
+    lhs,
+    rhs,
+    jnp.asarray(sizes),
+    tiling=(tm, tk, tn),
+    out_dtype=out_dtype,
+    group_offset=jnp.int32(offset),
+    num_actual_groups=local,
+    existing_out=existing,
+    sub_m=sub_m,
+    count_rows=True,
+    interpret=interpret,
+  )
+  assert out.shape == (local, k, n) and out.dtype == out_dtype
+  got = np.asarray(out.astype(jnp.float32))
+  tol = tolerance(in_dtype=in_dtype, out_dtype=out_dtype, k=m)
+  expected = np_tgmm(
+    rounded(lhs, in_dtype),
+    rounded(rhs, in_dtype),
+    sizes,
+    group_offset=offset,
+    num_actual_groups=local,
+    existing_out=None if existing is None else rounded(existing, out_dtype),
+  )
+  np.testing.assert_allclose(got, expected, **tol)
+  ref = reference.tgmm(
+    lhs,
+    rhs,
+    jnp.asarray(sizes),
+    out_dtype,
+    group_offset=offset,
+    num_actual_groups=local,
+    existing_out=existing,
+  )
+  np.testing.assert_allclose(got, np.asarray(ref.astype(jnp.float32)), **tol)
+  if existing is None:
+    empty = np.asarray(sizes)[offset : offset + local] == 0
+    assert not np.any(got[empty])  # exact zeros for empty groups
+  counts = np.asarray(counts)
+  groups = metadata.make_tile_groups(
+    group_sizes=jnp.asarray(sizes),
+    group_offset=offset,
+    num_local_groups=local,
+    m=m,
+    tm=tm,
+    finalize_empty_groups=True,
+  )
+  rows = np.asarray(metadata.rowtile_mxu_rows(groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m))
+  np.testing.assert_array_equal(counts[..., 0], np.broadcast_to(rows, counts.shape[:3]))
+  # Every local group's output block is written exactly once per (k, n) sweep.
+  np.testing.assert_array_equal(counts[..., 1].sum(axis=2), local)
+
+
+@pytest.mark.parametrize("case", TGMM_CASES, ids=TGMM_IDS)
+@examples()
+@given(data=st.data())
+def test_tgmm_rowtile_matches_references(case, data):
+  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[7]))
+  offset = _draw_shard(data, case[7], case[8])
+  check_tgmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["hlo"])
+
+
+@pytest.mark.parametrize("case", TGMM_CASES[1:3], ids=TGMM_IDS[1:3])
+@examples(0.25)
+@given(data=st.data())
+def test_tgmm_rowtile_tpu_simulator(case, data):
+  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[7]))
+  offset = _draw_shard(data, case[7], case[8])
+  check_tgmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["tpu"])
+
+
+def test_rowtile_kernels_have_no_races(capfd):
+  """The DMA slots and semaphores are used race-free with 2 simulated cores on parallel axes."""
+  sizes = np.array([13, 0, 7, 30, 0, 17], np.int32)
+  with no_races_or_oob(capfd):
+    check_gmm(GMM_CASES[0][:6] + (6, 6) + GMM_CASES[0][8:], sizes, 0, 3, RACE_PARAMS)
+    check_tgmm(TGMM_CASES[0][:7] + (6, 6) + TGMM_CASES[0][9:], sizes, 0, 4, RACE_PARAMS)
+
+
+def test_rowtile_rows_are_floor_rows():
+  """With sub_m = MXU rows and tm a multiple of it, rows pushed = floor_rows (DESIGN.md)."""
+  from bench.costmodel import floor_rows
+
+  sizes = np.array([100, 0, 300, 5, 1, 250, 0, 370], np.int32)
+  groups = metadata.make_tile_groups(
+    group_sizes=jnp.asarray(sizes),
+    group_offset=0,
+    num_local_groups=8,
+    m=1100,
+    tm=512,
+    finalize_empty_groups=False,
+  )
+  rows = metadata.rowtile_mxu_rows(groups, group_offset=0, m=1100, tm=512, sub_m=128)
+  assert int(rows.sum()) == floor_rows(sizes, 128)
+
+
+@pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
+def test_cost_model_hooks_match_kernel_counts(op):
+  """The bench's row-tile hooks (schedule-derived, used at full size) = what the kernel does."""
+  from bench import costmodel as cm
+  from bench.impls import rowtile_hooks
+
+  sizes = np.array([40, 0, 75, 3, 0, 90, 50], np.int32)
+  m, k, n, tm, sub_m = 300, 64, 128, 64, 32
+  scale, manual = rowtile_hooks(op=op, tm=tm, tk=k, tn=n, sub_m=sub_m, itemsize=4)
+  if op == "drhs":
+    lhs, rhs = jnp.zeros((k, m)), jnp.zeros((m, n))
+    call = lambda x, y, gs, c: tgmm_rowtile_pallas(  # noqa: E731
+      x,
+      y,
+      gs,
+      tiling=(tm, k, n),
+      out_dtype=jnp.float32,
+      group_offset=jnp.int32(0),
+      num_actual_groups=7,
+      sub_m=sub_m,
+      count_rows=c,
+      interpret=True,
+    )
+  else:
+    lhs, rhs = jnp.zeros((m, k)), jnp.zeros((7, n, k) if op == "dlhs" else (7, k, n))
+    call = lambda x, w, gs, c: gmm_rowtile_pallas(  # noqa: E731
+      x,
+      w,
+      gs,
+      tm=tm,
+      tn=n,
+      out_dtype=jnp.float32,
+      group_offset=jnp.int32(0),
+      transpose_rhs=op == "dlhs",
+      sub_m=sub_m,
+      count_rows=c,
+      interpret=True,
+    )
+  (sched,) = cm.analyze(
+    lambda x, w, gs: call(x, w, gs, False),
+    lhs,
+    rhs,
+    jnp.asarray(sizes),
+    step_scale=scale,
+    step_manual_bytes=manual,
+  )
+  _, counts = call(lhs, rhs, jnp.asarray(sizes), True)
+  counts = np.asarray(counts).reshape(-1, 2)
+  np.testing.assert_array_equal(sched.step_scale * sub_m, counts[:, 0])
+  np.testing.assert_array_equal(sched.operand_bytes["manual"], counts[:, 1].sum() * k * n * 4)
+
+
+def test_ops_default_picks_rowtile_and_falls_back():
+  """Default tiles run the row-tile kernels; tiles they cannot run (tk < k) the visit kernels."""
+  kw = dict(
+    num_groups=8,
+    dtypes=(jnp.bfloat16,) * 3,
+    interpret=None,
+  )
+  with tiling.use_generation("v5e"):
+    assert ops._resolve_tiles(None, dims=(4096, 2048, 768), kind="gmm", **kw).rowtile
+    assert ops._resolve_tiles(None, dims=(4096, 2048, 768), kind="tgmm", **kw).rowtile
+    visits = ops._resolve_tiles((512, 1024, 768), dims=(4096, 2048, 768), kind="gmm", **kw)
+    assert not visits.rowtile and visits.tiles == (512, 1024, 768)
+    # Ragged n tile: manual DMAs cannot be ragged, so the visit kernel runs.
+    assert not ops._resolve_tiles(
+      (512, 2048, 512), dims=(4096, 2048, 768), kind="gmm", **kw
+    ).rowtile
+
+
+def test_public_gmm_grad_through_rowtile_kernels():
+  """jax.grad of pallas_moe.gmm (default tiles: all three passes row-tile) vs the reference."""
+  sizes = jnp.array([50, 0, 70, 8], jnp.int32)
+  x = random_array(0, (140, 64), jnp.float32)
+  w = random_array(1, (4, 64, 128), jnp.float32)
+
+  def loss(f):
+    return lambda x, w: jnp.sum(jnp.sin(f(x, w, sizes)))
+
+  got = jax.grad(loss(lambda x, w, s: pallas_moe.gmm(x, w, s, interpret=True)), (0, 1))(x, w)
+  ref = jax.grad(loss(lambda x, w, s: reference.gmm(x, w, s)), (0, 1))(x, w)
+  for a, b in zip(got, ref, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
