@@ -58,12 +58,12 @@ def _draw_shard(data, total, local):
   return offset
 
 
-def check_gmm(case, sizes, offset, seed, interpret):
+def check_gmm(case, sizes, offset, seed, interpret, *, count=True):
   m, k, n, tm, tn, sub_m, _, local, in_dtype, out_dtype, transpose_rhs, has_existing = case
   lhs = random_array(seed, (m, k), in_dtype)
   rhs = random_array(seed + 1, (local, n, k) if transpose_rhs else (local, k, n), in_dtype)
   existing = random_array(seed + 2, (m, n), out_dtype) if has_existing else None
-  out, counts = gmm_rowtile_pallas(
+  out = gmm_rowtile_pallas(
     lhs,
     rhs,
     jnp.asarray(sizes),
@@ -74,9 +74,10 @@ def check_gmm(case, sizes, offset, seed, interpret):
     existing_out=existing,
     transpose_rhs=transpose_rhs,
     sub_m=sub_m,
-    count_rows=True,
+    count_rows=count,
     interpret=interpret,
   )
+  out, counts = out if count else (out, None)
   assert out.shape == (m, n) and out.dtype == out_dtype
   got = np.asarray(out.astype(jnp.float32))
   tol = tolerance(in_dtype=in_dtype, out_dtype=out_dtype, k=k)
@@ -103,6 +104,8 @@ def check_gmm(case, sizes, offset, seed, interpret):
     # Rows outside the local groups (other shards, past sum(group_sizes)) are exactly zero.
     mask = np.asarray(ops._local_rows_mask(jnp.asarray(sizes), offset, local, m))
     assert not np.any(got[~mask])
+  if counts is None:
+    return
   # Instrumentation: MXU rows per tile = the schedule-derived count; each non-empty local group's
   # weights are loaded exactly once per n-tile, in the tile of its first row.
   counts = np.asarray(counts)
@@ -121,7 +124,7 @@ def check_gmm(case, sizes, offset, seed, interpret):
 
 
 @pytest.mark.parametrize("case", GMM_CASES, ids=GMM_IDS)
-@examples()
+@examples(0.5)
 @given(data=st.data())
 def test_gmm_rowtile_matches_references(case, data):
   sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[6]))
@@ -129,7 +132,7 @@ def test_gmm_rowtile_matches_references(case, data):
   check_gmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["hlo"])
 
 
-@pytest.mark.parametrize("case", GMM_CASES[1:4], ids=GMM_IDS[1:4])
+@pytest.mark.parametrize("case", GMM_CASES[1:3], ids=GMM_IDS[1:3])
 @examples(0.25)
 @given(data=st.data())
 def test_gmm_rowtile_tpu_simulator(case, data):
@@ -138,12 +141,12 @@ def test_gmm_rowtile_tpu_simulator(case, data):
   check_gmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["tpu"])
 
 
-def check_tgmm(case, sizes, offset, seed, interpret):
+def check_tgmm(case, sizes, offset, seed, interpret, *, count=True):
   m, k, n, tm, tk, tn, sub_m, _, local, in_dtype, out_dtype, has_existing = case
   lhs = random_array(seed, (k, m), in_dtype)
   rhs = random_array(seed + 1, (m, n), in_dtype)
   existing = random_array(seed + 2, (local, k, n), out_dtype) if has_existing else None
-  out, counts = tgmm_rowtile_pallas(
+  out = tgmm_rowtile_pallas(
     lhs,
     rhs,
     jnp.asarray(sizes),
@@ -153,9 +156,10 @@ def check_tgmm(case, sizes, offset, seed, interpret):
     num_actual_groups=local,
     existing_out=existing,
     sub_m=sub_m,
-    count_rows=True,
+    count_rows=count,
     interpret=interpret,
   )
+  out, counts = out if count else (out, None)
   assert out.shape == (local, k, n) and out.dtype == out_dtype
   got = np.asarray(out.astype(jnp.float32))
   tol = tolerance(in_dtype=in_dtype, out_dtype=out_dtype, k=m)
@@ -181,6 +185,8 @@ def check_tgmm(case, sizes, offset, seed, interpret):
   if existing is None:
     empty = np.asarray(sizes)[offset : offset + local] == 0
     assert not np.any(got[empty])  # exact zeros for empty groups
+  if counts is None:
+    return
   counts = np.asarray(counts)
   groups = metadata.make_tile_groups(
     group_sizes=jnp.asarray(sizes),
@@ -197,7 +203,7 @@ def check_tgmm(case, sizes, offset, seed, interpret):
 
 
 @pytest.mark.parametrize("case", TGMM_CASES, ids=TGMM_IDS)
-@examples()
+@examples(0.5)
 @given(data=st.data())
 def test_tgmm_rowtile_matches_references(case, data):
   sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[7]))
@@ -205,7 +211,7 @@ def test_tgmm_rowtile_matches_references(case, data):
   check_tgmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["hlo"])
 
 
-@pytest.mark.parametrize("case", TGMM_CASES[1:3], ids=TGMM_IDS[1:3])
+@pytest.mark.parametrize("case", TGMM_CASES[1:2], ids=TGMM_IDS[1:2])
 @examples(0.25)
 @given(data=st.data())
 def test_tgmm_rowtile_tpu_simulator(case, data):
@@ -215,11 +221,16 @@ def test_tgmm_rowtile_tpu_simulator(case, data):
 
 
 def test_rowtile_kernels_have_no_races(capfd):
-  """The DMA slots and semaphores are used race-free with 2 simulated cores on parallel axes."""
+  """The DMA slots and semaphores are used race-free with 2 simulated cores on parallel axes.
+
+  NOTE: without the count_rows instrumentation: its SMEM output is per core in the simulator.
+  """
   sizes = np.array([13, 0, 7, 30, 0, 17], np.int32)
   with no_races_or_oob(capfd):
-    check_gmm(GMM_CASES[0][:6] + (6, 6) + GMM_CASES[0][8:], sizes, 0, 3, RACE_PARAMS)
-    check_tgmm(TGMM_CASES[0][:7] + (6, 6) + TGMM_CASES[0][9:], sizes, 0, 4, RACE_PARAMS)
+    gmm_case = GMM_CASES[0][:6] + (6, 6) + GMM_CASES[0][8:]
+    check_gmm(gmm_case, sizes, 0, 3, RACE_PARAMS, count=False)
+    tgmm_case = TGMM_CASES[0][:7] + (6, 6) + TGMM_CASES[0][9:]
+    check_tgmm(tgmm_case, sizes, 0, 4, RACE_PARAMS, count=False)
 
 
 def test_rowtile_rows_are_floor_rows():
