@@ -131,10 +131,11 @@ def test_grad_compiles(gen, shape_name):
 
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
 def test_use_generation_picks_that_generations_tiles(gen):
-  """Under use_generation(g), tiling=None gives exactly pick_tiling(..., generation=g)."""
+  """Under use_generation(g), tiling=None gives exactly pick_rowtile_tiling(..., generation=g)
+  (the row-tile gmm: lhs block [tm, k], output block [tm, tn])."""
   shape = SHAPES["deepseek-v2-lite"]
   m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
-  want = tiling.pick_tiling(
+  want = tiling.pick_rowtile_tiling(
     m=m,
     k=k,
     n=n,
@@ -155,8 +156,8 @@ def test_use_generation_picks_that_generations_tiles(gen):
   assert tiling.current_generation().name == "v5e"  # restored (CPU default)
   (eqn,) = _find_pallas_calls(jaxpr.jaxpr)
   lhs_block = eqn.params["grid_mapping"].block_mappings[0].block_shape
-  rhs_block = eqn.params["grid_mapping"].block_mappings[1].block_shape
-  got = (_dim(lhs_block[0]), _dim(lhs_block[1]), _dim(rhs_block[2]))
+  out_block = eqn.params["grid_mapping"].block_mappings[-1].block_shape
+  got = (_dim(lhs_block[0]), _dim(lhs_block[1]), _dim(out_block[1]))
   assert got == want
 
 

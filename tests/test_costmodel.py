@@ -265,7 +265,7 @@ def test_pallas_moe_rows_equal_floor_rows(op):
   """The grid is the schedule (visits counted with numpy); rows executed = floor_rows."""
   m, k, n = 1024, 256, 384
   shape = _tiny_shape(m=m, k=k, n=n, g=len(_GS))
-  case = IMPLS["pallas_moe"].build(op=op, shape=shape, group_sizes=_GS, generation=V5E)
+  case = IMPLS["pallas_moe-visits"].build(op=op, shape=shape, group_sizes=_GS, generation=V5E)
   tm, tk, tn = case.tiling
   (s,) = cm.analyze(case.fn, *case.args, step_scale=case.step_scale)
   active = _visited_tiles(_GS, tm)
@@ -282,6 +282,34 @@ def test_pallas_moe_rows_equal_floor_rows(op):
   # floor_rows, and equals what the kernel really multiplies when run in interpret mode.
   assert rep.mxu_rows_executed == pytest.approx(cm.floor_rows(_GS, 128))
   assert rep.mxu_rows_executed == _interpret_rows_executed(op, shape, case.tiling)
+
+
+@pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
+def test_pallas_moe_default_rowtile_rows_and_bytes(op):
+  """The default impl runs the row-tile kernels: one step per (k, n) tile and m-tile, rows
+  executed = floor_rows, and with the manual-DMA hook the bytes moved are the minimum (each
+  operand read once, weights once per n-tile, output written once)."""
+  m, k, n = 1024, 256, 384
+  shape = _tiny_shape(m=m, k=k, n=n, g=len(_GS))
+  case = IMPLS["pallas_moe"].build(op=op, shape=shape, group_sizes=_GS, generation=V5E)
+  assert case.kernel == "rowtile"
+  tm, tk, tn = case.tiling
+  (s,) = cm.analyze(
+    case.fn, *case.args, step_scale=case.step_scale, step_manual_bytes=case.step_manual_bytes
+  )
+  contract, out_cols = (n, k) if op == "dlhs" else (k, n)
+  rep = cm.cost([s], generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=int(_GS.sum()))
+  assert rep.mxu_rows_executed == pytest.approx(cm.floor_rows(_GS, 128))
+  if op == "drhs":
+    assert s.grid == (k // tk, n // tn, -(-m // tm))
+    want = m * k * 2 * (n // tn) + m * n * 2 * (k // tk) + len(_GS) * k * n * 2
+  else:
+    assert s.grid == (out_cols // tn, -(-m // tm))
+    nonempty = int(np.sum(_GS > 0))
+    want = (
+      m * contract * 2 * (out_cols // tn) + nonempty * contract * out_cols * 2 + m * out_cols * 2
+    )
+  assert s.hbm_bytes == want
 
 
 def _interpret_rows_executed(op, shape, tiling):
@@ -348,7 +376,7 @@ def test_pallas_moe_single_dense_group_bytes(tk):
 
   m, k, n, tm, tn = 512, 256, 384, 128, 128
   shape = _tiny_shape(m=m, k=k, n=n, g=1)
-  case = impls._pallas_moe_build((tm, tk, tn))(
+  case = impls._pallas_moe_build((tm, tk, tn), "visits")(
     op="fwd", shape=shape, group_sizes=np.array([m], np.int32), generation=V5E
   )
   (s,) = cm.analyze(case.fn, *case.args, step_scale=case.step_scale)
