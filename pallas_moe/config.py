@@ -68,6 +68,9 @@ class MoEConfig:
       weights on the fly (per-expert, per-output-channel scales; straight-through gradients; see
       `pallas_moe.gmm`). Weights only: activations stay in `dtype`. Needs gmm_impl="pallas".
       MaxText's `quantization` maps here ("" means None); its other modes are refused.
+    activation_quantization: None, or the weight_quantization dtype: the routed experts' gmms
+      also quantize their input rows per row (one scale per row) and multiply int8 x int8 /
+      fp8 x fp8 where the MXU supports it (straight-through gradients; see `pallas_moe.gmm`).
     debug_nan_poison: fill unwritten exchange-buffer rows with NaN (debugging).
   """
 
@@ -93,6 +96,7 @@ class MoEConfig:
   weight_dtype: str = "float32"
   aux_loss_coef: float = 0.0
   weight_quantization: str | None = None
+  activation_quantization: str | None = None
   debug_nan_poison: bool = False
 
   def __post_init__(self):
@@ -117,6 +121,14 @@ class MoEConfig:
       raise ValueError(
         f"MoEConfig.weight_quantization={self.weight_quantization!r} needs gmm_impl='pallas' "
         f"(got {self.gmm_impl!r}): ragged_dot has no quantized-weight path here."
+      )
+    _check_choice("activation_quantization", self.activation_quantization, _WEIGHT_QUANTIZATIONS)
+    if self.activation_quantization not in (None, self.weight_quantization):
+      raise ValueError(
+        f"MoEConfig.activation_quantization={self.activation_quantization!r} needs "
+        f"weight_quantization={self.activation_quantization!r} (got "
+        f"{self.weight_quantization!r}): activations are quantized only together with the "
+        "weights, in the same dtype."
       )
     if self.buffer_factor is not None and not self.buffer_factor > 0:
       raise ValueError(

@@ -136,3 +136,72 @@ def moe(params: dict, x: jax.Array, config, *, keep: jax.Array | None = None):
   frac = jax.lax.stop_gradient(counts / (x.shape[0] * config.top_k))
   aux = num_experts * jnp.sum(frac * probs.mean(axis=0))
   return y, aux, ids
+
+
+# --- Quantized operands: references on the dequantized values ----------------------------------
+
+
+def dequantize(values: jax.Array, scales: jax.Array | None) -> jax.Array:
+  """`values * scales` in f32; scales broadcast (per row, column, channel or token).
+
+  Args:
+    values: an int8 / float8_e4m3fn (or float) array.
+    scales: f32 scales broadcastable to `values`, or None (a float operand, returned as f32).
+  """
+  out = values.astype(jnp.float32)
+  return out if scales is None else out * scales
+
+
+def quantized_gmm(
+  lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, group_offset=0, existing_out=None,
+  transpose_rhs=False,
+) -> jax.Array:  # fmt: skip
+  """gmm of the dequantized operands, f32 out: lhs [m, k] with [m, 1] row scales (or None),
+  rhs [G, k, n] with [G, 1, n] scales (or [G, n, k] with [G, n, 1] when transposed)."""
+  return gmm(
+    dequantize(lhs, lhs_scales),
+    dequantize(rhs, rhs_scales),
+    group_sizes,
+    jnp.float32,
+    group_offset=group_offset,
+    existing_out=existing_out,
+    transpose_rhs=transpose_rhs,
+  )
+
+
+def quantized_tgmm(
+  lhs, lhs_scales, rhs, rhs_scales, group_sizes, *, group_offset=0, num_actual_groups=None,
+  existing_out=None, round_token_scaled_to=None,
+) -> jax.Array:  # fmt: skip
+  """tgmm of the dequantized operands, f32 out.
+
+  Args:
+    lhs: [k, m] with scales [k, 1] / [1, m] (or None for a float lhs).
+    lhs_scales: see lhs.
+    rhs: [m, n] with scales [1, n] / [m, 1] (or None).
+    rhs_scales: see rhs.
+    group_sizes: as `tgmm`.
+    group_offset: as `tgmm`.
+    num_actual_groups: as `tgmm`.
+    existing_out: as `tgmm`.
+    round_token_scaled_to: a dtype: round each operand that has per-token scales, after scaling,
+      to it (the kernel multiplies token-scaled values in its compute dtype).
+  """
+  k, m = lhs.shape
+
+  def deq(values, scales, channel_shape):
+    out = dequantize(values, scales)
+    token = scales is not None and tuple(scales.shape) != channel_shape
+    if token and round_token_scaled_to is not None:
+      out = out.astype(round_token_scaled_to).astype(jnp.float32)
+    return out
+
+  return tgmm(
+    deq(lhs, lhs_scales, (k, 1)),
+    deq(rhs, rhs_scales, (1, rhs.shape[1])),
+    group_sizes,
+    jnp.float32,
+    group_offset=group_offset,
+    num_actual_groups=num_actual_groups,
+    existing_out=existing_out,
+  )
