@@ -188,11 +188,14 @@ def test_quantized_gmm_matches_dequantized_reference_tpu_sim(dtype, data):
 # --- quantization error vs bf16 ----------------------------------------------------------------
 
 _ERROR_BOUNDS = {"int8": 0.01, "float8_e4m3fn": 0.05}
+# Activations and weights quantized: two independent roundings, errors add in quadrature.
+_W8A8_BOUNDS = {"int8": 0.02, "float8_e4m3fn": 0.07}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantization_error_vs_bf16(dtype):
-  """Relative Frobenius error of the int8/fp8 gmm vs the same gmm with bf16 weights."""
+  """Relative Frobenius error of the int8/fp8 gmm vs the same gmm with bf16 weights (and with
+  the activations quantized too, on the narrow-dot path of v5e for int8)."""
   m, k, n, g = 128, 256, 128, 2
   x = random_array(7, (m, k), BF16)
   w = random_array(8, (g, k, n), F32)
@@ -206,11 +209,15 @@ def test_quantization_error_vs_bf16(dtype):
   def rel(a):
     return float(np.linalg.norm(a - exact) / np.linalg.norm(exact))
 
-  err_q, err_bf16 = rel(out_q), rel(out_bf16)
+  with tiling.use_generation("v5e"):
+    out_a = np.asarray(run(x, q, gs, interpret=True, activation_quantization=dtype))
+  err_q, err_bf16, err_a = rel(out_q), rel(out_bf16), rel(out_a)
   print(
-    f"\n{dtype}: rel. Frobenius error vs f32 weights {err_q:.4%} (bf16 weights: {err_bf16:.4%})"
+    f"\n{dtype}: rel. Frobenius error vs f32 weights {err_q:.4%} (bf16 weights: {err_bf16:.4%}; "
+    f"{dtype} activations and weights: {err_a:.4%})"
   )
   assert err_q < _ERROR_BOUNDS[dtype]
+  assert err_q < err_a < _W8A8_BOUNDS[dtype]
 
 
 # --- gradients ---------------------------------------------------------------------------------
@@ -363,6 +370,39 @@ def test_bench_int8_moves_fewer_weight_bytes(op):
   for key in ("in0:args[6]", "out0:outputs"):
     assert int8.operand_bytes[key] == bf16.operand_bytes[key]
   print(f"\n{op}: HBM bytes bf16 {bf16.hbm_bytes:,} int8 {int8.hbm_bytes:,}")
+
+
+@pytest.mark.parametrize("gen_name", ["v5e", "tpu7x"])
+def test_bench_quantized_impls_credit_the_narrow_peak_only_for_narrow_dots(gen_name):
+  """fp8 weights move the int8 bytes; w8a8 also halves the activation bytes, and its fwd MXU time
+  uses the int8 / fp8 peak only where the kernel's dot has 8-bit operands (table: int8 on v5e,
+  fp8 on tpu7x); elsewhere the upcast dot runs at the bf16 peak."""
+  from bench import costmodel as cm
+  from bench.impls import IMPLS
+  from bench.shapes import Shape
+
+  shape = Shape(name="tiny", tokens=1024, top_k=1, num_groups=4, k=256, n=384)
+  gs = np.array([300, 0, 500, 100], np.int32)
+  gen = tiling.get_generation(gen_name)
+
+  def run(name):
+    (sched,) = cm.analyze(*_case_call(IMPLS[name], "fwd", shape, gs, gen))
+    (call,) = cm.cost([sched], generation=gen).calls
+    return sched, call
+
+  bf16, bf16_cost = run("pallas_moe")
+  for dtype in ("int8", "fp8"):
+    w, w_cost = run(f"pallas_moe-{dtype}")
+    a, a_cost = run(f"pallas_moe-{dtype}-w8a8")
+    assert w.grid == a.grid == bf16.grid
+    assert w.operand_bytes["in1:args[7]"] * 2 == bf16.operand_bytes["in1:args[7]"]
+    assert a.operand_bytes["in0:args[6]"] * 2 == bf16.operand_bytes["in0:args[6]"]
+    assert w_cost.mxu_us == pytest.approx(bf16_cost.mxu_us)  # weights only: upcast, bf16 rate
+    narrow_peak = gen.peak_int8_ops if dtype == "int8" else gen.peak_fp8_ops
+    if quant.narrow_dot_supported(dtype, gen):
+      assert a_cost.mxu_us == pytest.approx(bf16_cost.mxu_us * gen.peak_bf16_flops / narrow_peak)
+    else:
+      assert a_cost.mxu_us == pytest.approx(bf16_cost.mxu_us)
 
 
 def _case_call(impl, op, shape, gs, gen):
