@@ -318,12 +318,22 @@ def test_quantized_gmm_compiles_aot(gen, dtype):
 _BASE = dict(num_experts=4, top_k=2, d_model=64, expert_ffn_dim=32)
 
 
-@pytest.mark.parametrize("raw, want", [("", None), (None, None), ("int8", "int8"), ("fp8", "fp8")])
-def test_config_maps_maxtext_quantization(raw, want):
-  assert MoEConfig.from_dict({**_BASE, "quantization": raw}).weight_quantization == want
+@pytest.mark.parametrize(
+  "raw, want, act",
+  [("", None, None), (None, None, None), ("int8", "int8", "int8"), ("int8w", "int8", None),
+   ("fp8", "fp8", "fp8")],
+)  # fmt: skip
+def test_config_maps_maxtext_quantization(raw, want, act):
+  """MaxText's int8 / fp8 quantize both dot operands (AQT fwd_bits=8); int8w the weights only."""
+  config = MoEConfig.from_dict({**_BASE, "quantization": raw})
+  assert (config.weight_quantization, config.activation_quantization) == (want, act)
 
 
 def test_config_refuses_other_quantizations():
+  with pytest.raises(ValueError, match="means activation_quantization='int8'"):
+    MoEConfig.from_dict({**_BASE, "quantization": "int8", "activation_quantization": None})
+  with pytest.raises(ValueError, match="needs weight_quantization='int8'"):
+    MoEConfig(**_BASE, activation_quantization="int8")
   with pytest.raises(ValueError, match="quantization='int4w' is not supported"):
     MoEConfig.from_dict({**_BASE, "quantization": "int4w"})
   with pytest.raises(ValueError, match="weight_quantization must be one of"):
