@@ -436,6 +436,10 @@ def _tgmm_jit(
   interpret,
   narrow_dot=False,
 ):
+  # NOTE: quantization arguments only for quantized operands: float calls keep the plain signature.
+  quantized = {}
+  if lhs_scales is not None or rhs_scales is not None:
+    quantized = dict(lhs_scales=lhs_scales, rhs_scales=rhs_scales, narrow_dot=narrow_dot)
   return tgmm_pallas(
     lhs,
     rhs,
@@ -445,10 +449,8 @@ def _tgmm_jit(
     group_offset=group_offset,
     num_actual_groups=num_actual_groups,
     existing_out=existing_out,
-    lhs_scales=lhs_scales,
-    rhs_scales=rhs_scales,
-    narrow_dot=narrow_dot,
     interpret=interpret,
+    **quantized,
   )
 
 
