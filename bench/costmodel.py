@@ -557,21 +557,23 @@ def kernel_dot_macs(jaxpr: jax_core.Jaxpr, *, mxu: int) -> tuple[float, float, t
 
 
 def _peak_flops(gen: TpuGeneration, jaxpr) -> float:
-  """bf16 peak; dots on int8 / fp8 operands run at 2x where the chip supports them."""
+  """bf16 peak; dots whose operands are all int8 / fp8 run at the chip's int8 / fp8 peak where
+  the generation table lists a native mode for it (`peak_int8_ops` / `peak_fp8_ops`); an 8-bit
+  block upcast in VMEM before its dot runs at the bf16 peak."""
   dtypes = set()
 
   def visit(j):
     for e in j.eqns:
       if e.primitive.name == "dot_general":
-        dtypes.add(np.dtype(e.invars[0].aval.dtype).name)
+        dtypes.update(np.dtype(v.aval.dtype).name for v in e.invars[:2])
       for s in _all_sub_jaxprs(e):
         visit(s)
 
   visit(jaxpr)
   if dtypes and all(d in ("int8", "uint8") for d in dtypes) and gen.supports_int8:
-    return 2 * gen.peak_bf16_flops
+    return gen.peak_int8_ops
   if dtypes and all(d.startswith("float8") for d in dtypes) and gen.supports_fp8:
-    return 2 * gen.peak_bf16_flops
+    return gen.peak_fp8_ops
   return gen.peak_bf16_flops
 
 

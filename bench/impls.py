@@ -474,68 +474,94 @@ register(
 
 
 # ----------------------------------------------------------------------------------------------
-# Our gmm with int8 weights (per-(expert, output-channel) f32 scales; upcast to bf16 in VMEM).
+# Our gmm with int8 / fp8 weights (per-(expert, output-channel) f32 scales), and optionally the
+# activations quantized per row too (`-w8a8`: one f32 scale per row).
 #
 # NOTE: fwd and dlhs run the quantized kernel as `pallas_moe.gmm` does in training with
-# `weight_quantization="int8"`: fwd with per-output-column scales, dlhs transposed with the scales
-# on its contraction axis. drhs (tgmm) is unchanged: the weight gradient is bf16.
+# `weight_quantization=` (and `activation_quantization=`): fwd with per-output-column scales,
+# dlhs transposed with the scales on its contraction axis (dout stays bf16, so dlhs is the same
+# with or without activation quantization). drhs (tgmm) is unchanged: the weight gradient is bf16.
+# Weights-only runs upcast the 8-bit block to bf16 in VMEM (bf16 MXU rate). With activations
+# quantized the fwd dot is 8-bit x 8-bit: the narrow MXU mode (and its peak) where the generation
+# table has it, else both blocks upcast to bf16 (the cost model credits the narrow peak only when
+# the kernel's dot really has 8-bit operands). The per-row quantization of the activations is an
+# XLA op before the kernel, not in these numbers.
 
 
-def _pallas_moe_int8_build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation) -> Case:
-  if op == "drhs":
-    return _pallas_moe_build(None)(
-      op=op, shape=shape, group_sizes=group_sizes, generation=generation
-    )
-  from pallas_moe import tiling as tiling_lib
-  from pallas_moe.gmm_kernel import gmm_pallas
+def _pallas_moe_quant_build(dtype: str, *, activations: bool):
+  def build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation) -> Case:
+    if op == "drhs":
+      return _pallas_moe_build(None)(
+        op=op, shape=shape, group_sizes=group_sizes, generation=generation
+      )
+    from pallas_moe import quant
+    from pallas_moe import tiling as tiling_lib
+    from pallas_moe.gmm_kernel import gmm_pallas
 
-  m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
-  lhs, _, gs = op_arrays(op=op, shape=shape, group_sizes=group_sizes)
-  values = jax.ShapeDtypeStruct((g, k, n), jnp.int8)
-  dlhs = op == "dlhs"
-  # NOTE: scales [G, 1, n] follow the forward's output columns; for dlhs (rhs read as [G, n', k'])
-  # they lie along the contraction k' = n, the same [G, 1, n] array.
-  scales = jax.ShapeDtypeStruct((g, 1, n), jnp.float32)
-  dk, dn = (n, k) if dlhs else (k, n)
-  # NOTE: tiles and VMEM estimate as for bf16 weights (the int8 block is upcast to bf16 in VMEM).
-  dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE)
-  til = pick_tiling(m=m, k=dk, n=dn, num_groups=g, kind="gmm", generation=generation, **dt)
-  est = tiling_lib.vmem_estimate_bytes(tm=til[0], tk=til[1], tn=til[2], kind="gmm", **dt)
-  mxu = generation.mxu_size
-  sub_m = mxu if til[0] % mxu == 0 else til[0]
+    m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
+    lhs, _, gs = op_arrays(op=op, shape=shape, group_sizes=group_sizes)
+    values = jax.ShapeDtypeStruct((g, k, n), jnp.dtype(dtype))
+    dlhs = op == "dlhs"
+    quant_lhs = activations and not dlhs
+    if quant_lhs:
+      lhs = jax.ShapeDtypeStruct((m, k), jnp.dtype(dtype))
+    lhs_scales = jax.ShapeDtypeStruct((m, 1), jnp.float32) if quant_lhs else None
+    narrow = quant_lhs and quant.narrow_dot_supported(dtype, generation)
+    # NOTE: scales [G, 1, n] follow the forward's output columns; for dlhs (rhs read as
+    # [G, n', k']) they lie along the contraction k' = n, the same [G, 1, n] array.
+    scales = jax.ShapeDtypeStruct((g, 1, n), jnp.float32)
+    dk, dn = (n, k) if dlhs else (k, n)
+    # NOTE: tiles and VMEM estimate as for bf16 (as pallas_moe.gmm does: an over-estimate that
+    # covers the upcast copy of the 8-bit blocks).
+    dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE)
+    til = pick_tiling(m=m, k=dk, n=dn, num_groups=g, kind="gmm", generation=generation, **dt)
+    est = tiling_lib.vmem_estimate_bytes(tm=til[0], tk=til[1], tn=til[2], kind="gmm", **dt)
+    mxu = generation.mxu_size
+    sub_m = mxu if til[0] % mxu == 0 else til[0]
 
-  def fn(x, q, s, gs):
-    return gmm_pallas(
-      x,
-      q,
-      jnp.asarray(gs),
+    def fn(x, q, s, gs, *xs):
+      return gmm_pallas(
+        x,
+        q,
+        jnp.asarray(gs),
+        tiling=til,
+        out_dtype=DTYPE,
+        group_offset=jnp.zeros((), jnp.int32),
+        transpose_rhs=dlhs,
+        rhs_scales=s,
+        scales_on_k=dlhs,
+        lhs_scales=xs[0] if xs else None,
+        narrow_dot=narrow,
+        sub_m=sub_m,
+        vmem_limit_bytes=tiling_lib.vmem_limit_for(est, generation),
+        interpret=False,
+      )
+
+    dots = 2 if dk % til[1] else 1
+    args = (lhs, values, scales, gs) + ((lhs_scales,) if quant_lhs else ())
+    return Case(
+      fn=_in_generation(fn, generation),
+      args=args,
       tiling=til,
-      out_dtype=DTYPE,
-      group_offset=jnp.zeros((), jnp.int32),
-      transpose_rhs=dlhs,
-      rhs_scales=s,
-      scales_on_k=dlhs,
-      sub_m=sub_m,
-      vmem_limit_bytes=tiling_lib.vmem_limit_for(est, generation),
-      interpret=False,
+      step_scale=pallas_moe_step_scale(op=op, tm=til[0], sub_m=sub_m, branches_per_sub=dots),
+      row_macs=_gmm_row_macs(dk, dn, til[1], til[2]),
     )
 
-  dots = 2 if dk % til[1] else 1
-  return Case(
-    fn=_in_generation(fn, generation),
-    args=(lhs, values, scales, gs),
-    tiling=til,
-    step_scale=pallas_moe_step_scale(op=op, tm=til[0], sub_m=sub_m, branches_per_sub=dots),
-    row_macs=_gmm_row_macs(dk, dn, til[1], til[2]),
-  )
+  return build
 
 
-register(
-  Impl(
-    name="pallas_moe-int8",
-    build=_pallas_moe_int8_build,
-    available=_pallas_moe_available,
-    tiling_depends_on_generation=True,
-    program_depends_on_generation=True,
+for _name, _dtype, _act in (
+  ("pallas_moe-int8", "int8", False),
+  ("pallas_moe-fp8", "float8_e4m3fn", False),
+  ("pallas_moe-int8-w8a8", "int8", True),
+  ("pallas_moe-fp8-w8a8", "float8_e4m3fn", True),
+):
+  register(
+    Impl(
+      name=_name,
+      build=_pallas_moe_quant_build(_dtype, activations=_act),
+      available=_pallas_moe_available,
+      tiling_depends_on_generation=True,
+      program_depends_on_generation=True,
+    )
   )
-)

@@ -67,7 +67,11 @@ class MoEConfig:
     weight_quantization: None, "int8" or "fp8": the routed experts' gmms quantize their float
       weights on the fly (per-expert, per-output-channel scales; straight-through gradients; see
       `pallas_moe.gmm`). Weights only: activations stay in `dtype`. Needs gmm_impl="pallas".
-      MaxText's `quantization` maps here ("" means None); its other modes are refused.
+      MaxText's `quantization` maps here ("" means None; "int8" and "fp8" also set
+      activation_quantization, "int8w" is weight-only); its other modes are refused.
+    activation_quantization: None, or the weight_quantization dtype: the routed experts' gmms
+      also quantize their input rows per row (one scale per row) and multiply int8 x int8 /
+      fp8 x fp8 where the MXU supports it (straight-through gradients; see `pallas_moe.gmm`).
     debug_nan_poison: fill unwritten exchange-buffer rows with NaN (debugging).
   """
 
@@ -93,6 +97,7 @@ class MoEConfig:
   weight_dtype: str = "float32"
   aux_loss_coef: float = 0.0
   weight_quantization: str | None = None
+  activation_quantization: str | None = None
   debug_nan_poison: bool = False
 
   def __post_init__(self):
@@ -117,6 +122,14 @@ class MoEConfig:
       raise ValueError(
         f"MoEConfig.weight_quantization={self.weight_quantization!r} needs gmm_impl='pallas' "
         f"(got {self.gmm_impl!r}): ragged_dot has no quantized-weight path here."
+      )
+    _check_choice("activation_quantization", self.activation_quantization, _WEIGHT_QUANTIZATIONS)
+    if self.activation_quantization not in (None, self.weight_quantization):
+      raise ValueError(
+        f"MoEConfig.activation_quantization={self.activation_quantization!r} needs "
+        f"weight_quantization={self.activation_quantization!r} (got "
+        f"{self.weight_quantization!r}): activations are quantized only together with the "
+        "weights, in the same dtype."
       )
     if self.buffer_factor is not None and not self.buffer_factor > 0:
       raise ValueError(
@@ -187,6 +200,16 @@ class MoEConfig:
         )
       values[field] = value
       source[field] = key
+    if source.get("weight_quantization") == "quantization":
+      # NOTE: MaxText's one key sets both modes; an explicit activation_quantization must agree.
+      act = _MAXTEXT_QUANTIZATION[d["quantization"]][1]
+      if "activation_quantization" in values and values["activation_quantization"] != act:
+        raise ValueError(
+          f"MoEConfig.from_dict: 'quantization'={d['quantization']!r} means "
+          f"activation_quantization={act!r} but 'activation_quantization'="
+          f"{values['activation_quantization']!r}; drop one of them."
+        )
+      values["activation_quantization"] = act
     for proj in ("wi", "wo"):
       tiling = _tiling_from_maxtext(tiles, proj=proj)
       if tiling is not None:
@@ -249,16 +272,23 @@ def _shared(v) -> int:
   return 0 if v is None else int(v)
 
 
+# MaxText `quantization` -> (weight_quantization, activation_quantization). MaxText's "int8" is
+# AQT int8 on both operands of the forward dot (fwd_bits=8, int32 accumulation) and "int8w" its
+# weight-only mode; its "fp8" quantizes inputs and kernels alike.
+_MAXTEXT_QUANTIZATION = {"int8": ("int8", "int8"), "int8w": ("int8", None), "fp8": ("fp8", "fp8")}
+
+
 def _maxtext_quantization(v):
-  """MaxText's `quantization`: "" / None -> not set; "int8" / "fp8" -> weight quantization."""
+  """MaxText's `quantization`: "" / None -> not set; else its weight dtype (see from_dict)."""
   if v is None or v == "":
     return None
-  if v not in ("int8", "fp8"):
+  if v not in _MAXTEXT_QUANTIZATION:
     raise ValueError(
-      f"MaxText quantization={v!r} is not supported: only '' (none), 'int8' and 'fp8' map to "
-      "MoEConfig.weight_quantization (weight-only, per-channel scales)."
+      f"MaxText quantization={v!r} is not supported: only '' (none), 'int8', 'int8w' and 'fp8' "
+      "map to MoEConfig.weight_quantization / activation_quantization (per-channel weight "
+      "scales, per-row activation scales)."
     )
-  return v
+  return _MAXTEXT_QUANTIZATION[v][0]
 
 
 def _parallelism(v):

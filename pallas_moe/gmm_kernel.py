@@ -49,6 +49,8 @@ def gmm_pallas(
   transpose_rhs: bool = False,
   rhs_scales: jax.Array | None = None,
   scales_on_k: bool = False,
+  lhs_scales: jax.Array | None = None,
+  narrow_dot: bool = False,
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
   count_rows: bool = False,
@@ -72,6 +74,13 @@ def gmm_pallas(
       with the n axis reduced to 1, [G, k, 1] or [G, 1, k] with `transpose_rhs`; the upcast rhs
       block is scaled before the dot.
     scales_on_k: see `rhs_scales`.
+    lhs_scales: optional [m, 1] f32 per-row dequantization scales of a quantized (int8 / fp8)
+      lhs. A per-row scale factors out of the k contraction, so it multiplies each partial
+      product (like per-column rhs scales), never the operand.
+    narrow_dot: both operands quantized with the same dtype and per-channel scales: the dot runs
+      on the narrow values (int8 x int8 with int32 results, fp8 x fp8 with f32 results), the
+      MXU's native mode where the generation has one. False: quantized operands are upcast in
+      VMEM (to bf16 when both are quantized: exact for int8 and e4m3 values).
     sub_m: rows per MXU pass; sub-blocks of the m-tile outside the visit's group are skipped.
       Must divide tm. None: the whole tile (no skipping).
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
@@ -92,8 +101,26 @@ def gmm_pallas(
   tiles_n, tiles_k = metadata.cdiv(n, tn), metadata.cdiv(k, tk)
   k_rem = k % tk
   quantized = rhs_scales is not None
-  # NOTE: 8-bit floats have no implicit promotion; a quantized rhs is multiplied in lhs's dtype.
-  compute_dtype = lhs.dtype if quantized else jnp.promote_types(lhs.dtype, rhs.dtype)
+  lhs_quantized = lhs_scales is not None
+  # NOTE: 8-bit floats have no implicit promotion; a quantized operand is multiplied in the other
+  # operand's dtype, and two quantized operands in bf16 (int8 and e4m3 values are exact there).
+  if quantized and lhs_quantized:
+    compute_dtype = jnp.dtype(jnp.bfloat16)
+  elif quantized:
+    compute_dtype = lhs.dtype
+  elif lhs_quantized:
+    compute_dtype = rhs.dtype
+  else:
+    compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  if narrow_dot:
+    if not (quantized and lhs_quantized and lhs.dtype == rhs.dtype) or scales_on_k:
+      raise ValueError(
+        "narrow_dot needs both operands quantized with the same dtype and per-output-column rhs "
+        f"scales; got lhs {lhs.dtype}, rhs {rhs.dtype}, scales_on_k={scales_on_k}."
+      )
+    compute_dtype = lhs.dtype
+  # NOTE: int8 x int8 products are exact in int32 (|sum| <= 127^2 * tk); fp8 accumulates in f32.
+  dot_acc_dtype = jnp.int32 if narrow_dot and lhs.dtype == jnp.int8 else jnp.float32
 
   schedule = metadata.make_schedule(
     group_sizes=group_sizes,
@@ -119,6 +146,7 @@ def gmm_pallas(
     rows_ref = refs.pop(-2) if count_rows else None
     lhs_ref, rhs_ref = refs[:2]
     scales_ref = refs.pop(2) if quantized else None
+    lhs_scales_ref = refs.pop(2) if lhs_quantized else None
     if has_existing:
       _, _, existing_ref, out_ref, acc_ref = refs
     else:
@@ -147,7 +175,9 @@ def gmm_pallas(
       def body(sub, carry):
         rows = pl.ds(pl.multiple_of(sub * sub_m, sub_m), sub_m)
         lhs_blk, rhs_blk = lhs_ref[rows, :], rhs_ref[...]
-        if quantized:
+        if lhs_quantized and not narrow_dot:
+          lhs_blk = lhs_blk.astype(jnp.float32).astype(compute_dtype)
+        if quantized and not narrow_dot:
           rhs_blk = rhs_blk.astype(jnp.float32)
           if scales_on_k:
             # NOTE: scales [tk, 1] (or [1, tk] transposed) broadcast along rhs's k axis. Scaled
@@ -161,11 +191,15 @@ def gmm_pallas(
           lhs_blk.astype(compute_dtype),
           rhs_blk.astype(compute_dtype),
           dimension_numbers=_dot_dims(transpose_rhs),
-          preferred_element_type=jnp.float32,
-        )
+          preferred_element_type=dot_acc_dtype,
+        ).astype(jnp.float32)
         if quantized and not scales_on_k:
           # NOTE: one scale per output column: dot(lhs, q) * s[None, :] == dot(lhs, q * s).
           prod = prod * scales_ref[...]
+        if lhs_quantized:
+          # NOTE: one scale per row [sub_m, 1]: dot(diag(s) q, w) == diag(s) dot(q, w). Rows of a
+          # ragged last m-tile may hold garbage scales; the store keeps only the group's rows.
+          prod = prod * lhs_scales_ref[rows, :]
         acc_ref[rows, :] += prod
         return carry
 
@@ -217,6 +251,11 @@ def gmm_pallas(
     k_blk = k_i * active[visit]
     return (group[visit], 0, k_blk) if transpose_rhs else (group[visit], k_blk, 0)
 
+  def lhs_scales_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
+    # NOTE: follows lhs's m block (not k: one scale spans the whole row), so it is fetched once
+    # per m-tile and, like lhs, never for non-computing visits.
+    return load_tile[visit], 0
+
   def out_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
     return m_tile[visit], n_i
 
@@ -233,6 +272,11 @@ def gmm_pallas(
       raise ValueError(f"rhs_scales has shape {tuple(rhs_scales.shape)}, expected {want}.")
     in_specs.append(pl.BlockSpec(scales_block, scales_map))
     operands.append(rhs_scales.astype(jnp.float32))
+  if lhs_quantized:
+    if tuple(lhs_scales.shape) != (m, 1):
+      raise ValueError(f"lhs_scales has shape {tuple(lhs_scales.shape)}, expected {(m, 1)}.")
+    in_specs.append(pl.BlockSpec((tm, 1), lhs_scales_map))
+    operands.append(lhs_scales.astype(jnp.float32))
   if has_existing:
     in_specs.append(pl.BlockSpec((tm, tn), out_map))
     operands.append(existing_out)
@@ -243,11 +287,12 @@ def gmm_pallas(
     bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
     + rhs.size * rhs.dtype.itemsize
     + (rhs_scales.size * 4 if quantized else 0)
+    + (m * 4 * tiles_n if lhs_quantized else 0)
     + out_bytes * (2 if has_existing else 1),
     transcendentals=0,
   )
   out_shape = common.out_struct(
-    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out, rhs_scales
+    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out, rhs_scales, lhs_scales
   )
 
   out_shapes = [out_shape]

@@ -206,6 +206,7 @@ def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig):
     preferred_element_type=rows.dtype,
     tiling=tiling,
     weight_quantization=config.weight_quantization,
+    activation_quantization=config.activation_quantization,
   )
 
 

@@ -197,6 +197,8 @@ class _GmmStatic:
   transpose_rhs: bool
   interpret: Any
   weight_dtype: str | None = None  # Quantized paths: "int8" or "float8_e4m3fn".
+  activation_dtype: str | None = None  # lhs quantized per row in the forward (same as weights).
+  narrow_dot: bool = False  # The forward multiplies the narrow values on the MXU (see gmm).
 
 
 def _round_tm(tiles: Any) -> Any:
@@ -363,6 +365,11 @@ def _k_scales(scales, *, transpose_rhs: bool):
 
 
 def _quant_fwd_impl(static, lhs, values, scales, group_sizes, group_offset, existing_out):
+  lhs_scales = None
+  if static.activation_dtype is not None:
+    # NOTE: quantized in the wrapper: a row's absmax spans all of k, which one kernel step (one
+    # k-tile) does not see. The int8 / fp8 lhs also halves the kernel's lhs reads.
+    lhs, lhs_scales = quant.quantize_rows(lhs, dtype=static.activation_dtype)
   return gmm_pallas(
     lhs,
     values,
@@ -373,6 +380,8 @@ def _quant_fwd_impl(static, lhs, values, scales, group_sizes, group_offset, exis
     existing_out=existing_out,
     transpose_rhs=static.transpose_rhs,
     rhs_scales=_row_scales(scales),
+    lhs_scales=lhs_scales,
+    narrow_dot=static.narrow_dot,
     interpret=static.interpret,
   )
 
@@ -473,7 +482,7 @@ _gmm_jit = jax.jit(_gmm_diff, static_argnums=(0,))
 
 
 @functools.partial(
-  jax.jit, static_argnames=("tiling", "out_dtype", "num_actual_groups", "interpret")
+  jax.jit, static_argnames=("tiling", "out_dtype", "num_actual_groups", "interpret", "narrow_dot")
 )
 def _tgmm_jit(
   lhs,
@@ -481,12 +490,19 @@ def _tgmm_jit(
   group_sizes,
   group_offset,
   existing_out,
+  lhs_scales=None,
+  rhs_scales=None,
   *,
   tiling,
   out_dtype,
   num_actual_groups,
   interpret,
+  narrow_dot=False,
 ):
+  # NOTE: quantization arguments only for quantized operands: float calls keep the plain signature.
+  quantized = {}
+  if lhs_scales is not None or rhs_scales is not None:
+    quantized = dict(lhs_scales=lhs_scales, rhs_scales=rhs_scales, narrow_dot=narrow_dot)
   return _run_tgmm(
     tiling,
     lhs,
@@ -497,7 +513,55 @@ def _tgmm_jit(
     num_actual_groups=num_actual_groups,
     existing_out=existing_out,
     interpret=interpret,
+    **quantized,
   )
+
+
+def _check_tgmm_array(name: str, x: Any) -> bool:
+  """Checks that a tgmm operand is a 2-d float or int8 / fp8 array; returns whether quantized."""
+  if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+    raise TypeError(f"`{name}` must be a jax or numpy array, got {type(x).__name__}.")
+  if not quant.is_quantized_dtype(x.dtype):
+    common.check_float_array(name, x, ndim=2)
+    return False
+  if x.ndim != 2:
+    raise ValueError(f"`{name}` must be a 2-d array, got shape {tuple(x.shape)}.")
+  return True
+
+
+def _check_tgmm_scales(name: str, x: Any, scales: Any, *, quantized: bool, channel, token):
+  """Checks the scales of a tgmm operand.
+
+  Args:
+    name: "lhs" or "rhs".
+    x: the operand.
+    scales: None, or f32 scales: `channel` (per output row / column) or `token` (per row of m).
+    quantized: whether `x` is int8 / float8_e4m3fn.
+    channel: the per-channel scales' shape.
+    token: the per-token scales' shape.
+  """
+  if not quantized:
+    if scales is not None:
+      raise ValueError(
+        f"`{name}_scales` was given but `{name}` is {x.dtype}: scales describe a quantized "
+        f"(int8 / float8_e4m3fn) {name}; quantize it or drop `{name}_scales`."
+      )
+    return
+  per = "row of lhs" if name == "lhs" else "column of rhs"
+  what = f"{tuple(channel)} (one per {per}) or {tuple(token)} (one per token)"
+  if scales is None:
+    raise TypeError(
+      f"`{name}` is {x.dtype} (quantized): pass `{name}_scales`, f32 of shape {what}."
+    )
+  if not hasattr(scales, "dtype") or not hasattr(scales, "shape"):
+    raise TypeError(f"`{name}_scales` must be an array, got {type(scales).__name__}.")
+  if jnp.dtype(scales.dtype) != jnp.float32:
+    raise TypeError(f"`{name}_scales` must be float32, got {scales.dtype}.")
+  if tuple(scales.shape) not in (tuple(channel), tuple(token)):
+    raise ValueError(
+      f"`{name}_scales` has shape {tuple(scales.shape)}, but `{name}` {tuple(x.shape)} needs "
+      f"{what}."
+    )
 
 
 def _vary_together(lhs, rhs, group_sizes, group_offset, existing_out):
@@ -508,6 +572,39 @@ def _vary_together(lhs, rhs, group_sizes, group_offset, existing_out):
   """
   operands = (lhs, rhs, group_sizes, group_offset, existing_out)
   return tuple(None if x is None else common.pvary_like(x, *operands) for x in operands)
+
+
+def _refuse_quantized_lhs(lhs: Any) -> None:
+  """gmm's lhs is float: weights go in rhs, activations are quantized by the op itself."""
+  if isinstance(lhs, quant.QuantizedWeights):
+    raise TypeError(
+      "`lhs` is a QuantizedWeights: QuantizedWeights is gmm's rhs (the [G, k, n] expert "
+      "weights); pass the float activations as lhs."
+    )
+  if hasattr(lhs, "dtype") and quant.is_quantized_dtype(lhs.dtype):
+    raise TypeError(
+      f"`lhs` is {lhs.dtype}: gmm takes float activations and quantizes them per row itself; "
+      "pass the float lhs with activation_quantization='int8' or 'fp8'."
+    )
+
+
+def _check_activation_quantization(activation_quantization, weight_dtype) -> str | None:
+  """The canonical lhs quantization dtype, checked against the weights' (None: float lhs)."""
+  if activation_quantization is None:
+    return None
+  name = quant.canonical_dtype(activation_quantization)
+  if weight_dtype is None:
+    raise ValueError(
+      f"`activation_quantization`={activation_quantization!r} needs quantized weights: pass rhs "
+      f"as QuantizedWeights or set weight_quantization={activation_quantization!r}."
+    )
+  if name != weight_dtype:
+    raise ValueError(
+      f"`activation_quantization`={activation_quantization!r} ({name}) differs from the weights' "
+      f"{weight_dtype}: lhs and rhs must share one quantized dtype (the MXU multiplies int8 x "
+      "int8 or fp8 x fp8); use the same name for both."
+    )
+  return name
 
 
 def gmm(
@@ -522,6 +619,7 @@ def gmm(
   interpret: common.Interpret = None,
   *,
   weight_quantization: str | None = None,
+  activation_quantization: str | None = None,
 ) -> jax.Array:
   """Grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g - group_offset]. Differentiable.
 
@@ -541,6 +639,15 @@ def gmm(
     straight-through estimator. The forward and the lhs gradient use the quantized weights; the
     gradient wrt the float master weight is the plain tgmm gradient (d quantize(w)/dw taken as 1).
 
+  Quantized activations (`activation_quantization`, with either way in above, same dtype as the
+  weights): the forward quantizes lhs per row (one f32 absmax scale per row, in the wrapper) and
+  the kernel multiplies int8 x int8 (int32 results) or fp8 x fp8 (f32 results) on the MXU where
+  the current generation has that mode (`tiling.TpuGeneration.supports_int8` / `supports_fp8`:
+  int8 on v5e, v5p, v6e; fp8 on tpu7x), else it upcasts both to bf16 in VMEM (exact). Row and
+  column scales factor out of the k contraction and scale each f32 partial product. Gradients
+  are straight-through in lhs too: dlhs = dout @ dequantize(q(w))^T (as without activation
+  quantization) and the weight gradient is lhs^T @ dout with the float lhs.
+
   Args:
     lhs: [m, k] float array.
     rhs: [G, k, n] float array, or [G, n, k] with `transpose_rhs`; or a `QuantizedWeights` whose
@@ -557,10 +664,13 @@ def gmm(
       True or a `pltpu.InterpretParams`: interpret mode. False: compiled.
     weight_quantization: None, "int8" or "fp8" ("float8_e4m3fn"): quantize a float `rhs` on the
       fly (see above). Not allowed with a `QuantizedWeights` rhs.
+    activation_quantization: None, "int8" or "fp8": quantize lhs per row in the forward (see
+      above). Needs quantized weights of the same dtype.
 
   Returns:
     [m, n] array of `preferred_element_type`.
   """
+  _refuse_quantized_lhs(lhs)
   common.check_float_array("lhs", lhs, ndim=2)
   qweights = None
   if isinstance(rhs, quant.QuantizedWeights):
@@ -576,6 +686,7 @@ def gmm(
     weight_dtype = None
     if weight_quantization is not None:
       weight_dtype = quant.canonical_dtype(weight_quantization)
+  activation_dtype = _check_activation_quantization(activation_quantization, weight_dtype)
   m, k = lhs.shape
   num_local_groups = rhs.shape[0]
   rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
@@ -646,6 +757,9 @@ def gmm(
     transpose_rhs=bool(transpose_rhs),
     interpret=interpret,
     weight_dtype=weight_dtype,
+    activation_dtype=activation_dtype,
+    narrow_dot=activation_dtype is not None
+    and quant.narrow_dot_supported(activation_dtype, tiling_lib.current_generation()),
   )
   if qweights is not None:
     lhs, values, scales, group_sizes, group_offset, existing_out = (
@@ -669,10 +783,24 @@ def tgmm(
   num_actual_groups: int | None = None,
   existing_out: jax.Array | None = None,
   interpret: common.Interpret = None,
+  *,
+  lhs_scales: jax.Array | None = None,
+  rhs_scales: jax.Array | None = None,
 ) -> jax.Array:
   """Transposed grouped matmul: out[g] = lhs[:, rows of g] @ rhs[rows of g] (+ existing_out[g]).
 
   The weight gradient of gmm. Empty groups give exact zeros (or `existing_out`).
+
+  Quantized operands: lhs and / or rhs may be int8 or float8_e4m3fn with f32 scales, so that
+  the operand means `values * scales`. The contraction is over m (tokens), so:
+  - per-channel scales (lhs [k, 1], one per output row; rhs [1, n], one per output column) factor
+    out of the sum and scale each group's f32 result once. With both operands quantized this
+    way in one dtype, the dot runs on the narrow values where the MXU has that mode (int8 on
+    v5e / v5p / v6e, fp8 on tpu7x; int32 / f32 results), else on values upcast to bf16 (exact).
+  - per-token scales (lhs [1, m], rhs [m, 1]) vary along the contraction: they multiply the
+    operand upcast in VMEM before the dot, which then runs in the other operand's float dtype
+    (bf16 when both are quantized, rounding the scaled values like a bf16 dequantize).
+  Not differentiable in the quantized operands.
 
   Args:
     lhs: [k, m] float array.
@@ -684,12 +812,21 @@ def tgmm(
     num_actual_groups: number of groups to compute (the output's leading dim); default G_total.
     existing_out: optional [num_actual_groups, k, n] array of the output dtype, added.
     interpret: as in `gmm`.
+    lhs_scales: f32 scales of an int8 / fp8 lhs: [k, 1] or [1, m] (see above).
+    rhs_scales: f32 scales of an int8 / fp8 rhs: [1, n] or [m, 1] (see above).
 
   Returns:
-    [num_actual_groups, k, n] array.
+    [num_actual_groups, k, n] array (f32 by default when both operands are quantized, else the
+    float operands' promoted dtype).
   """
-  common.check_float_array("lhs", lhs, ndim=2)
-  common.check_float_array("rhs", rhs, ndim=2)
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
+    if isinstance(x, quant.QuantizedWeights):
+      raise TypeError(
+        f"`{name}` is a QuantizedWeights: QuantizedWeights is gmm's rhs; for tgmm pass the "
+        f"int8 / fp8 values as `{name}` and their f32 scales as `{name}_scales`."
+      )
+  lhs_q = _check_tgmm_array("lhs", lhs)
+  rhs_q = _check_tgmm_array("rhs", rhs)
   k, m = lhs.shape
   if rhs.shape[0] != m:
     raise ValueError(
@@ -697,6 +834,8 @@ def tgmm(
       f"{tuple(rhs.shape)}; pass lhs transposed (x.T)."
     )
   n = rhs.shape[1]
+  _check_tgmm_scales("lhs", lhs, lhs_scales, quantized=lhs_q, channel=(k, 1), token=(1, m))
+  _check_tgmm_scales("rhs", rhs, rhs_scales, quantized=rhs_q, channel=(1, n), token=(m, 1))
   group_sizes = common.check_group_sizes(group_sizes, m=m)
   num_groups_total = group_sizes.shape[0]
   if num_actual_groups is None:
@@ -709,20 +848,47 @@ def tgmm(
   group_offset = common.check_group_offset(
     group_offset, num_groups_total=num_groups_total, num_local_groups=num_actual_groups
   )
-  out_dtype = common.result_dtype(lhs, rhs, preferred_element_type)
+  # NOTE: a quantized operand computes (and, for tiles and the VMEM estimate, counts) as the
+  # other operand's float dtype, or bf16 when both are quantized: the upcast copy in VMEM.
+  lhs_like = (rhs.dtype if not rhs_q else jnp.bfloat16) if lhs_q else lhs.dtype
+  rhs_like = (lhs.dtype if not lhs_q else jnp.bfloat16) if rhs_q else rhs.dtype
+  if preferred_element_type is None and lhs_q and rhs_q:
+    out_dtype = jnp.dtype(jnp.float32)
+  else:
+    out_dtype = common.result_dtype(
+      jax.ShapeDtypeStruct((), lhs_like), jax.ShapeDtypeStruct((), rhs_like), preferred_element_type
+    )
   common.check_existing_out(existing_out, shape=(num_actual_groups, k, n), dtype=out_dtype)
   tiles = _resolve_tiles(
     tiling,
     dims=(m, k, n),
     kind="tgmm",
     num_groups=num_actual_groups,
-    dtypes=(lhs.dtype, rhs.dtype, out_dtype),
+    dtypes=(lhs_like, rhs_like, out_dtype),
     interpret=interpret,
+    # NOTE: the row-tile tgmm takes no scales: quantized operands run the visit kernel.
+    allow_rowtile=not (lhs_q or rhs_q),
   )
+  # NOTE: the narrow MXU dot needs one narrow dtype on both sides and scales that factor out of
+  # the contraction (per channel); per-token scales are applied to upcast values instead.
+  narrow_dot = (
+    lhs_q
+    and rhs_q
+    and lhs.dtype == rhs.dtype
+    and tuple(lhs_scales.shape) == (k, 1)
+    and tuple(rhs_scales.shape) == (1, n)
+    and quant.narrow_dot_supported(lhs.dtype, tiling_lib.current_generation())
+  )
+  operands = _vary_together(lhs, rhs, group_sizes, group_offset, existing_out)
+  scales = [
+    None if x is None else common.pvary_like(x, *operands) for x in (lhs_scales, rhs_scales)
+  ]
   return _tgmm_jit(
-    *_vary_together(lhs, rhs, group_sizes, group_offset, existing_out),
+    *operands,
+    *scales,
     tiling=tiles,
     out_dtype=out_dtype,
     num_actual_groups=num_actual_groups,
     interpret=interpret,
+    narrow_dot=bool(narrow_dot),
   )

@@ -4,6 +4,9 @@
 float8_e4m3fn, scales [G, 1, n] f32)`: symmetric absmax over the contraction axis k, one scale per
 (group, output column), so `values * scales` approximates w. For the transposed layout [G, n, k]
 (`axis=2`) the scales are [G, n, 1]. `pallas_moe.gmm` accepts a `QuantizedWeights` as its rhs.
+
+`quantize_rows(x)` quantizes activations [m, k] with one f32 scale per row ([m, 1]): a per-row
+scale factors out of gmm's contraction over k, so the kernel applies it to the accumulator.
 """
 
 from __future__ import annotations
@@ -42,6 +45,25 @@ def canonical_dtype(dtype: Any) -> str:
       f"Unsupported quantized weight dtype {dtype!r}: use 'int8' or 'float8_e4m3fn' ('fp8')."
     )
   return name
+
+
+def is_quantized_dtype(dtype: Any) -> bool:
+  """Whether `dtype` is one of the quantized dtypes (int8, float8_e4m3fn)."""
+  try:
+    return jnp.dtype(dtype).name in _DTYPES
+  except TypeError:
+    return False
+
+
+def narrow_dot_supported(dtype: Any, generation: Any) -> bool:
+  """Whether `generation`'s MXU multiplies two `dtype` operands natively (see `tiling`).
+
+  Args:
+    dtype: a quantized dtype or its name.
+    generation: a `tiling.TpuGeneration`.
+  """
+  name = canonical_dtype(dtype)
+  return generation.supports_int8 if name == "int8" else generation.supports_fp8
 
 
 @jax.tree_util.register_dataclass
@@ -100,12 +122,37 @@ def quantize(w: jax.Array, *, dtype: Any = "int8", axis: int = 1) -> QuantizedWe
   absmax = jnp.max(jnp.abs(w32), axis=axis, keepdims=True)
   # NOTE: an all-zero channel gets scale 1 (its values are all 0 either way), never a 0 divisor.
   scales = jnp.where(absmax > 0, absmax / qmax, 1.0).astype(jnp.float32)
-  scaled = w32 / scales
+  return QuantizedWeights(values=_quantize_values(w32, scales, name), scales=scales)
+
+
+def _quantize_values(x32: jax.Array, scales: jax.Array, name: str) -> jax.Array:
+  qmax = _QMAX[name]
+  scaled = x32 / scales
   if name == "int8":
-    values = jnp.clip(jnp.round(scaled), -qmax, qmax).astype(jnp.int8)
-  else:
-    values = jnp.clip(scaled, -qmax, qmax).astype(jnp.float8_e4m3fn)
-  return QuantizedWeights(values=values, scales=scales)
+    return jnp.clip(jnp.round(scaled), -qmax, qmax).astype(jnp.int8)
+  return jnp.clip(scaled, -qmax, qmax).astype(jnp.float8_e4m3fn)
+
+
+def quantize_rows(x: jax.Array, *, dtype: Any = "int8") -> tuple[jax.Array, jax.Array]:
+  """Symmetric absmax quantization of activations with one f32 scale per row.
+
+  Args:
+    x: [m, k] float activations (rows are tokens).
+    dtype: "int8" or "float8_e4m3fn" (alias "fp8").
+
+  Returns:
+    (values [m, k] of `dtype`, scales [m, 1] f32) with values * scales approximating x. An
+    all-zero row gets scale 1.
+  """
+  name = canonical_dtype(dtype)
+  if not hasattr(x, "dtype") or not hasattr(x, "ndim"):
+    raise TypeError(f"`x` must be a jax or numpy array, got {type(x).__name__}.")
+  if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"`x` must be a 2-d float [m, k] array, got {x.dtype}{list(x.shape)}.")
+  x32 = jnp.asarray(x).astype(jnp.float32)
+  absmax = jnp.max(jnp.abs(x32), axis=1, keepdims=True)
+  scales = jnp.where(absmax > 0, absmax / _QMAX[name], 1.0).astype(jnp.float32)
+  return _quantize_values(x32, scales, name), scales
 
 
 def dequantize(q: QuantizedWeights, *, dtype: Any = jnp.float32) -> jax.Array:

@@ -31,6 +31,9 @@ def tgmm_pallas(
   group_offset: jax.Array,
   num_actual_groups: int,
   existing_out: jax.Array | None = None,
+  lhs_scales: jax.Array | None = None,
+  rhs_scales: jax.Array | None = None,
+  narrow_dot: bool = False,
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
   count_rows: bool = False,
@@ -47,6 +50,15 @@ def tgmm_pallas(
     group_offset: [] int32, the first global group to compute.
     num_actual_groups: number of local groups to compute (static).
     existing_out: optional [num_actual_groups, k, n] of `out_dtype`, added to the result.
+    lhs_scales: optional f32 dequantization scales of a quantized (int8 / fp8) lhs: [k, 1] per
+      output row (factors out of the contraction over m: applied to the accumulator when the
+      group's block is stored), or [1, m] per token (does not factor out: multiplies the upcast
+      lhs block in VMEM before the dot). A [1, 1] array is read as [k, 1] (k = 1).
+    rhs_scales: optional f32 scales of a quantized rhs: [1, n] per output column (applied at the
+      store) or [m, 1] per token (before the dot). A [1, 1] array is read as [1, n].
+    narrow_dot: both operands quantized with the same dtype and per-channel scales: the dot runs
+      on the narrow values (int8 x int8 to int32, fp8 x fp8 to f32). False: quantized operands
+      are upcast in VMEM to the float operand's dtype (bf16 when both are quantized).
     sub_m: rows per MXU pass (a multiple of 128 dividing tm); sub-blocks of the m-tile outside
       the visit's group are skipped. None: the whole tile.
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
@@ -64,7 +76,35 @@ def tgmm_pallas(
   if tm % sub_m:
     raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
   tiles_k, tiles_n = metadata.cdiv(k, tk), metadata.cdiv(n, tn)
-  compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  lhs_q, rhs_q = lhs_scales is not None, rhs_scales is not None
+  # NOTE: a per-channel scale ([k, 1] of lhs, [1, n] of rhs) is constant along the contraction m
+  # and factors out of the sum; a per-token one ([1, m], [m, 1]) varies along m and must scale
+  # the operand before the dot.
+  lhs_token = lhs_q and tuple(lhs_scales.shape) != (k, 1)
+  rhs_token = rhs_q and tuple(rhs_scales.shape) != (1, n)
+  for name, scales, want in (
+    ("lhs_scales", lhs_scales, ((k, 1), (1, m))),
+    ("rhs_scales", rhs_scales, ((1, n), (m, 1))),
+  ):
+    if scales is not None and tuple(scales.shape) not in want:
+      raise ValueError(f"{name} has shape {tuple(scales.shape)}, expected {want[0]} or {want[1]}.")
+  # NOTE: an 8-bit operand multiplies in the float operand's dtype; two quantized operands in
+  # bf16 (int8 and e4m3 values are exact there; per-token scaled values round like a bf16
+  # dequantize would).
+  if lhs_q and rhs_q:
+    compute_dtype = jnp.dtype(jnp.bfloat16)
+  elif lhs_q or rhs_q:
+    compute_dtype = rhs.dtype if lhs_q else lhs.dtype
+  else:
+    compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  if narrow_dot:
+    if not (lhs_q and rhs_q and lhs.dtype == rhs.dtype) or lhs_token or rhs_token:
+      raise ValueError(
+        "narrow_dot needs both operands quantized with the same dtype and per-channel scales "
+        f"([k, 1] and [1, n]); got lhs {lhs.dtype}, rhs {rhs.dtype}."
+      )
+    compute_dtype = lhs.dtype
+  dot_acc_dtype = jnp.int32 if narrow_dot and lhs.dtype == jnp.int8 else jnp.float32
 
   schedule = metadata.make_schedule(
     group_sizes=group_sizes,
@@ -87,6 +127,8 @@ def tgmm_pallas(
   def kernel(offsets_ref, group_ref, tile_ref, active_ref, goff_ref, *refs):
     refs = list(refs)
     rows_ref = refs.pop(-2) if count_rows else None
+    lhs_s_ref = refs.pop(2) if lhs_q else None
+    rhs_s_ref = refs.pop(2) if rhs_q else None
     if has_existing:
       lhs_ref, rhs_ref, existing_ref, out_ref, acc_ref = refs
     else:
@@ -127,13 +169,24 @@ def tgmm_pallas(
       lo = row0 + r0
       lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, sub_m), 1)
       rhs_rows = lo + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
-      lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_ref[:, rows], 0)
-      rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_ref[rows, :], 0)
+      lhs_blk, rhs_blk = lhs_ref[:, rows], rhs_ref[rows, :]
+      if lhs_q and not narrow_dot:
+        lhs_blk = lhs_blk.astype(jnp.float32)
+        if lhs_token:
+          # NOTE: [1, sub_m] token scales broadcast over the block's k rows; scaled before the
+          # row mask so garbage scales of a ragged last m-tile are masked with the values.
+          lhs_blk = lhs_blk * lhs_s_ref[:, rows]
+      if rhs_q and not narrow_dot:
+        rhs_blk = rhs_blk.astype(jnp.float32)
+        if rhs_token:
+          rhs_blk = rhs_blk * rhs_s_ref[rows, :]
+      lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_blk, 0)
+      rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_blk, 0)
       acc_ref[...] += jnp.dot(
         lhs_blk.astype(compute_dtype),
         rhs_blk.astype(compute_dtype),
-        preferred_element_type=jnp.float32,
-      )
+        preferred_element_type=dot_acc_dtype,
+      ).astype(jnp.float32)
       return carry
 
     @pl.when(active)
@@ -145,6 +198,12 @@ def tgmm_pallas(
     @pl.when(last)
     def _store():
       acc = acc_ref[...]
+      # NOTE: per-channel scales multiply the group's finished sum once: [tk, 1] rows, [1, tn]
+      # columns. Rows / columns past k / n may see garbage scales; they are never written back.
+      if lhs_q and not lhs_token:
+        acc = acc * lhs_s_ref[...]
+      if rhs_q and not rhs_token:
+        acc = acc * rhs_s_ref[...]
       if existing_ref is not None:
         acc = acc + existing_ref[...].astype(jnp.float32)
       out_ref[...] = acc.astype(out_ref.dtype)
@@ -160,8 +219,35 @@ def tgmm_pallas(
     # NOTE: the output holds only the local groups; visit_group is already local.
     return group[visit], k_i, n_i
 
+  # NOTE: scale blocks follow the operand axis they describe: per-channel ones the output block's
+  # k or n index (fetched once per output block), per-token ones the visit's m-tile, like the
+  # operand itself (no refetch while a non-computing visit repeats the tile).
+  def lhs_chan_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return k_i, 0
+
+  def lhs_token_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return 0, tile[visit]
+
+  def rhs_chan_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return 0, n_i
+
+  def rhs_token_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return tile[visit], 0
+
   in_specs = [pl.BlockSpec((tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map)]
   operands = [lhs, rhs]
+  if lhs_q:
+    spec = (
+      pl.BlockSpec((1, tm), lhs_token_map) if lhs_token else pl.BlockSpec((tk, 1), lhs_chan_map)
+    )
+    in_specs.append(spec)
+    operands.append(lhs_scales.astype(jnp.float32))
+  if rhs_q:
+    spec = (
+      pl.BlockSpec((tm, 1), rhs_token_map) if rhs_token else pl.BlockSpec((1, tn), rhs_chan_map)
+    )
+    in_specs.append(spec)
+    operands.append(rhs_scales.astype(jnp.float32))
   if has_existing:
     in_specs.append(pl.BlockSpec((None, tk, tn), out_map))
     operands.append(existing_out)
@@ -171,11 +257,21 @@ def tgmm_pallas(
     flops=2 * m * k * n,
     bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
     + rhs.size * rhs.dtype.itemsize * tiles_k
+    + (lhs_scales.size * 4 * tiles_n if lhs_q else 0)
+    + (rhs_scales.size * 4 * tiles_k if rhs_q else 0)
     + out_bytes * (2 if has_existing else 1),
     transcendentals=0,
   )
   out_shape = common.out_struct(
-    (num_actual_groups, k, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
+    (num_actual_groups, k, n),
+    out_dtype,
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    lhs_scales,
+    rhs_scales,
   )
 
   out_shapes = [out_shape]

@@ -61,8 +61,10 @@ class TpuGeneration:
     scoped_vmem_default_bytes: Mosaic's default per-kernel VMEM limit (no `vmem_limit_bytes`).
     mxu_size: systolic array edge (rows per MXU pass, and weight tile edge).
     peak_bf16_flops: chip peak bf16 flop/s.
-    supports_int8: native int8 x int8 MXU matmul.
-    supports_fp8: native fp8 MXU matmul.
+    supports_int8: native int8 x int8 MXU matmul (int32 accumulation), faster than bf16.
+    supports_fp8: native float8_e4m3fn x float8_e4m3fn MXU matmul, faster than bf16.
+    peak_int8_ops: chip peak int8 op/s where `supports_int8`, else 0.
+    peak_fp8_ops: chip peak fp8 flop/s where `supports_fp8`, else 0.
     hbm_bytes_per_s: chip HBM bandwidth.
     cores_per_chip: TensorCores per chip.
     aot_topology: topology name for ahead-of-time compilation (`get_topology_desc`).
@@ -80,6 +82,18 @@ class TpuGeneration:
   cores_per_chip: int
   aot_topology: str
   device_kinds: tuple[str, ...] = ()
+  peak_int8_ops: float = 0.0
+  peak_fp8_ops: float = 0.0
+
+
+# NOTE on the narrow MXU modes (int8 / fp8). Sources: Cloud TPU docs per chip ("Peak compute per
+# chip (Int8)": v5e 393 TOPs, v5p 918 TOPs, v6e 1836 TOPs; tpu7x "(fp8)": 4614 TFLOPs) and jax
+# 0.10.2's `jax/_src/pallas/mosaic/tpu_info.py`, whose `is_matmul_supported` lists int8 x int8 for
+# generations 5 and 6 but float8_e4m3fn only from generation 7 (v5/v6 list e5m2 and e4m3b11fnuz),
+# gives v6e's fp8 rate as its bf16 rate (9.2e14), and lists no int8 rate for tpu7x or v4.
+# So v6e gets no fp8 credit: Mosaic accepts an e4m3fn dot there (AOT, also on v5e) but gains
+# nothing over bf16; our kernels upcast in VMEM instead. v4 rejects int8 and fp8 dots outright
+# (AOT: CompileTimeMosaicUnsupportedRhsType).
 
 
 GENERATIONS: dict[str, TpuGeneration] = {
@@ -106,6 +120,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       peak_bf16_flops=197e12,
       supports_int8=True,
       supports_fp8=False,
+      peak_int8_ops=393e12,
       hbm_bytes_per_s=819e9,
       cores_per_chip=1,
       aot_topology="v5e:2x2",
@@ -119,6 +134,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       peak_bf16_flops=459e12,
       supports_int8=True,
       supports_fp8=False,
+      peak_int8_ops=918e12,
       hbm_bytes_per_s=2765e9,
       cores_per_chip=2,
       aot_topology="v5p:2x2x1",
@@ -131,7 +147,8 @@ GENERATIONS: dict[str, TpuGeneration] = {
       mxu_size=256,
       peak_bf16_flops=918e12,
       supports_int8=True,
-      supports_fp8=True,
+      supports_fp8=False,
+      peak_int8_ops=1836e12,
       hbm_bytes_per_s=1638e9,
       cores_per_chip=1,
       aot_topology="v6e:2x2",
@@ -145,6 +162,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       peak_bf16_flops=2307e12,
       supports_int8=False,
       supports_fp8=True,
+      peak_fp8_ops=4614e12,
       hbm_bytes_per_s=7380e9,
       cores_per_chip=2,
       aot_topology="tpu7x:2x2x1",

@@ -14,10 +14,20 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_testing import INTERPRET_MODES, examples, group_sizes_strategy, random_array
+from kernel_testing import (
+  INTERPRET_MODES,
+  RACE_PARAMS,
+  examples,
+  group_sizes_strategy,
+  no_races_or_oob,
+  np_gmm,
+  np_tgmm,
+  random_array,
+)
 
 import pallas_moe
-from pallas_moe import MoEConfig, moe, reference, tiling
+from pallas_moe import MoEConfig, moe, quant, reference, tiling
+from pallas_moe.gmm_kernel import gmm_pallas
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -178,11 +188,14 @@ def test_quantized_gmm_matches_dequantized_reference_tpu_sim(dtype, data):
 # --- quantization error vs bf16 ----------------------------------------------------------------
 
 _ERROR_BOUNDS = {"int8": 0.01, "float8_e4m3fn": 0.05}
+# Activations and weights quantized: two independent roundings, errors add in quadrature.
+_W8A8_BOUNDS = {"int8": 0.02, "float8_e4m3fn": 0.07}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantization_error_vs_bf16(dtype):
-  """Relative Frobenius error of the int8/fp8 gmm vs the same gmm with bf16 weights."""
+  """Relative Frobenius error of the int8/fp8 gmm vs the same gmm with bf16 weights (and with
+  the activations quantized too, on the narrow-dot path of v5e for int8)."""
   m, k, n, g = 128, 256, 128, 2
   x = random_array(7, (m, k), BF16)
   w = random_array(8, (g, k, n), F32)
@@ -196,11 +209,15 @@ def test_quantization_error_vs_bf16(dtype):
   def rel(a):
     return float(np.linalg.norm(a - exact) / np.linalg.norm(exact))
 
-  err_q, err_bf16 = rel(out_q), rel(out_bf16)
+  with tiling.use_generation("v5e"):
+    out_a = np.asarray(run(x, q, gs, interpret=True, activation_quantization=dtype))
+  err_q, err_bf16, err_a = rel(out_q), rel(out_bf16), rel(out_a)
   print(
-    f"\n{dtype}: rel. Frobenius error vs f32 weights {err_q:.4%} (bf16 weights: {err_bf16:.4%})"
+    f"\n{dtype}: rel. Frobenius error vs f32 weights {err_q:.4%} (bf16 weights: {err_bf16:.4%}; "
+    f"{dtype} activations and weights: {err_a:.4%})"
   )
   assert err_q < _ERROR_BOUNDS[dtype]
+  assert err_q < err_a < _W8A8_BOUNDS[dtype]
 
 
 # --- gradients ---------------------------------------------------------------------------------
@@ -301,12 +318,22 @@ def test_quantized_gmm_compiles_aot(gen, dtype):
 _BASE = dict(num_experts=4, top_k=2, d_model=64, expert_ffn_dim=32)
 
 
-@pytest.mark.parametrize("raw, want", [("", None), (None, None), ("int8", "int8"), ("fp8", "fp8")])
-def test_config_maps_maxtext_quantization(raw, want):
-  assert MoEConfig.from_dict({**_BASE, "quantization": raw}).weight_quantization == want
+@pytest.mark.parametrize(
+  "raw, want, act",
+  [("", None, None), (None, None, None), ("int8", "int8", "int8"), ("int8w", "int8", None),
+   ("fp8", "fp8", "fp8")],
+)  # fmt: skip
+def test_config_maps_maxtext_quantization(raw, want, act):
+  """MaxText's int8 / fp8 quantize both dot operands (AQT fwd_bits=8); int8w the weights only."""
+  config = MoEConfig.from_dict({**_BASE, "quantization": raw})
+  assert (config.weight_quantization, config.activation_quantization) == (want, act)
 
 
 def test_config_refuses_other_quantizations():
+  with pytest.raises(ValueError, match="means activation_quantization='int8'"):
+    MoEConfig.from_dict({**_BASE, "quantization": "int8", "activation_quantization": None})
+  with pytest.raises(ValueError, match="needs weight_quantization='int8'"):
+    MoEConfig(**_BASE, activation_quantization="int8")
   with pytest.raises(ValueError, match="quantization='int4w' is not supported"):
     MoEConfig.from_dict({**_BASE, "quantization": "int4w"})
   with pytest.raises(ValueError, match="weight_quantization must be one of"):
@@ -355,6 +382,39 @@ def test_bench_int8_moves_fewer_weight_bytes(op):
   print(f"\n{op}: HBM bytes bf16 {bf16.hbm_bytes:,} int8 {int8.hbm_bytes:,}")
 
 
+@pytest.mark.parametrize("gen_name", ["v5e", "tpu7x"])
+def test_bench_quantized_impls_credit_the_narrow_peak_only_for_narrow_dots(gen_name):
+  """fp8 weights move the int8 bytes; w8a8 also halves the activation bytes, and its fwd MXU time
+  uses the int8 / fp8 peak only where the kernel's dot has 8-bit operands (table: int8 on v5e,
+  fp8 on tpu7x); elsewhere the upcast dot runs at the bf16 peak."""
+  from bench import costmodel as cm
+  from bench.impls import IMPLS
+  from bench.shapes import Shape
+
+  shape = Shape(name="tiny", tokens=1024, top_k=1, num_groups=4, k=256, n=384)
+  gs = np.array([300, 0, 500, 100], np.int32)
+  gen = tiling.get_generation(gen_name)
+
+  def run(name):
+    (sched,) = cm.analyze(*_case_call(IMPLS[name], "fwd", shape, gs, gen))
+    (call,) = cm.cost([sched], generation=gen).calls
+    return sched, call
+
+  bf16, bf16_cost = run("pallas_moe")
+  for dtype in ("int8", "fp8"):
+    w, w_cost = run(f"pallas_moe-{dtype}")
+    a, a_cost = run(f"pallas_moe-{dtype}-w8a8")
+    assert w.grid == a.grid == bf16.grid
+    assert w.operand_bytes["in1:args[7]"] * 2 == bf16.operand_bytes["in1:args[7]"]
+    assert a.operand_bytes["in0:args[6]"] * 2 == bf16.operand_bytes["in0:args[6]"]
+    assert w_cost.mxu_us == pytest.approx(bf16_cost.mxu_us)  # weights only: upcast, bf16 rate
+    narrow_peak = gen.peak_int8_ops if dtype == "int8" else gen.peak_fp8_ops
+    if quant.narrow_dot_supported(dtype, gen):
+      assert a_cost.mxu_us == pytest.approx(bf16_cost.mxu_us * gen.peak_bf16_flops / narrow_peak)
+    else:
+      assert a_cost.mxu_us == pytest.approx(bf16_cost.mxu_us)
+
+
 def _case_call(impl, op, shape, gs, gen):
   case = impl.build(op=op, shape=shape, group_sizes=gs, generation=gen)
   return case.fn, *case.args
@@ -365,3 +425,483 @@ def test_quantized_grad_transposed_layout_compiles_aot():
   """[G, n, k] weights: the dlhs kernel reads [tk, 1] scale blocks (a column vector)."""
   compiled = _aot_compile("v6e", "int8", grad=True, transpose_rhs=True)
   assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
+
+
+# --- helpers for the narrow-dot checks ---------------------------------------------------------
+
+
+def _kernel_dot_dtypes(fn, *args) -> set[tuple[str, str, str]]:
+  """(lhs, rhs, result) dtypes of every dot inside the pallas kernels `fn` traces."""
+  found = set()
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        a, b = (np.dtype(v.aval.dtype).name for v in eqn.invars)
+        found.add((a, b, np.dtype(eqn.outvars[0].aval.dtype).name))
+      for sub in (
+        jax.core.jaxprs_in_params(eqn.params) if hasattr(jax.core, "jaxprs_in_params") else ()
+      ):
+        visit(sub)
+      for p in eqn.params.values():
+        for q in p if isinstance(p, (tuple, list)) else (p,):
+          if isinstance(q, jax.extend.core.ClosedJaxpr):
+            visit(q.jaxpr)
+          elif isinstance(q, jax.extend.core.Jaxpr):
+            visit(q)
+
+  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def _on_grid(x, dtype):
+  """Activations already on the per-row quantization grid: quantizing them again (in jit or
+  eagerly) gives the same values, so the kernel and the reference see identical operands."""
+  values, scales = quant.quantize_rows(x, dtype=dtype)
+  return values.astype(F32) * scales
+
+
+# Narrow MXU mode per (dtype, generation) in the table: int8 on v5e (not tpu7x), fp8 on tpu7x.
+GENS = ["v5e", "tpu7x"]
+
+
+def _narrow_expected(dtype: str, gen: str) -> bool:
+  return quant.narrow_dot_supported(dtype, tiling.get_generation(gen))
+
+
+# --- gmm with quantized activations (per-row scales) and weights -------------------------------
+
+
+def _check_act_forward(case, dtype, gen, sizes, seed, group_offset, interpret):
+  m, k, n, tiles, g, _, transpose_rhs = case
+  x = _on_grid(random_array(seed, (m, k), F32), dtype)
+  _, q = _weights(case, seed, dtype)
+  gs = jnp.asarray(sizes)
+  existing = random_array(seed + 2, (m, n), F32) if seed % 2 else None
+  kw = dict(
+    preferred_element_type=F32, tiling=tiles, group_offset=group_offset, existing_out=existing,
+    transpose_rhs=transpose_rhs, interpret=interpret, activation_quantization=dtype,
+  )  # fmt: skip
+  with tiling.use_generation(gen):
+    out = pallas_moe.gmm(x, q, gs, **kw)
+  xv, xs = quant.quantize_rows(x, dtype=dtype)
+  ref = reference.quantized_gmm(
+    xv, xs, q.values, q.scales, gs, group_offset=group_offset, existing_out=existing,
+    transpose_rhs=transpose_rhs,
+  )  # fmt: skip
+  want = np_gmm(
+    np.asarray(xv, np.float64) * np.asarray(xs, np.float64),
+    np.asarray(q.values, np.float64) * np.asarray(q.scales, np.float64),
+    sizes, group_offset=group_offset, existing_out=existing, transpose_rhs=transpose_rhs,
+  )  # fmt: skip
+  # Products of 8-bit values are exact (int32, or f32 for fp8 / upcast bf16); the f32 sums and
+  # the two scale multiplies round: the tolerance of an f32 k-long dot.
+  tol = dict(rtol=2e-5, atol=2e-5 * np.sqrt(k))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **tol)
+  np.testing.assert_allclose(np.asarray(out), want, **tol)
+
+
+@pytest.mark.parametrize("gen", GENS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@examples(0.25)
+@given(data=st.data())
+def test_activation_quantized_gmm_hlo(gen, dtype, data):
+  case = CASES[0]
+  m, _, _, _, g, g_total, _ = case
+  sizes = data.draw(group_sizes_strategy(m=m, num_groups=g_total))
+  group_offset = data.draw(st.integers(0, g_total - g))
+  seed = data.draw(st.integers(0, 2**16))
+  _check_act_forward(case, dtype, gen, sizes, seed, group_offset, INTERPRET_MODES["hlo"])
+
+
+@pytest.mark.parametrize("dtype, gen", [("int8", "v5e"), ("float8_e4m3fn", "tpu7x")])
+@examples(0.125)
+@given(data=st.data())
+def test_activation_quantized_gmm_tpu_sim(dtype, gen, data):
+  """The narrow dots in the TPU simulator, the transposed [G, n, k] layout."""
+  case = CASES[1]
+  m, _, _, _, g, g_total, _ = case
+  sizes = data.draw(group_sizes_strategy(m=m, num_groups=g_total))
+  seed = data.draw(st.integers(0, 99))
+  _check_act_forward(case, dtype, gen, sizes, seed, g_total - g, INTERPRET_MODES["tpu"])
+
+
+@pytest.mark.parametrize("gen", GENS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_activation_quantized_gmm_uses_the_narrow_dot_where_supported(gen, dtype):
+  """int8 x int8 -> int32 on v5e, fp8 x fp8 -> f32 on tpu7x; bf16 (upcast) elsewhere."""
+  x = jnp.ones((64, 128), F32)
+  q = pallas_moe.quantize(jnp.ones((2, 128, 128), F32), dtype=dtype)
+  gs = jnp.array([30, 34], jnp.int32)
+  fn = functools.partial(pallas_moe.gmm, interpret=True, activation_quantization=dtype)
+  with tiling.use_generation(gen):
+    dots = _kernel_dot_dtypes(lambda x, q: fn(x, q, gs), x, q)
+  if _narrow_expected(dtype, gen):
+    acc = "int32" if dtype == "int8" else "float32"
+    assert dots == {(dtype, dtype, acc)}
+  else:
+    assert dots == {("bfloat16", "bfloat16", "float32")}
+  # Weights only (float lhs): always the upcast to lhs's dtype.
+  with tiling.use_generation(gen):
+    dots = _kernel_dot_dtypes(lambda x, q: pallas_moe.gmm(x, q, gs, interpret=True), x, q)
+  assert dots == {("float32", "float32", "float32")}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_activation_quantized_gradients_are_straight_through(dtype):
+  """dlhs = dout @ deq(q(w))^T, dw = x^T @ dout: the STE through both quantizers."""
+  case = CASES[0]
+  m, k, n, tiles, g, g_total, _ = case
+  x = _on_grid(random_array(3, (m, k), F32), dtype)
+  w0, _ = _weights(case, 4, dtype)
+  w = pallas_moe.dequantize(pallas_moe.quantize(w0, dtype=dtype))
+  gs, group_offset = jnp.array([18, 0, 36, 9, 3], jnp.int32), g_total - g
+  dout = random_array(5, (m, n), F32)
+
+  def ours(x, w):
+    out = pallas_moe.gmm(
+      x, w, gs, tiling=tiles, group_offset=group_offset, interpret=True,
+      weight_quantization=dtype, activation_quantization=dtype,
+    )  # fmt: skip
+    return jnp.sum(out * dout)
+
+  def ref(x, w):
+    xv, xs = quant.quantize_rows(x, dtype=dtype)
+    x_q = x + jax.lax.stop_gradient(xv.astype(F32) * xs - x)
+    q = pallas_moe.quantize(w, dtype=dtype)
+    w_q = w + jax.lax.stop_gradient(pallas_moe.dequantize(q) - w)
+    return jnp.sum(reference.gmm(x_q, w_q, gs, group_offset=group_offset) * dout)
+
+  got, want = jax.grad(ours, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w)
+  tol = dict(rtol=2e-5, atol=1e-4 * np.sqrt(max(m, n, k)))
+  for a, b in zip(got, want, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
+  np.testing.assert_allclose(float(ours(x, w)), float(ref(x, w)), rtol=1e-5)
+
+
+# --- tgmm with quantized operands -----------------------------------------------------------------
+
+
+def _quantize_axis(x, dtype, axis):
+  """Symmetric absmax quantization with the scales' `axis` reduced (for tgmm's operands)."""
+  name = quant.canonical_dtype(dtype)
+  x32 = x.astype(F32)
+  amax = jnp.max(jnp.abs(x32), axis=axis, keepdims=True)
+  scales = jnp.where(amax > 0, amax / (127.0 if name == "int8" else 448.0), 1.0)
+  if name == "int8":
+    return jnp.clip(jnp.round(x32 / scales), -127, 127).astype(jnp.int8), scales
+  return (x32 / scales).astype(jnp.float8_e4m3fn), scales
+
+
+# (lhs scales, rhs scales): "chan" per output row / column, "token" per row of m, None a float
+# operand (f32).
+TGMM_MODES = [("chan", "chan"), ("token", None), (None, "token"), ("token", "chan")]
+TGMM_IDS = ["chan-chan", "token-f32", "f32-token", "token-chan"]
+
+
+def _tgmm_operands(mode, dtype, seed, k, m, n):
+  lhs = random_array(seed, (k, m), F32)
+  rhs = random_array(seed + 1, (m, n), F32)
+  lmode, rmode = mode
+  ls = rs = None
+  if lmode is not None:
+    lhs, ls = _quantize_axis(lhs, dtype, 1 if lmode == "chan" else 0)
+  if rmode is not None:
+    rhs, rs = _quantize_axis(rhs, dtype, 0 if rmode == "chan" else 1)
+  return lhs, ls, rhs, rs
+
+
+def _check_tgmm_quant(mode, dtype, gen, sizes, seed, group_offset, interpret, *, race=False):
+  k, m, n, num_local = 200, 150, 130, 3  # ragged k, m and n over (128, 128, 128) tiles
+  lhs, ls, rhs, rs = _tgmm_operands(mode, dtype, seed, k, m, n)
+  gs = jnp.asarray(sizes)
+  existing = random_array(seed + 2, (num_local, k, n), F32) if seed % 2 else None
+  with tiling.use_generation(gen):
+    out = pallas_moe.tgmm(
+      lhs, rhs, gs, F32, (128, 128, 128), group_offset, num_local, existing, interpret,
+      lhs_scales=ls, rhs_scales=rs,
+    )  # fmt: skip
+  # NOTE: with both operands quantized the kernel multiplies in bf16: token-scaled values are
+  # rounded to bf16 there (per-channel ones stay exact), so the reference rounds them too.
+  both = mode[0] is not None and mode[1] is not None
+  kw = dict(group_offset=group_offset, num_actual_groups=num_local, existing_out=existing)
+  ref = reference.quantized_tgmm(
+    lhs, ls, rhs, rs, gs, round_token_scaled_to=BF16 if both else None, **kw
+  )
+
+  def np_deq(values, scales, token):
+    x = reference.dequantize(values, scales)
+    if both and token:
+      x = x.astype(BF16).astype(F32)
+    return np.asarray(x, np.float64)
+
+  want = np_tgmm(
+    np_deq(lhs, ls, mode[0] == "token"), np_deq(rhs, rs, mode[1] == "token"), sizes, **kw
+  )
+  tol = dict(rtol=2e-5, atol=2e-5 * np.sqrt(m))
+  out = np.asarray(out)
+  np.testing.assert_allclose(out, np.asarray(ref), **tol)
+  np.testing.assert_allclose(out, want, **tol)
+  empty = np.asarray(sizes)[group_offset : group_offset + num_local] == 0
+  base = np.zeros_like(out) if existing is None else np.asarray(existing)
+  np.testing.assert_array_equal(out[empty], base[empty])  # empty groups: exact
+
+
+# Every scale layout on v5e (int8 narrow, fp8 upcast); per-channel on tpu7x too (int8 upcast, fp8
+# narrow): the generation only matters where both operands have per-channel scales.
+TGMM_HLO_CASES = [(mode, dtype, "v5e") for mode in TGMM_MODES for dtype in DTYPES] + [
+  (TGMM_MODES[0], dtype, "tpu7x") for dtype in DTYPES
+]
+
+
+@pytest.mark.parametrize(
+  "mode, dtype, gen",
+  TGMM_HLO_CASES,
+  ids=[f"{TGMM_IDS[TGMM_MODES.index(c[0])]}-{c[1]}-{c[2]}" for c in TGMM_HLO_CASES],
+)
+@examples(0.25)
+@given(data=st.data())
+def test_quantized_tgmm_hlo(mode, dtype, gen, data):
+  sizes = data.draw(group_sizes_strategy(m=150, num_groups=5))
+  group_offset = data.draw(st.integers(0, 2))
+  seed = data.draw(st.integers(0, 2**16))
+  _check_tgmm_quant(mode, dtype, gen, sizes, seed, group_offset, INTERPRET_MODES["hlo"])
+
+
+@pytest.mark.parametrize(
+  "mode, dtype, gen",
+  [(("chan", "chan"), "int8", "v5e"), (("chan", "chan"), "float8_e4m3fn", "tpu7x"),
+   (("token", "chan"), "int8", "v5e")],
+  ids=["int8-narrow", "fp8-narrow", "int8-token"],
+)  # fmt: skip
+@examples(0.125)
+@given(data=st.data())
+def test_quantized_tgmm_tpu_sim(mode, dtype, gen, data):
+  sizes = data.draw(group_sizes_strategy(m=150, num_groups=5))
+  group_offset = data.draw(st.integers(0, 2))
+  seed = data.draw(st.integers(0, 99))
+  _check_tgmm_quant(mode, dtype, gen, sizes, seed, group_offset, INTERPRET_MODES["tpu"])
+
+
+@pytest.mark.parametrize("gen", GENS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantized_tgmm_narrow_dot_where_supported(gen, dtype):
+  lhs, ls, rhs, rs = _tgmm_operands(("chan", "chan"), dtype, 0, 128, 128, 128)
+  gs = jnp.array([60, 68], jnp.int32)
+  with tiling.use_generation(gen):
+    dots = _kernel_dot_dtypes(
+      lambda a, b: pallas_moe.tgmm(a, b, gs, interpret=True, lhs_scales=ls, rhs_scales=rs),
+      lhs, rhs,
+    )  # fmt: skip
+  if _narrow_expected(dtype, gen):
+    assert dots == {(dtype, dtype, "int32" if dtype == "int8" else "float32")}
+  else:
+    assert dots == {("bfloat16", "bfloat16", "float32")}
+
+
+# --- race detector (2 cores) on the quantized kernels ------------------------------------------
+
+
+def test_quantized_kernels_no_race_no_oob_two_cores(capfd):
+  """int8 activations x int8 weights (narrow dot) in gmm and tgmm, race detector on 2 cores."""
+  m, k, n = 150, 200, 260  # ragged everything
+  sizes = jnp.array([0, 30, 0, 70, 20, 0], jnp.int32)
+  x = _on_grid(random_array(5, (m, k), F32), "int8")
+  q = pallas_moe.quantize(random_array(6, (4, k, n), F32), dtype="int8")
+  existing = random_array(7, (m, n), F32)
+  lhs, ls, rhs, rs = _tgmm_operands(("chan", "chan"), "int8", 8, k, m, n)
+  with no_races_or_oob(capfd), tiling.use_generation("v5e"):
+    out = pallas_moe.gmm(
+      x, q, sizes, F32, (128, 128, 128), 1, existing, interpret=RACE_PARAMS,
+      activation_quantization="int8",
+    )  # fmt: skip
+    tout = pallas_moe.tgmm(
+      lhs, rhs, sizes, F32, (128, 128, 128), 1, 4, interpret=RACE_PARAMS, lhs_scales=ls,
+      rhs_scales=rs,
+    )  # fmt: skip
+    out, tout = np.asarray(out), np.asarray(tout)
+  xv, xs = quant.quantize_rows(x, dtype="int8")
+  ref = reference.quantized_gmm(
+    xv, xs, q.values, q.scales, sizes, group_offset=1, existing_out=existing
+  )
+  np.testing.assert_allclose(out, np.asarray(ref), rtol=2e-5, atol=2e-5 * np.sqrt(k))
+  tref = reference.quantized_tgmm(lhs, ls, rhs, rs, sizes, group_offset=1, num_actual_groups=4)
+  np.testing.assert_allclose(tout, np.asarray(tref), rtol=2e-5, atol=2e-5 * np.sqrt(m))
+
+
+# --- the MoE block with quantized weights under shard_map ---------------------------------------
+
+
+def test_moe_layer_weight_quantization_shard_map():
+  """int8 weights and activations, EP=4 on a (2, 4) CPU mesh (shard_map): forward and gradients
+  match the dense float reference on the dequantized expert weights (weights pre-snapped to the
+  int8 grid, so quantizing them again inside the block is exact)."""
+  from test_moe import SMALL, _assert_close, _block_grads, _mesh, _ref_grads, _setup
+
+  config = MoEConfig(
+    **SMALL, weight_quantization="int8", activation_quantization="int8", norm_topk_prob=True
+  )
+  ref_config = MoEConfig(**SMALL, norm_topk_prob=True)
+  params, x = _setup(config, tokens=64)
+  for name in ("wi", "wo"):
+    params[name] = pallas_moe.dequantize(pallas_moe.quantize(params[name], dtype="int8"))
+  got = _block_grads(params, x, config, _mesh(2, 4))
+  assert int(got[1]["dropped_rows"]) == 0
+  want = _ref_grads(params, x, ref_config)
+  # Expert inputs (x, then the SwiGLU output) are quantized per row: int8 rounds each value by up
+  # to 1/254 of its row's absmax. Gradients are straight-through, so they track the float
+  # reference as closely as the forward does.
+  _assert_close(got, want, dict(rtol=5e-2, atol=2e-2))
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def test_tgmm_bad_quantized_inputs():
+  k, m, n = 16, 32, 8
+  gs = jnp.array([32], jnp.int32)
+  lhs_q = jnp.ones((k, m), jnp.int8)
+  rhs = jnp.ones((m, n), F32)
+  ones = lambda *s: jnp.ones(s, F32)
+  tg = functools.partial(pallas_moe.tgmm, interpret=True)
+  with pytest.raises(TypeError, match=r"`lhs` is int8 \(quantized\): pass `lhs_scales`"):
+    tg(lhs_q, rhs, gs)
+  with pytest.raises(ValueError, match=r"`lhs_scales` has shape \(1, 16\).*\(16, 1\).*\(1, 32\)"):
+    tg(lhs_q, rhs, gs, lhs_scales=ones(1, k))
+  with pytest.raises(ValueError, match=r"`rhs_scales` has shape \(8, 1\).*\(1, 8\).*\(32, 1\)"):
+    tg(lhs_q, rhs.astype(jnp.int8), gs, lhs_scales=ones(k, 1), rhs_scales=ones(n, 1))
+  with pytest.raises(TypeError, match="`lhs_scales` must be float32"):
+    tg(lhs_q, rhs, gs, lhs_scales=jnp.ones((k, 1), BF16))
+  with pytest.raises(ValueError, match="`rhs_scales` was given but `rhs` is float32"):
+    tg(lhs_q, rhs, gs, lhs_scales=ones(k, 1), rhs_scales=ones(1, n))
+  with pytest.raises(TypeError, match="floating-point"):
+    tg(lhs_q.astype(jnp.int32), rhs, gs)
+  q = pallas_moe.quantize(jnp.ones((1, k, n), F32))
+  with pytest.raises(TypeError, match="QuantizedWeights is gmm's rhs"):
+    tg(q, rhs, gs)
+
+
+def test_gmm_bad_activation_quantization():
+  x = jnp.ones((16, 8), F32)
+  gs = jnp.array([16], jnp.int32)
+  w = jnp.ones((1, 8, 4), F32)
+  q = pallas_moe.quantize(w, dtype="int8")
+  with pytest.raises(ValueError, match="needs quantized weights: pass rhs as QuantizedWeights"):
+    pallas_moe.gmm(x, w, gs, interpret=True, activation_quantization="int8")
+  with pytest.raises(ValueError, match="differs from the weights' int8"):
+    pallas_moe.gmm(x, q, gs, interpret=True, activation_quantization="fp8")
+  with pytest.raises(ValueError, match="Unsupported quantized weight dtype 'int4'"):
+    pallas_moe.gmm(x, q, gs, interpret=True, activation_quantization="int4")
+  # Quantized operands in the wrong argument.
+  with pytest.raises(TypeError, match="QuantizedWeights is gmm's rhs"):
+    pallas_moe.gmm(q, w, gs, interpret=True)
+  with pytest.raises(TypeError, match="activation_quantization"):
+    pallas_moe.gmm(x.astype(jnp.int8), q, gs, interpret=True)
+
+
+# --- AOT: quantized activations and the narrow MXU dot with real Mosaic ---------------------------
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize(
+  "gen, dtype",
+  [
+    ("v5e", "int8"),  # narrow int8 x int8 -> int32
+    ("v6e", "int8"),  # narrow
+    ("tpu7x", "float8_e4m3fn"),  # narrow fp8 x fp8 -> f32
+    ("v6e", "float8_e4m3fn"),  # no native e4m3fn mode: upcast to bf16 in VMEM
+    ("v5e", "float8_e4m3fn"),  # no fp8 MXU: upcast
+    ("v4", "float8_e4m3fn"),  # no int8 / fp8 MXU at all: upcast
+  ],
+)
+def test_activation_quantized_gmm_compiles_aot(gen, dtype):
+  """Forward (activations and weights quantized) and its straight-through grad compile; the
+  forward's kernel dot is the narrow one exactly where the generation table says so."""
+  from test_aot import _compile, _sds
+
+  m, k, n, g = 1024, 512, 768, 4
+  x, w, gs = _sds(gen, m, k), _sds(gen, g, k, n), _sds(gen, g, dtype=jnp.int32)
+  q = pallas_moe.QuantizedWeights(
+    values=_sds(gen, g, k, n, dtype=jnp.dtype(dtype)), scales=_sds(gen, g, 1, n, dtype=F32)
+  )
+
+  def fwd(x, q, gs):
+    return pallas_moe.gmm(x, q, gs, activation_quantization=dtype)
+
+  def loss(x, w, gs):
+    out = pallas_moe.gmm(x, w, gs, weight_quantization=dtype, activation_quantization=dtype)
+    return jnp.square(out.astype(F32)).sum()
+
+  compiled = _compile(gen, fwd, x, q, gs)
+  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 1
+  compiled = _compile(gen, jax.grad(loss, argnums=(0, 1)), x, w, gs)
+  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 3
+  with tiling.use_generation(gen):
+    dots = _kernel_dot_dtypes(fwd, x, q, gs)
+  if _narrow_expected(dtype, gen):
+    assert dots == {(dtype, dtype, "int32" if dtype == "int8" else "float32")}
+  else:
+    assert dots == {("bfloat16", "bfloat16", "float32")}
+
+
+def _raw_narrow_gmm(gen, dtype):
+  from test_aot import _compile, _sds
+
+  m, k, n, g = 512, 256, 256, 2
+  narrow = jnp.dtype(dtype)
+
+  def fn(x, xs, w, ws, gs):
+    return gmm_pallas(
+      x, w, gs, tiling=(128, 256, 256), out_dtype=F32, group_offset=jnp.zeros((), jnp.int32),
+      rhs_scales=ws, lhs_scales=xs, narrow_dot=True, interpret=False,
+    )  # fmt: skip
+
+  args = (
+    _sds(gen, m, k, dtype=narrow), _sds(gen, m, 1, dtype=F32), _sds(gen, g, k, n, dtype=narrow),
+    _sds(gen, g, 1, n, dtype=F32), _sds(gen, g, dtype=jnp.int32),
+  )  # fmt: skip
+  return _compile(gen, fn, *args)
+
+
+@pytest.mark.aot
+def test_narrow_dot_forced_where_the_table_says_no():
+  """Why the policy follows the table: Mosaic accepts an e4m3fn dot on v6e (jax's tpu_info gives
+  it v6e's bf16 rate, so the bench credits no speedup), and v4 rejects 8-bit dots outright."""
+  _raw_narrow_gmm("v6e", "float8_e4m3fn")
+  # NOTE: jax re-raises Mosaic's compile error as a MosaicError (a JaxRuntimeError subclass when
+  # raised by the compiler, a Python-side wrapper here); match the message, not the class.
+  with pytest.raises(Exception, match="CompileTimeMosaicUnsupportedRhsType"):
+    _raw_narrow_gmm("v4", "int8")
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize(
+  "gen, dtype, token",
+  [("v5e", "int8", False), ("v6e", "int8", False), ("tpu7x", "float8_e4m3fn", False),
+   ("v5e", "int8", True)],
+  ids=["v5e-int8", "v6e-int8", "tpu7x-fp8", "v5e-int8-token"],
+)  # fmt: skip
+def test_quantized_tgmm_compiles_aot(gen, dtype, token):
+  """Both tgmm operands quantized: per-channel scales (narrow dot), or per-token lhs scales
+  (upcast, scaled in VMEM before the dot)."""
+  from test_aot import _compile, _sds
+
+  k, m, n, g = 512, 1024, 768, 4
+  narrow = jnp.dtype(dtype)
+  args = (
+    _sds(gen, k, m, dtype=narrow), _sds(gen, m, n, dtype=narrow),
+    _sds(gen, 1, m, dtype=F32) if token else _sds(gen, k, 1, dtype=F32),
+    _sds(gen, 1, n, dtype=F32), _sds(gen, g, dtype=jnp.int32),
+  )  # fmt: skip
+
+  def fn(a, b, a_s, b_s, gs):
+    return pallas_moe.tgmm(a, b, gs, lhs_scales=a_s, rhs_scales=b_s)
+
+  compiled = _compile(gen, fn, *args)
+  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 1
+  with tiling.use_generation(gen):
+    dots = _kernel_dot_dtypes(fn, *args)
+  if not token and _narrow_expected(dtype, gen):
+    assert dots == {(dtype, dtype, "int32" if dtype == "int8" else "float32")}
+  else:
+    assert dots == {("bfloat16", "bfloat16", "float32")}
