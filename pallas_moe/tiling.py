@@ -528,6 +528,9 @@ def pick_tiling(
 # Row-tile kernels (`gmm_rowtile_kernel`, `tgmm_rowtile_kernel`): one grid step per m-tile.
 
 
+_PICKER_SEED = 20261122
+
+
 def _divisor_tiles(dim: int) -> list[int]:
   """Tiles of a dim the row-tile kernels can use: the dim itself and 128-multiples dividing it
   (their per-group DMAs move whole blocks, so tiles must divide the dim)."""
@@ -589,7 +592,10 @@ def rowtile_step_costs(
   s = np.maximum(starts[g], lo) - lo
   e = np.minimum(ends[g], lo + tm) - lo
   hits = (e - 1) // sub - s // sub + 1
-  mxu_s = np.bincount(t, hits * sub * 2.0 * max(tk, mxu) * max(tn, mxu), tiles_m)
+  # NOTE: the MXU works in mxu x mxu weight tiles: a dot's contraction and output columns are
+  # padded to multiples of mxu (as in bench.costmodel).
+  pad = lambda d: -(-d // mxu) * mxu  # noqa: E731
+  mxu_s = np.bincount(t, hits * sub * 2.0 * pad(tk) * pad(tn), tiles_m)
   mxu_s = mxu_s / gen.peak_bf16_flops
   rows = np.minimum(m, (np.arange(tiles_m) + 1) * tm) - np.arange(tiles_m) * tm
   if kind == "gmm":
@@ -620,8 +626,8 @@ def pick_rowtile_tiling(
 ) -> tuple[int, int, int] | None:
   """Chooses (tm, tk, tn) for a row-tile kernel, or None when none fits VMEM.
 
-  Scores every candidate on equal group sizes (m / num_groups rows each; the kernel does not see
-  the real sizes when it is traced) by the sum over grid steps of max(MXU time, HBM time) plus
+  Scores every candidate on one uniform-routing draw of group sizes (the kernel does not see the
+  real sizes when it is traced) by the sum over grid steps of max(MXU time, HBM time) plus
   the per-step overhead: the DESIGN.md model applied to the row-tile schedule. Candidates: tm in
   {128 .. 4096} (powers of two; or all of m), tn (and tgmm's tk) dividing the dim; gmm's tk is
   always k (the whole contraction stays in VMEM). Among tilings within 1% of the best, the one
@@ -648,8 +654,10 @@ def pick_rowtile_tiling(
   gen = get_generation(generation)
   budget = vmem_budget_bytes if vmem_budget_bytes is not None else usable_vmem_bytes(gen)
   li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
-  sizes = np.full(num_groups, m // num_groups, np.int64)
-  sizes[: m % num_groups] += 1
+  # NOTE: group boundaries of a real routing fall anywhere; equal sizes would put them at regular,
+  # often MXU-aligned rows and hide the per-tile imbalance. A fixed-seed uniform multinomial
+  # draw stands in for the routing the kernel will see.
+  sizes = np.random.default_rng(_PICKER_SEED).multinomial(m, np.full(num_groups, 1 / num_groups))
   # NOTE: tgmm's tm is the lane dim of its [tk, tm] lhs block: a multiple of 128 or all of m.
   align = 128 if kind == "tgmm" else 8
   tms = {min(t, -(-m // align) * align) for t in (128, 256, 512, 1024, 2048, 4096)}
