@@ -279,7 +279,16 @@ def _rowtile_hits(ctx: StepContext, *, op: str, tm: int, sub_m: int):
   return hits, loads, finals
 
 
-def rowtile_hooks(*, op: str, tm: int, tk: int, tn: int, sub_m: int, itemsize: int = 2):
+def rowtile_hooks(
+  *,
+  op: str,
+  tm: int,
+  tk: int,
+  tn: int,
+  sub_m: int,
+  itemsize: int = 2,
+  block_bytes: int | None = None,
+):
   """Cost-model hooks of the row-tile kernels, from their prefetched schedule.
 
   MXU: each step multiplies, for every group of its tile, the sub_m-row sub-blocks holding the
@@ -296,6 +305,8 @@ def rowtile_hooks(*, op: str, tm: int, tk: int, tn: int, sub_m: int, itemsize: i
     tn: n tile.
     sub_m: rows per MXU pass.
     itemsize: bytes per weight (gmm) / output (tgmm) element.
+    block_bytes: bytes of one manual block (default tk * tn * itemsize); quantized weights add
+      their [1, tn] f32 scales.
 
   Returns:
     (step_scale, step_manual_bytes).
@@ -307,7 +318,8 @@ def rowtile_hooks(*, op: str, tm: int, tk: int, tn: int, sub_m: int, itemsize: i
   def manual(ctx: StepContext) -> np.ndarray:
     _, loads, finals = _rowtile_hits(ctx, op=op, tm=tm, sub_m=sub_m)
     count = finals if op == "drhs" else loads
-    return count.astype(np.float64) * tk * tn * itemsize
+    per_block = tk * tn * itemsize if block_bytes is None else block_bytes
+    return count.astype(np.float64) * per_block
 
   return scale, manual
 
@@ -512,6 +524,53 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
     # [G, n', k']) they lie along the contraction k' = n, the same [G, 1, n] array.
     scales = jax.ShapeDtypeStruct((g, 1, n), jnp.float32)
     dk, dn = (n, k) if dlhs else (k, n)
+    if not dlhs:
+      # NOTE: the forward runs as pallas_moe.gmm runs it: the row-tile kernel with its tiles
+      # (chosen, like the VMEM estimate, as for bf16: an over-estimate covering the upcast copy).
+      from pallas_moe import ops
+      from pallas_moe.gmm_rowtile_kernel import gmm_rowtile_pallas
+
+      with use_generation(generation):
+        kt = ops._resolve_tiles(
+          None, dims=(m, k, n), kind="gmm", num_groups=g, dtypes=(DTYPE,) * 3, interpret=False
+        )
+      if kt.rowtile:
+        tm, _, tn = kt.tiles
+
+        def rowtile_fn(x, q, s, gs, *xs):
+          return gmm_rowtile_pallas(
+            x,
+            q,
+            jnp.asarray(gs),
+            tm=tm,
+            tn=tn,
+            out_dtype=DTYPE,
+            group_offset=jnp.zeros((), jnp.int32),
+            rhs_scales=s,
+            lhs_scales=xs[0] if xs else None,
+            narrow_dot=narrow,
+            sub_m=kt.sub_m,
+            vmem_limit_bytes=kt.vmem_limit_bytes,
+            interpret=False,
+          )
+
+        scale, manual = rowtile_hooks(
+          op=op,
+          tm=tm,
+          tk=k,
+          tn=tn,
+          sub_m=kt.sub_m,
+          block_bytes=k * tn * jnp.dtype(dtype).itemsize + tn * 4,
+        )
+        return Case(
+          fn=_in_generation(rowtile_fn, generation),
+          args=(lhs, values, scales, gs) + ((lhs_scales,) if quant_lhs else ()),
+          tiling=kt.tiles,
+          step_scale=scale,
+          step_manual_bytes=manual,
+          row_macs=_gmm_row_macs(k, n, k, tn),
+          kernel="rowtile",
+        )
     # NOTE: tiles and VMEM estimate as for bf16 (as pallas_moe.gmm does: an over-estimate that
     # covers the upcast copy of the 8-bit blocks).
     dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE)

@@ -54,6 +54,9 @@ def gmm_rowtile_pallas(
   group_offset: jax.Array,
   existing_out: jax.Array | None = None,
   transpose_rhs: bool = False,
+  rhs_scales: jax.Array | None = None,
+  lhs_scales: jax.Array | None = None,
+  narrow_dot: bool = False,
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
   count_rows: bool = False,
@@ -71,6 +74,12 @@ def gmm_rowtile_pallas(
     group_offset: [] int32, the first global group that rhs holds.
     existing_out: optional [m, n] of `out_dtype`; rows outside the local groups keep its values.
     transpose_rhs: whether rhs is [G, n, k].
+    rhs_scales: optional [G, 1, n] f32 per-output-column scales of a quantized (int8 / fp8) rhs.
+      They travel with the group's weights (a [1, tn] DMA into the same slot) and scale each
+      partial product. Unless `narrow_dot`, the weights are upcast once per group, when loaded.
+    lhs_scales: optional [m, 1] f32 per-row scales of a quantized lhs; scale each partial product.
+    narrow_dot: both operands quantized with the same dtype: the dot runs on the 8-bit values
+      (int8 x int8 -> int32, fp8 x fp8 -> f32), the MXU's native mode where the chip has one.
     sub_m: rows per MXU pass (divides tm); sub-blocks without rows of a group are skipped for
       that group. None: the whole tile.
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
@@ -90,7 +99,32 @@ def gmm_rowtile_pallas(
   if n % tn:
     raise ValueError(f"tn={tn} must divide n={n} for the row-tile gmm.")
   tiles_n, tiles_m = n // tn, metadata.cdiv(m, tm)
-  compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  quantized, lhs_quantized = rhs_scales is not None, lhs_scales is not None
+  # NOTE: as in gmm_kernel: 8-bit operands have no implicit promotion; one quantized operand is
+  # multiplied in the other's dtype, two in bf16 (exact for int8 and e4m3 values), or natively.
+  if quantized and lhs_quantized:
+    compute_dtype = jnp.dtype(jnp.bfloat16)
+  elif quantized:
+    compute_dtype = lhs.dtype
+  elif lhs_quantized:
+    compute_dtype = rhs.dtype
+  else:
+    compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  if narrow_dot:
+    if not (quantized and lhs_quantized and lhs.dtype == rhs.dtype):
+      raise ValueError(
+        "narrow_dot needs both operands quantized with the same dtype; got lhs "
+        f"{lhs.dtype}, rhs {rhs.dtype}."
+      )
+    compute_dtype = lhs.dtype
+  dot_acc_dtype = jnp.int32 if narrow_dot and lhs.dtype == jnp.int8 else jnp.float32
+  upcast = quantized and not narrow_dot
+  if quantized and tuple(rhs_scales.shape) != (num_local_groups, 1, n):
+    raise ValueError(
+      f"rhs_scales has shape {tuple(rhs_scales.shape)}, expected {(num_local_groups, 1, n)}."
+    )
+  if lhs_quantized and tuple(lhs_scales.shape) != (m, 1):
+    raise ValueError(f"lhs_scales has shape {tuple(lhs_scales.shape)}, expected {(m, 1)}.")
   groups = metadata.make_tile_groups(
     group_sizes=group_sizes,
     group_offset=group_offset,
@@ -115,16 +149,37 @@ def gmm_rowtile_pallas(
 
   def kernel(offsets_ref, first_ref, last_ref, rank_ref, load_ref, nloads_ref, goff_ref, *refs):
     refs = list(refs)
-    counts_ref = refs.pop(-3) if count_rows else None
+    scratch = [refs.pop() for _ in range(2 + 2 * quantized)][::-1]
+    counts_ref = refs.pop() if count_rows else None
+    out_ref = refs.pop()
     lhs_ref, rhs_hbm = refs[0], refs[1]
-    existing_ref = refs[2] if has_existing else None
-    out_ref, w_vmem, sems = refs[-3:]
+    scales_hbm = refs[2] if quantized else None
+    lhs_scales_ref = refs[2 + quantized] if lhs_quantized else None
+    existing_ref = refs[2 + quantized + lhs_quantized] if has_existing else None
+    w_vmem, sems = scratch[0], scratch[1]
+    s_vmem, w_up = (scratch[2], scratch[3]) if quantized else (None, None)
     n_i, t = pl.program_id(0), pl.program_id(1)
     row0 = t * tm
     col0 = pl.multiple_of(n_i * tn, tn)
 
-    def weight_copy(rank):
+    def weight_copies(rank):
       # NOTE: load `rank` (the rank-th non-empty local group) lives in slot rank % 2.
+      copies = [weight_copy(rank)]
+      if quantized:
+        slot = rank % 2
+        src = scales_hbm.at[load_ref[rank], :, pl.ds(col0, tn)]
+        copies.append(pltpu.make_async_copy(src, s_vmem.at[slot], sems.at[2 + slot]))
+      return copies
+
+    def start_load(rank):
+      for c in weight_copies(rank):
+        c.start()
+
+    def wait_load(rank):
+      for c in weight_copies(rank):
+        c.wait()
+
+    def weight_copy(rank):
       group = load_ref[rank]
       src = (
         rhs_hbm.at[group, pl.ds(col0, tn), :]
@@ -160,13 +215,17 @@ def gmm_rowtile_pallas(
         def _load():
           @pl.when(rank == 0)
           def _first():
-            weight_copy(rank).start()
+            start_load(rank)
 
           @pl.when(rank + 1 < nloads_ref[0])
           def _prefetch():
-            weight_copy(rank + 1).start()
+            start_load(rank + 1)
 
-          weight_copy(rank).wait()
+          wait_load(rank)
+          if upcast:
+            # NOTE: upcast once per group and n-tile (not per sub-block); the group keeps it
+            # while it spans several m-tiles, since the next group is upcast only when it starts.
+            w_up[...] = w_vmem[rank % 2].astype(jnp.float32).astype(compute_dtype)
           if counts_ref is not None:
             counts_ref[n_i, t, 1] += 1
 
@@ -180,12 +239,23 @@ def gmm_rowtile_pallas(
         def sub_body(sub, c):
           r0 = pl.multiple_of(sub * sub_m, sub_m)
           rows = pl.ds(r0, sub_m)
+          lhs_blk = lhs_ref[rows, :]
+          if lhs_quantized and not narrow_dot:
+            lhs_blk = lhs_blk.astype(jnp.float32)
+          w_blk = w_up[...] if upcast else w_vmem[slot]
           prod = lax.dot_general(
-            lhs_ref[rows, :].astype(compute_dtype),
-            w_vmem[slot].astype(compute_dtype),
+            lhs_blk.astype(compute_dtype),
+            w_blk.astype(compute_dtype),
             dimension_numbers=dims,
-            preferred_element_type=jnp.float32,
-          )
+            preferred_element_type=dot_acc_dtype,
+          ).astype(jnp.float32)
+          if quantized:
+            # NOTE: one scale per output column: dot(x, q) * s[None, :] == dot(x, q * s).
+            prod = prod * s_vmem[slot]
+          if lhs_quantized:
+            # NOTE: one scale per row: rows of a ragged last tile may hold garbage scales; the
+            # row mask below keeps only the group's rows.
+            prod = prod * lhs_scales_ref[rows, :]
           row_ids = row0 + r0 + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
           mine = (row_ids >= start) & (row_ids < end)
           out_ref[rows, :] = jnp.where(mine, prod.astype(out_ref.dtype), out_ref[rows, :])
@@ -208,6 +278,12 @@ def gmm_rowtile_pallas(
 
   in_specs = [pl.BlockSpec((tm, k), lhs_map), pl.BlockSpec(memory_space=pl.ANY)]
   operands = [lhs, rhs]
+  if quantized:
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    operands.append(rhs_scales.astype(jnp.float32))
+  if lhs_quantized:
+    in_specs.append(pl.BlockSpec((tm, 1), lhs_map))
+    operands.append(lhs_scales.astype(jnp.float32))
   if has_existing:
     in_specs.append(pl.BlockSpec((tm, tn), out_map))
     operands.append(existing_out)
@@ -220,7 +296,7 @@ def gmm_rowtile_pallas(
     transcendentals=0,
   )
   out_shape = common.out_struct(
-    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
+    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out, rhs_scales, lhs_scales
   )
   out_shapes = [out_shape]
   out_specs = [pl.BlockSpec((tm, tn), out_map)]
@@ -237,7 +313,15 @@ def gmm_rowtile_pallas(
         in_specs=in_specs,
         out_specs=out_specs if count_rows else out_specs[0],
         grid=(tiles_n, tiles_m),
-        scratch_shapes=[pltpu.VMEM((2, *w_block), rhs.dtype), pltpu.SemaphoreType.DMA((2,))],
+        scratch_shapes=[
+          pltpu.VMEM((2, *w_block), rhs.dtype),
+          pltpu.SemaphoreType.DMA((4 if quantized else 2,)),
+        ]
+        + (
+          [pltpu.VMEM((2, 1, tn), jnp.float32), pltpu.VMEM(w_block, compute_dtype)]
+          if quantized
+          else []
+        ),
       ),
       # NOTE: m-tiles run in order (a group's weights stay in their slot across tiles, and the
       # next load is started a group ahead); each n-tile restarts its load sequence, so n-tiles

@@ -370,11 +370,11 @@ def _quant_fwd_impl(static, lhs, values, scales, group_sizes, group_offset, exis
     # NOTE: quantized in the wrapper: a row's absmax spans all of k, which one kernel step (one
     # k-tile) does not see. The int8 / fp8 lhs also halves the kernel's lhs reads.
     lhs, lhs_scales = quant.quantize_rows(lhs, dtype=static.activation_dtype)
-  return gmm_pallas(
+  return _run_gmm(
+    static.fwd,
     lhs,
     values,
     group_sizes,
-    **static.fwd.kwargs(),
     out_dtype=static.out_dtype,
     group_offset=group_offset,
     existing_out=existing_out,
@@ -719,7 +719,8 @@ def gmm(
   common.check_existing_out(existing_out, shape=(m, n), dtype=out_dtype)
   tilings = Tiling.of(tiling)
   resolve = functools.partial(_resolve_tiles, num_groups=num_local_groups, interpret=interpret)
-  # NOTE: the quantized forward and lhs-gradient kernels (rhs scales) are visit-schedule only.
+  # NOTE: the quantized lhs-gradient kernel (scales along its contraction) is visit-schedule
+  # only; the quantized forward (per-column scales) runs on either.
   quantized_gmm = weight_dtype is not None
   compute_dtype = jnp.promote_types(lhs.dtype, rhs_for_tiles.dtype)
   # NOTE: with transpose_rhs the weight gradient is [G, n, k]: tgmm's (tk, tn) tile (n, k).
@@ -739,7 +740,6 @@ def gmm(
       dims=(m, k, n),
       kind="gmm",
       dtypes=(lhs.dtype, rhs_for_tiles.dtype, out_dtype),
-      allow_rowtile=not quantized_gmm,
     ),
     dlhs=resolve(
       tilings.dlhs,

@@ -359,26 +359,48 @@ def test_expert_mlp_with_weight_quantization():
 # --- bench ---------------------------------------------------------------------------------------
 
 
+def _bytes(sched, prefix):
+  """Bytes of the operand whose cost-model label starts with `prefix` ("in0", "out0", ...)."""
+  (key,) = [k for k in sched.operand_bytes if k == prefix or k.startswith(prefix + ":")]
+  return sched.operand_bytes[key]
+
+
+def _analyze(impl, op, shape, gs, gen):
+  from bench import costmodel as cm
+
+  case = impl.build(op=op, shape=shape, group_sizes=gs, generation=gen)
+  (sched,) = cm.analyze(
+    case.fn, *case.args, step_scale=case.step_scale, step_manual_bytes=case.step_manual_bytes
+  )
+  return sched
+
+
 @pytest.mark.parametrize("op", ["fwd", "dlhs"])
 def test_bench_int8_moves_fewer_weight_bytes(op):
-  """The bench's pallas_moe-int8 case reads the weights at 1 byte/element plus f32 scales."""
-  from bench import costmodel as cm
+  """The bench's pallas_moe-int8 case reads the weights at 1 byte/element plus f32 scales.
+
+  fwd runs the row-tile kernel (weights and scales by manual DMA, once per non-empty group),
+  dlhs the visit kernel (pipelined weight and scale blocks); each is compared with the bf16
+  kernel of the same schedule.
+  """
   from bench.impls import IMPLS
   from bench.shapes import Shape
 
   shape = Shape(name="tiny", tokens=1024, top_k=1, num_groups=4, k=256, n=384)
   gs = np.array([300, 0, 500, 100], np.int32)
   v5e = tiling.get_generation("v5e")
-  (bf16,) = cm.analyze(*_case_call(IMPLS["pallas_moe-visits"], op, shape, gs, v5e))
-  (int8,) = cm.analyze(*_case_call(IMPLS["pallas_moe-int8"], op, shape, gs, v5e))
+  base = "pallas_moe" if op == "fwd" else "pallas_moe-visits"
+  bf16 = _analyze(IMPLS[base], op, shape, gs, v5e)
+  int8 = _analyze(IMPLS["pallas_moe-int8"], op, shape, gs, v5e)
   assert bf16.grid == int8.grid
-  w_key, s_key = "in1:args[7]", "in2:args[8]"
-  # The weight blocks fetched are the same; int8 halves their bytes. Scales: one f32 per column
-  # of each fetched group (here the tiles span k and n: the 3 non-empty groups, once each).
-  assert int8.operand_bytes[w_key] * 2 == bf16.operand_bytes[w_key]
-  assert int8.operand_bytes[s_key] == 3 * shape.n * 4
-  for key in ("in0:args[6]", "out0:outputs"):
-    assert int8.operand_bytes[key] == bf16.operand_bytes[key]
+  # Scales: one f32 per column of each loaded group (the 3 non-empty groups, once each).
+  if op == "fwd":
+    assert int8.operand_bytes["manual"] * 2 == bf16.operand_bytes["manual"] + 2 * 3 * shape.n * 4
+  else:
+    assert _bytes(int8, "in1") * 2 == _bytes(bf16, "in1")
+    assert _bytes(int8, "in2") == 3 * shape.n * 4
+  for key in ("in0", "out0"):
+    assert _bytes(int8, key) == _bytes(bf16, key)
   print(f"\n{op}: HBM bytes bf16 {bf16.hbm_bytes:,} int8 {int8.hbm_bytes:,}")
 
 
@@ -396,28 +418,23 @@ def test_bench_quantized_impls_credit_the_narrow_peak_only_for_narrow_dots(gen_n
   gen = tiling.get_generation(gen_name)
 
   def run(name):
-    (sched,) = cm.analyze(*_case_call(IMPLS[name], "fwd", shape, gs, gen))
+    sched = _analyze(IMPLS[name], "fwd", shape, gs, gen)
     (call,) = cm.cost([sched], generation=gen).calls
     return sched, call
 
-  bf16, bf16_cost = run("pallas_moe-visits")  # the quantized kernels use the visit schedule
+  bf16, bf16_cost = run("pallas_moe")  # the quantized forward runs the row-tile kernel too
   for dtype in ("int8", "fp8"):
     w, w_cost = run(f"pallas_moe-{dtype}")
     a, a_cost = run(f"pallas_moe-{dtype}-w8a8")
     assert w.grid == a.grid == bf16.grid
-    assert w.operand_bytes["in1:args[7]"] * 2 == bf16.operand_bytes["in1:args[7]"]
-    assert a.operand_bytes["in0:args[6]"] * 2 == bf16.operand_bytes["in0:args[6]"]
+    assert w.operand_bytes["manual"] * 2 == bf16.operand_bytes["manual"] + 2 * 3 * shape.n * 4
+    assert _bytes(a, "in0") * 2 == _bytes(bf16, "in0")
     assert w_cost.mxu_us == pytest.approx(bf16_cost.mxu_us)  # weights only: upcast, bf16 rate
     narrow_peak = gen.peak_int8_ops if dtype == "int8" else gen.peak_fp8_ops
     if quant.narrow_dot_supported(dtype, gen):
       assert a_cost.mxu_us == pytest.approx(bf16_cost.mxu_us * gen.peak_bf16_flops / narrow_peak)
     else:
       assert a_cost.mxu_us == pytest.approx(bf16_cost.mxu_us)
-
-
-def _case_call(impl, op, shape, gs, gen):
-  case = impl.build(op=op, shape=shape, group_sizes=gs, generation=gen)
-  return case.fn, *case.args
 
 
 @pytest.mark.aot

@@ -341,3 +341,64 @@ def test_public_gmm_grad_through_rowtile_kernels():
   ref = jax.grad(loss(lambda x, w, s: reference.gmm(x, w, s)), (0, 1))(x, w)
   for a, b in zip(got, ref, strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
+
+
+# (m, k, n, tm, tn, sub_m, groups, weights dtype, quantize lhs, narrow_dot, in/out dtype)
+QUANT_CASES = [
+  (67, 40, 48, 16, 16, 8, 5, jnp.int8, False, False, jnp.bfloat16),
+  (67, 40, 48, 16, 48, 16, 5, jnp.float8_e4m3fn, False, False, jnp.float32),
+  (130, 64, 128, 64, 128, 32, 6, jnp.int8, True, True, jnp.bfloat16),
+  (130, 64, 128, 64, 64, 32, 6, jnp.float8_e4m3fn, True, True, jnp.bfloat16),
+  (130, 64, 128, 64, 64, 32, 6, jnp.int8, True, False, jnp.float32),
+]
+QUANT_IDS = [
+  f"{jnp.dtype(c[7]).name}" + ("-w8a8" if c[8] else "") + ("-narrow" if c[9] else "")
+  for c in QUANT_CASES
+]
+
+
+def check_quantized(case, sizes, seed, interpret):
+  from pallas_moe import quant
+
+  m, k, n, tm, tn, sub_m, groups, w_dtype, quant_lhs, narrow, dtype = case
+  x = random_array(seed, (m, k), dtype)
+  q = quant.quantize(random_array(seed + 1, (groups, k, n), jnp.float32), dtype=w_dtype)
+  lhs, lhs_scales = quant.quantize_rows(x, dtype=w_dtype) if quant_lhs else (x, None)
+  out = jax.jit(
+    lambda x, v, s, gs, ls: gmm_rowtile_pallas(
+      x,
+      v,
+      gs,
+      tm=tm,
+      tn=tn,
+      out_dtype=jnp.float32,
+      group_offset=jnp.int32(0),
+      rhs_scales=s,
+      lhs_scales=ls,
+      narrow_dot=narrow,
+      sub_m=sub_m,
+      interpret=interpret,
+    )
+  )(lhs, q.values, q.scales, jnp.asarray(sizes), lhs_scales)
+  ref = reference.quantized_gmm(lhs, lhs_scales, q.values, q.scales, jnp.asarray(sizes))
+  # NOTE: one quantized operand is multiplied in the other's dtype (bf16 lhs rounds nothing
+  # further: the reference dequantizes the same bf16 x); two in bf16 or natively, both exact.
+  np.testing.assert_allclose(
+    np.asarray(out), np.asarray(ref), **tolerance(in_dtype=dtype, out_dtype=jnp.float32, k=k)
+  )
+  assert not np.any(np.asarray(out)[int(sizes.sum()) :])
+
+
+@pytest.mark.parametrize("case", QUANT_CASES, ids=QUANT_IDS)
+@examples(0.25)
+@given(data=st.data())
+def test_quantized_gmm_rowtile_matches_dequantized_reference(case, data):
+  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[6]))
+  check_quantized(case, sizes, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["hlo"])
+
+
+@pytest.mark.parametrize("case", QUANT_CASES[2:3], ids=QUANT_IDS[2:3])
+def test_quantized_gmm_rowtile_simulator_no_races(case, capfd):
+  sizes = np.array([30, 0, 45, 1, 0, 54], np.int32)
+  with no_races_or_oob(capfd):
+    check_quantized(case, sizes, 5, RACE_PARAMS)
