@@ -524,53 +524,55 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
     # [G, n', k']) they lie along the contraction k' = n, the same [G, 1, n] array.
     scales = jax.ShapeDtypeStruct((g, 1, n), jnp.float32)
     dk, dn = (n, k) if dlhs else (k, n)
-    if not dlhs:
-      # NOTE: the forward runs as pallas_moe.gmm runs it: the row-tile kernel with its tiles
-      # (chosen, like the VMEM estimate, as for bf16: an over-estimate covering the upcast copy).
-      from pallas_moe import ops
-      from pallas_moe.gmm_rowtile_kernel import gmm_rowtile_pallas
+    # NOTE: as pallas_moe.gmm runs them: the row-tile kernel with its tiles (chosen, like the
+    # VMEM estimate, as for bf16: an over-estimate covering the upcast copy). dlhs reads the
+    # weights transposed with the scales along its contraction, DMA'd whole per group.
+    from pallas_moe import ops
+    from pallas_moe.gmm_rowtile_kernel import gmm_rowtile_pallas
 
-      with use_generation(generation):
-        kt = ops._resolve_tiles(
-          None, dims=(m, k, n), kind="gmm", num_groups=g, dtypes=(DTYPE,) * 3, interpret=False
-        )
-      if kt.rowtile:
-        tm, _, tn = kt.tiles
+    with use_generation(generation):
+      kt = ops._resolve_tiles(
+        None, dims=(m, dk, dn), kind="gmm", num_groups=g, dtypes=(DTYPE,) * 3, interpret=False
+      )
+    if kt.rowtile:
+      tm, _, tn = kt.tiles
 
-        def rowtile_fn(x, q, s, gs, *xs):
-          return gmm_rowtile_pallas(
-            x,
-            q,
-            jnp.asarray(gs),
-            tm=tm,
-            tn=tn,
-            out_dtype=DTYPE,
-            group_offset=jnp.zeros((), jnp.int32),
-            rhs_scales=s,
-            lhs_scales=xs[0] if xs else None,
-            narrow_dot=narrow,
-            sub_m=kt.sub_m,
-            vmem_limit_bytes=kt.vmem_limit_bytes,
-            interpret=False,
-          )
-
-        scale, manual = rowtile_hooks(
-          op=op,
+      def rowtile_fn(x, q, s, gs, *xs):
+        return gmm_rowtile_pallas(
+          x,
+          q,
+          jnp.asarray(gs),
           tm=tm,
-          tk=k,
           tn=tn,
+          out_dtype=DTYPE,
+          group_offset=jnp.zeros((), jnp.int32),
+          transpose_rhs=dlhs,
+          rhs_scales=s,
+          scales_on_k=dlhs,
+          lhs_scales=xs[0] if xs else None,
+          narrow_dot=narrow,
           sub_m=kt.sub_m,
-          block_bytes=k * tn * jnp.dtype(dtype).itemsize + tn * 4,
+          vmem_limit_bytes=kt.vmem_limit_bytes,
+          interpret=False,
         )
-        return Case(
-          fn=_in_generation(rowtile_fn, generation),
-          args=(lhs, values, scales, gs) + ((lhs_scales,) if quant_lhs else ()),
-          tiling=kt.tiles,
-          step_scale=scale,
-          step_manual_bytes=manual,
-          row_macs=_gmm_row_macs(k, n, k, tn),
-          kernel="rowtile",
-        )
+
+      scale, manual = rowtile_hooks(
+        op=op,
+        tm=tm,
+        tk=dk,
+        tn=tn,
+        sub_m=kt.sub_m,
+        block_bytes=dk * tn * jnp.dtype(dtype).itemsize + (dk if dlhs else tn) * 4,
+      )
+      return Case(
+        fn=_in_generation(rowtile_fn, generation),
+        args=(lhs, values, scales, gs) + ((lhs_scales,) if quant_lhs else ()),
+        tiling=kt.tiles,
+        step_scale=scale,
+        step_manual_bytes=manual,
+        row_macs=_gmm_row_macs(dk, dn, dk, tn),
+        kernel="rowtile",
+      )
     # NOTE: tiles and VMEM estimate as for bf16 (as pallas_moe.gmm does: an over-estimate that
     # covers the upcast copy of the 8-bit blocks).
     dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE)

@@ -55,6 +55,7 @@ def gmm_rowtile_pallas(
   existing_out: jax.Array | None = None,
   transpose_rhs: bool = False,
   rhs_scales: jax.Array | None = None,
+  scales_on_k: bool = False,
   lhs_scales: jax.Array | None = None,
   narrow_dot: bool = False,
   sub_m: int | None = None,
@@ -77,6 +78,10 @@ def gmm_rowtile_pallas(
     rhs_scales: optional [G, 1, n] f32 per-output-column scales of a quantized (int8 / fp8) rhs.
       They travel with the group's weights (a [1, tn] DMA into the same slot) and scale each
       partial product. Unless `narrow_dot`, the weights are upcast once per group, when loaded.
+      With `scales_on_k` (the lhs-gradient pass: scales along the contraction) they are
+      [G, 1, k] ([G, k, 1] without `transpose_rhs`), DMA'd whole per group and folded into the
+      upcast weights.
+    scales_on_k: see `rhs_scales`.
     lhs_scales: optional [m, 1] f32 per-row scales of a quantized lhs; scale each partial product.
     narrow_dot: both operands quantized with the same dtype: the dot runs on the 8-bit values
       (int8 x int8 -> int32, fp8 x fp8 -> f32), the MXU's native mode where the chip has one.
@@ -111,7 +116,7 @@ def gmm_rowtile_pallas(
   else:
     compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
   if narrow_dot:
-    if not (quantized and lhs_quantized and lhs.dtype == rhs.dtype):
+    if not (quantized and lhs_quantized and lhs.dtype == rhs.dtype) or scales_on_k:
       raise ValueError(
         "narrow_dot needs both operands quantized with the same dtype; got lhs "
         f"{lhs.dtype}, rhs {rhs.dtype}."
@@ -119,10 +124,13 @@ def gmm_rowtile_pallas(
     compute_dtype = lhs.dtype
   dot_acc_dtype = jnp.int32 if narrow_dot and lhs.dtype == jnp.int8 else jnp.float32
   upcast = quantized and not narrow_dot
-  if quantized and tuple(rhs_scales.shape) != (num_local_groups, 1, n):
-    raise ValueError(
-      f"rhs_scales has shape {tuple(rhs_scales.shape)}, expected {(num_local_groups, 1, n)}."
-    )
+  if scales_on_k:
+    s_block = (1, k) if transpose_rhs else (k, 1)
+  else:
+    s_block = (1, tn)
+  want = (num_local_groups, *s_block) if scales_on_k else (num_local_groups, 1, n)
+  if quantized and tuple(rhs_scales.shape) != want:
+    raise ValueError(f"rhs_scales has shape {tuple(rhs_scales.shape)}, expected {want}.")
   if lhs_quantized and tuple(lhs_scales.shape) != (m, 1):
     raise ValueError(f"lhs_scales has shape {tuple(lhs_scales.shape)}, expected {(m, 1)}.")
   groups = metadata.make_tile_groups(
@@ -167,7 +175,10 @@ def gmm_rowtile_pallas(
       copies = [weight_copy(rank)]
       if quantized:
         slot = rank % 2
-        src = scales_hbm.at[load_ref[rank], :, pl.ds(col0, tn)]
+        if scales_on_k:
+          src = scales_hbm.at[load_ref[rank]]
+        else:
+          src = scales_hbm.at[load_ref[rank], :, pl.ds(col0, tn)]
         copies.append(pltpu.make_async_copy(src, s_vmem.at[slot], sems.at[2 + slot]))
       return copies
 
@@ -225,7 +236,12 @@ def gmm_rowtile_pallas(
           if upcast:
             # NOTE: upcast once per group and n-tile (not per sub-block); the group keeps it
             # while it spans several m-tiles, since the next group is upcast only when it starts.
-            w_up[...] = w_vmem[rank % 2].astype(jnp.float32).astype(compute_dtype)
+            w32 = w_vmem[rank % 2].astype(jnp.float32)
+            if scales_on_k:
+              # NOTE: scales along the contraction cannot be factored out of the dot; they
+              # scale the weights, once per group, as part of the upcast.
+              w32 = w32 * s_vmem[rank % 2]
+            w_up[...] = w32.astype(compute_dtype)
           if counts_ref is not None:
             counts_ref[n_i, t, 1] += 1
 
@@ -249,7 +265,7 @@ def gmm_rowtile_pallas(
             dimension_numbers=dims,
             preferred_element_type=dot_acc_dtype,
           ).astype(jnp.float32)
-          if quantized:
+          if quantized and not scales_on_k:
             # NOTE: one scale per output column: dot(x, q) * s[None, :] == dot(x, q * s).
             prod = prod * s_vmem[slot]
           if lhs_quantized:
@@ -318,7 +334,7 @@ def gmm_rowtile_pallas(
           pltpu.SemaphoreType.DMA((4 if quantized else 2,)),
         ]
         + (
-          [pltpu.VMEM((2, 1, tn), jnp.float32), pltpu.VMEM(w_block, compute_dtype)]
+          [pltpu.VMEM((2, *s_block), jnp.float32), pltpu.VMEM(w_block, compute_dtype)]
           if quantized
           else []
         ),

@@ -117,7 +117,7 @@ def _resolve_tiles(
     dtypes: (lhs, rhs, out) dtypes.
     interpret: when the call may compile for TPU (None or False), tiles over the current
       generation's VMEM budget are refused here rather than by Mosaic.
-    allow_rowtile: False keeps the visit kernel (the quantized gmm paths).
+    allow_rowtile: False keeps the visit kernel (quantized tgmm operands).
   """
   m, k, n = dims
   lhs_dtype, rhs_dtype, out_dtype = dtypes
@@ -388,11 +388,11 @@ def _quant_fwd_impl(static, lhs, values, scales, group_sizes, group_offset, exis
 
 def _quant_dlhs(static, lhs, values, scales, group_sizes, group_offset, dout):
   """dlhs = dout @ dequantize(q)^T: the quantized kernel, transposed, scales on its k."""
-  return gmm_pallas(
+  return _run_gmm(
+    static.dlhs,
     dout.astype(lhs.dtype),
     values,
     group_sizes,
-    **static.dlhs.kwargs(),
     out_dtype=lhs.dtype,
     group_offset=group_offset,
     transpose_rhs=not static.transpose_rhs,
@@ -719,9 +719,6 @@ def gmm(
   common.check_existing_out(existing_out, shape=(m, n), dtype=out_dtype)
   tilings = Tiling.of(tiling)
   resolve = functools.partial(_resolve_tiles, num_groups=num_local_groups, interpret=interpret)
-  # NOTE: the quantized lhs-gradient kernel (scales along its contraction) is visit-schedule
-  # only; the quantized forward (per-column scales) runs on either.
-  quantized_gmm = weight_dtype is not None
   compute_dtype = jnp.promote_types(lhs.dtype, rhs_for_tiles.dtype)
   # NOTE: with transpose_rhs the weight gradient is [G, n, k]: tgmm's (tk, tn) tile (n, k).
   if transpose_rhs:
@@ -746,7 +743,6 @@ def gmm(
       dims=(m, n, k),
       kind="gmm",
       dtypes=(compute_dtype, rhs_for_tiles.dtype, lhs.dtype),
-      allow_rowtile=not quantized_gmm,
     ),
     drhs=resolve(
       drhs_spec,

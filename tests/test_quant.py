@@ -379,9 +379,8 @@ def _analyze(impl, op, shape, gs, gen):
 def test_bench_int8_moves_fewer_weight_bytes(op):
   """The bench's pallas_moe-int8 case reads the weights at 1 byte/element plus f32 scales.
 
-  fwd runs the row-tile kernel (weights and scales by manual DMA, once per non-empty group),
-  dlhs the visit kernel (pipelined weight and scale blocks); each is compared with the bf16
-  kernel of the same schedule.
+  Both passes run the row-tile kernel (weights and scales by manual DMA, once per non-empty
+  group and n-tile), compared with the bf16 row-tile kernel.
   """
   from bench.impls import IMPLS
   from bench.shapes import Shape
@@ -389,16 +388,13 @@ def test_bench_int8_moves_fewer_weight_bytes(op):
   shape = Shape(name="tiny", tokens=1024, top_k=1, num_groups=4, k=256, n=384)
   gs = np.array([300, 0, 500, 100], np.int32)
   v5e = tiling.get_generation("v5e")
-  base = "pallas_moe" if op == "fwd" else "pallas_moe-visits"
-  bf16 = _analyze(IMPLS[base], op, shape, gs, v5e)
+  bf16 = _analyze(IMPLS["pallas_moe"], op, shape, gs, v5e)
   int8 = _analyze(IMPLS["pallas_moe-int8"], op, shape, gs, v5e)
   assert bf16.grid == int8.grid
-  # Scales: one f32 per column of each loaded group (the 3 non-empty groups, once each).
-  if op == "fwd":
-    assert int8.operand_bytes["manual"] * 2 == bf16.operand_bytes["manual"] + 2 * 3 * shape.n * 4
-  else:
-    assert _bytes(int8, "in1") * 2 == _bytes(bf16, "in1")
-    assert _bytes(int8, "in2") == 3 * shape.n * 4
+  # Scales ride with each load of the 3 non-empty groups: fwd one f32 per output column (n in
+  # all over the n-tiles); dlhs its whole contraction (n) once per n-tile.
+  scale_bytes = shape.n * 4 * (1 if op == "fwd" else int8.grid[0])
+  assert int8.operand_bytes["manual"] * 2 == bf16.operand_bytes["manual"] + 2 * 3 * scale_bytes
   for key in ("in0", "out0"):
     assert _bytes(int8, key) == _bytes(bf16, key)
   print(f"\n{op}: HBM bytes bf16 {bf16.hbm_bytes:,} int8 {int8.hbm_bytes:,}")

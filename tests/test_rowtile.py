@@ -402,3 +402,36 @@ def test_quantized_gmm_rowtile_simulator_no_races(case, capfd):
   sizes = np.array([30, 0, 45, 1, 0, 54], np.int32)
   with no_races_or_oob(capfd):
     check_quantized(case, sizes, 5, RACE_PARAMS)
+
+
+@pytest.mark.parametrize("transpose_fwd", [False, True])
+def test_quantized_dlhs_rowtile_scales_on_contraction(transpose_fwd):
+  """The lhs-gradient pass: dout @ dequantize(q)^T, scales along the kernel's contraction."""
+  from pallas_moe import quant
+
+  m, k, n, groups = 130, 64, 128, 6
+  sizes = np.array([30, 0, 45, 1, 0, 54], np.int32)
+  axis = 2 if transpose_fwd else 1
+  w = random_array(1, (groups, n, k) if transpose_fwd else (groups, k, n), jnp.float32)
+  q = quant.quantize(w, dtype="int8", axis=axis)
+  dout = random_array(0, (m, n), jnp.bfloat16)
+  scales = q.scales  # [G, n, 1] or [G, 1, n]: along n, the contraction of this pass
+  out = gmm_rowtile_pallas(
+    dout,
+    q.values,
+    jnp.asarray(sizes),
+    tm=64,
+    tn=64,
+    out_dtype=jnp.float32,
+    group_offset=jnp.int32(0),
+    transpose_rhs=not transpose_fwd,
+    rhs_scales=scales,
+    scales_on_k=True,
+    sub_m=32,
+    interpret=INTERPRET_MODES["tpu"],
+  )
+  deq = quant.dequantize(q)
+  ref = reference.gmm(dout.astype(jnp.float32), deq, jnp.asarray(sizes), jnp.float32,
+                      transpose_rhs=not transpose_fwd)  # fmt: skip
+  # NOTE: the scaled weights are rounded to bf16 (the compute dtype) before the dot.
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-2, atol=2e-2 * np.sqrt(n))
