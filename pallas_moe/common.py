@@ -195,6 +195,61 @@ def run_kernel(build: Callable[[Interpret], Callable[..., Any]], interpret: Inte
   return build(interpret)(*args)
 
 
+def check_instrumented(interpret: Interpret) -> None:
+  """count_rows instrumentation writes SMEM counters that only interpret mode returns."""
+  if interpret is None or interpret is False:
+    raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
+
+
+def dot_dtypes(
+  lhs_dtype,
+  rhs_dtype,
+  *,
+  lhs_quantized: bool,
+  rhs_quantized: bool,
+  narrow_dot: bool,
+  scales_allow_narrow: bool = True,
+  scales_requirement: str = "",
+) -> tuple[jnp.dtype, jnp.dtype]:
+  """The dtype a kernel's dot multiplies in, and the dtype it accumulates in.
+
+  NOTE: 8-bit operands have no implicit promotion: one quantized operand is multiplied in the
+  other operand's dtype, two in bf16 (int8 and e4m3 values are exact there). With `narrow_dot`
+  the dot runs on the 8-bit values themselves; int8 x int8 products are exact in int32
+  (|sum| <= 127^2 * k), fp8 accumulates in f32.
+
+  Args:
+    lhs_dtype: lhs element type.
+    rhs_dtype: rhs element type.
+    lhs_quantized: lhs holds int8 / fp8 values with scales.
+    rhs_quantized: rhs holds int8 / fp8 values with scales.
+    narrow_dot: multiply the 8-bit values natively.
+    scales_allow_narrow: whether the scales' layout lets them factor out of the dot.
+    scales_requirement: that layout, for the error message.
+
+  Returns:
+    (compute dtype, dot accumulation dtype).
+  """
+  if lhs_quantized and rhs_quantized:
+    compute = jnp.dtype(jnp.bfloat16)
+  elif rhs_quantized:
+    compute = jnp.dtype(lhs_dtype)
+  elif lhs_quantized:
+    compute = jnp.dtype(rhs_dtype)
+  else:
+    compute = jnp.promote_types(lhs_dtype, rhs_dtype)
+  if not narrow_dot:
+    return compute, jnp.dtype(jnp.float32)
+  same = jnp.dtype(lhs_dtype) == jnp.dtype(rhs_dtype)
+  if not (lhs_quantized and rhs_quantized and same and scales_allow_narrow):
+    raise ValueError(
+      "narrow_dot needs both operands quantized with the same dtype"
+      f"{scales_requirement}; got lhs {jnp.dtype(lhs_dtype)}, rhs {jnp.dtype(rhs_dtype)}."
+    )
+  acc = jnp.int32 if jnp.dtype(lhs_dtype) == jnp.int8 else jnp.float32
+  return jnp.dtype(lhs_dtype), jnp.dtype(acc)
+
+
 def run_counting_rows(build, interpret: Interpret, schedule, *args):
   """Runs an instrumented kernel (interpret mode only) and returns (out, rows per grid step).
 
@@ -205,8 +260,7 @@ def run_counting_rows(build, interpret: Interpret, schedule, *args):
     schedule: the kernel's `metadata.Schedule`.
     *args: the pallas_call operands.
   """
-  if interpret is None or interpret is False:
-    raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
+  check_instrumented(interpret)
   out, rows = build(interpret)(*args)
   # NOTE: entries past num_visits belong to no grid step and were never written.
   return out, jnp.where(jnp.arange(schedule.max_visits) < schedule.num_visits, rows, 0)

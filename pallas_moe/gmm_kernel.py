@@ -102,25 +102,15 @@ def gmm_pallas(
   k_rem = k % tk
   quantized = rhs_scales is not None
   lhs_quantized = lhs_scales is not None
-  # NOTE: 8-bit floats have no implicit promotion; a quantized operand is multiplied in the other
-  # operand's dtype, and two quantized operands in bf16 (int8 and e4m3 values are exact there).
-  if quantized and lhs_quantized:
-    compute_dtype = jnp.dtype(jnp.bfloat16)
-  elif quantized:
-    compute_dtype = lhs.dtype
-  elif lhs_quantized:
-    compute_dtype = rhs.dtype
-  else:
-    compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
-  if narrow_dot:
-    if not (quantized and lhs_quantized and lhs.dtype == rhs.dtype) or scales_on_k:
-      raise ValueError(
-        "narrow_dot needs both operands quantized with the same dtype and per-output-column rhs "
-        f"scales; got lhs {lhs.dtype}, rhs {rhs.dtype}, scales_on_k={scales_on_k}."
-      )
-    compute_dtype = lhs.dtype
-  # NOTE: int8 x int8 products are exact in int32 (|sum| <= 127^2 * tk); fp8 accumulates in f32.
-  dot_acc_dtype = jnp.int32 if narrow_dot and lhs.dtype == jnp.int8 else jnp.float32
+  compute_dtype, dot_acc_dtype = common.dot_dtypes(
+    lhs.dtype,
+    rhs.dtype,
+    lhs_quantized=lhs_quantized,
+    rhs_quantized=quantized,
+    narrow_dot=narrow_dot,
+    scales_allow_narrow=not scales_on_k,
+    scales_requirement=" and per-output-column rhs scales (not scales_on_k)",
+  )
 
   schedule = metadata.make_schedule(
     group_sizes=group_sizes,

@@ -105,24 +105,15 @@ def gmm_rowtile_pallas(
     raise ValueError(f"tn={tn} must divide n={n} for the row-tile gmm.")
   tiles_n, tiles_m = n // tn, metadata.cdiv(m, tm)
   quantized, lhs_quantized = rhs_scales is not None, lhs_scales is not None
-  # NOTE: as in gmm_kernel: 8-bit operands have no implicit promotion; one quantized operand is
-  # multiplied in the other's dtype, two in bf16 (exact for int8 and e4m3 values), or natively.
-  if quantized and lhs_quantized:
-    compute_dtype = jnp.dtype(jnp.bfloat16)
-  elif quantized:
-    compute_dtype = lhs.dtype
-  elif lhs_quantized:
-    compute_dtype = rhs.dtype
-  else:
-    compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
-  if narrow_dot:
-    if not (quantized and lhs_quantized and lhs.dtype == rhs.dtype) or scales_on_k:
-      raise ValueError(
-        "narrow_dot needs both operands quantized with the same dtype; got lhs "
-        f"{lhs.dtype}, rhs {rhs.dtype}."
-      )
-    compute_dtype = lhs.dtype
-  dot_acc_dtype = jnp.int32 if narrow_dot and lhs.dtype == jnp.int8 else jnp.float32
+  compute_dtype, dot_acc_dtype = common.dot_dtypes(
+    lhs.dtype,
+    rhs.dtype,
+    lhs_quantized=lhs_quantized,
+    rhs_quantized=quantized,
+    narrow_dot=narrow_dot,
+    scales_allow_narrow=not scales_on_k,
+    scales_requirement=" and per-output-column rhs scales (not scales_on_k)",
+  )
   upcast = quantized and not narrow_dot
   if scales_on_k:
     s_block = (1, k) if transpose_rhs else (k, 1)
@@ -356,7 +347,6 @@ def gmm_rowtile_pallas(
     )
 
   if count_rows:
-    if interpret is None or interpret is False:
-      raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
+    common.check_instrumented(interpret)
     return build(interpret)(*prefetch, *operands)
   return common.run_kernel(build, interpret, *prefetch, *operands)

@@ -88,23 +88,16 @@ def tgmm_pallas(
   ):
     if scales is not None and tuple(scales.shape) not in want:
       raise ValueError(f"{name} has shape {tuple(scales.shape)}, expected {want[0]} or {want[1]}.")
-  # NOTE: an 8-bit operand multiplies in the float operand's dtype; two quantized operands in
-  # bf16 (int8 and e4m3 values are exact there; per-token scaled values round like a bf16
-  # dequantize would).
-  if lhs_q and rhs_q:
-    compute_dtype = jnp.dtype(jnp.bfloat16)
-  elif lhs_q or rhs_q:
-    compute_dtype = rhs.dtype if lhs_q else lhs.dtype
-  else:
-    compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
-  if narrow_dot:
-    if not (lhs_q and rhs_q and lhs.dtype == rhs.dtype) or lhs_token or rhs_token:
-      raise ValueError(
-        "narrow_dot needs both operands quantized with the same dtype and per-channel scales "
-        f"([k, 1] and [1, n]); got lhs {lhs.dtype}, rhs {rhs.dtype}."
-      )
-    compute_dtype = lhs.dtype
-  dot_acc_dtype = jnp.int32 if narrow_dot and lhs.dtype == jnp.int8 else jnp.float32
+  # NOTE: per-token scaled values (two quantized operands) round to bf16 like a bf16 dequantize.
+  compute_dtype, dot_acc_dtype = common.dot_dtypes(
+    lhs.dtype,
+    rhs.dtype,
+    lhs_quantized=lhs_q,
+    rhs_quantized=rhs_q,
+    narrow_dot=narrow_dot,
+    scales_allow_narrow=not (lhs_token or rhs_token),
+    scales_requirement=" and per-channel scales ([k, 1] and [1, n])",
+  )
 
   schedule = metadata.make_schedule(
     group_sizes=group_sizes,

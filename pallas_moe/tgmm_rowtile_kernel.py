@@ -251,7 +251,6 @@ def tgmm_rowtile_pallas(
     )
 
   if count_rows:
-    if interpret is None or interpret is False:
-      raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
+    common.check_instrumented(interpret)
     return build(interpret)(*prefetch, *operands)
   return common.run_kernel(build, interpret, *prefetch, *operands)
