@@ -30,19 +30,6 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_moe import common, metadata
 
 
-def vmem_bytes(
-  *, tm: int, k: int, tn: int, lhs_itemsize: int, rhs_itemsize: int, out_itemsize: int
-) -> int:
-  """VMEM the row-tile gmm needs: double-buffered lhs and out blocks, two weight slots, and the
-  f32 product of one sub-block (bounded by the tile)."""
-  return (
-    2 * tm * k * lhs_itemsize
-    + 2 * k * tn * rhs_itemsize
-    + 2 * tm * tn * out_itemsize
-    + (tm * tn * 4)
-  )
-
-
 def gmm_rowtile_pallas(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -60,6 +47,7 @@ def gmm_rowtile_pallas(
   narrow_dot: bool = False,
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
+  sequential_sweeps: bool = False,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -88,6 +76,9 @@ def gmm_rowtile_pallas(
     sub_m: rows per MXU pass (divides tm); sub-blocks without rows of a group are skipped for
       that group. None: the whole tile.
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e): the first weights
+      of n-tile j + 1 are prefetched while the last group of n-tile j computes, instead of being
+      loaded (exposed) at the start of n-tile j + 1. Both grid axes are then "arbitrary".
     count_rows: interpret-mode instrumentation: also return [tiles_n, tiles_m, 2] int32: rows
       pushed through the MXU and weight blocks loaded, per grid step.
     interpret: see `common.run_kernel`.
@@ -159,37 +150,39 @@ def gmm_rowtile_pallas(
     s_vmem, w_up = (scratch[2], scratch[3]) if quantized else (None, None)
     n_i, t = pl.program_id(0), pl.program_id(1)
     row0 = t * tm
-    col0 = pl.multiple_of(n_i * tn, tn)
 
-    def weight_copies(rank):
-      # NOTE: load `rank` (the rank-th non-empty local group) lives in slot rank % 2.
-      copies = [weight_copy(rank)]
+    def slot_of(rank, sweep):
+      # NOTE: loads alternate between the two slots in the order they are issued, counted
+      # across n-tiles (sweep * num_loads + rank): with `sequential_sweeps` the next n-tile's
+      # first load lands in the slot the current n-tile's last group does not use.
+      return (sweep * nloads_ref[0] + rank) % 2
+
+    def weight_copies(rank, sweep):
+      # NOTE: load `rank` (the rank-th non-empty local group) of n-tile `sweep`.
+      slot = slot_of(rank, sweep)
+      group = load_ref[rank]
+      col = pl.multiple_of(sweep * tn, tn)
+      src = (
+        rhs_hbm.at[group, pl.ds(col, tn), :]
+        if transpose_rhs
+        else rhs_hbm.at[group, :, pl.ds(col, tn)]
+      )
+      copies = [pltpu.make_async_copy(src, w_vmem.at[slot], sems.at[slot])]
       if quantized:
-        slot = rank % 2
         if scales_on_k:
-          src = scales_hbm.at[load_ref[rank]]
+          s_src = scales_hbm.at[group]
         else:
-          src = scales_hbm.at[load_ref[rank], :, pl.ds(col0, tn)]
-        copies.append(pltpu.make_async_copy(src, s_vmem.at[slot], sems.at[2 + slot]))
+          s_src = scales_hbm.at[group, :, pl.ds(col, tn)]
+        copies.append(pltpu.make_async_copy(s_src, s_vmem.at[slot], sems.at[2 + slot]))
       return copies
 
-    def start_load(rank):
-      for c in weight_copies(rank):
+    def start_load(rank, sweep):
+      for c in weight_copies(rank, sweep):
         c.start()
 
-    def wait_load(rank):
-      for c in weight_copies(rank):
+    def wait_load(rank, sweep):
+      for c in weight_copies(rank, sweep):
         c.wait()
-
-    def weight_copy(rank):
-      group = load_ref[rank]
-      src = (
-        rhs_hbm.at[group, pl.ds(col0, tn), :]
-        if transpose_rhs
-        else rhs_hbm.at[group, :, pl.ds(col0, tn)]
-      )
-      slot = rank % 2
-      return pltpu.make_async_copy(src, w_vmem.at[slot], sems.at[slot])
 
     # NOTE: the output block starts as existing_out (or zeros); each group overwrites its rows.
     # Rows of other shards' groups and rows past sum(group_sizes) keep this value.
@@ -211,32 +204,43 @@ def gmm_rowtile_pallas(
 
         # NOTE: a group whose first row is in this tile has not been loaded for this n-tile yet
         # (one that started in an earlier tile is still in its slot). Its load was started while
-        # the previous group computed, except the first load of an n-tile sweep, started here.
-        # Then the next group's load starts, into the other slot, whose group is finished.
+        # the previous group computed; the first load of an n-tile is started here, unless
+        # `sequential_sweeps` prefetched it during the previous n-tile's last group. Then the
+        # next load starts, into the other slot, whose group is finished.
         @pl.when(start >= row0)
         def _load():
-          @pl.when(rank == 0)
+          exposed_first = rank == 0
+          if sequential_sweeps:
+            exposed_first = exposed_first & (n_i == 0)
+
+          @pl.when(exposed_first)
           def _first():
-            start_load(rank)
+            start_load(rank, n_i)
 
           @pl.when(rank + 1 < nloads_ref[0])
           def _prefetch():
-            start_load(rank + 1)
+            start_load(rank + 1, n_i)
 
-          wait_load(rank)
+          if sequential_sweeps:
+
+            @pl.when((rank + 1 == nloads_ref[0]) & (n_i + 1 < tiles_n))
+            def _prefetch_next_sweep():
+              start_load(0, n_i + 1)
+
+          wait_load(rank, n_i)
           if upcast:
             # NOTE: upcast once per group and n-tile (not per sub-block); the group keeps it
             # while it spans several m-tiles, since the next group is upcast only when it starts.
-            w32 = w_vmem[rank % 2].astype(jnp.float32)
+            w32 = w_vmem[slot_of(rank, n_i)].astype(jnp.float32)
             if scales_on_k:
               # NOTE: scales along the contraction cannot be factored out of the dot; they
               # scale the weights, once per group, as part of the upcast.
-              w32 = w32 * s_vmem[rank % 2]
+              w32 = w32 * s_vmem[slot_of(rank, n_i)]
             w_up[...] = w32.astype(compute_dtype)
           if counts_ref is not None:
             counts_ref[n_i, t, 1] += 1
 
-        slot = rank % 2
+        slot = slot_of(rank, n_i)
         # NOTE: only the sub_m-row sub-blocks holding rows of g are multiplied: first_sub ..
         # last_sub of this tile. A sub-block shared with a neighbouring group is multiplied for
         # each, and the row mask keeps each group's rows.
@@ -331,10 +335,13 @@ def gmm_rowtile_pallas(
         ),
       ),
       # NOTE: m-tiles run in order (a group's weights stay in their slot across tiles, and the
-      # next load is started a group ahead); each n-tile restarts its load sequence, so n-tiles
-      # are independent and may be split across TensorCores.
+      # next load is started a group ahead). Without `sequential_sweeps` each n-tile restarts
+      # its load sequence, so n-tiles are independent and may be split across TensorCores; with
+      # it a load crosses n-tiles, so they must run in order on one core.
       compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("parallel", "arbitrary"),
+        dimension_semantics=("arbitrary", "arbitrary")
+        if sequential_sweeps
+        else ("parallel", "arbitrary"),
         vmem_limit_bytes=vmem_limit_bytes,
       ),
       # NOTE: as in gmm_kernel: alias existing_out only when compiled (simulator padding issue).

@@ -28,19 +28,6 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_moe import common, metadata
 
 
-def vmem_bytes(
-  *, tm: int, tk: int, tn: int, lhs_itemsize: int, rhs_itemsize: int, out_itemsize: int
-) -> int:
-  """VMEM the row-tile tgmm needs: double-buffered lhs and rhs blocks, the f32 accumulator, two
-  staging slots and an existing_out block."""
-  return (
-    2 * tk * tm * lhs_itemsize
-    + 2 * tm * tn * rhs_itemsize
-    + tk * tn * 4
-    + 3 * tk * tn * out_itemsize
-  )
-
-
 def tgmm_rowtile_pallas(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -53,6 +40,7 @@ def tgmm_rowtile_pallas(
   existing_out: jax.Array | None = None,
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
+  sequential_sweeps: bool = False,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -70,6 +58,10 @@ def tgmm_rowtile_pallas(
     sub_m: rows per MXU pass (divides tm); sub-blocks without rows of a group are skipped for
       that group. None: the whole tile.
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e): the output writes
+      still in flight at the end of a (k, n) sweep complete while the next sweep computes, and
+      are drained only after the last grid step, instead of at the end of every sweep. All grid
+      axes are then "arbitrary".
     count_rows: interpret-mode instrumentation: also return [tiles_k, tiles_n, tiles_m, 2] int32:
       rows pushed through the MXU and output blocks written, per grid step.
     interpret: see `common.run_kernel`.
@@ -116,11 +108,16 @@ def tgmm_rowtile_pallas(
     k0 = pl.multiple_of(k_i * tk, tk)
     n0 = pl.multiple_of(n_i * tn, tn)
 
-    def out_copy(g):
-      # NOTE: groups are finalized in order within a (k, n) sweep; group g uses slot g % 2.
-      slot = g % 2
-      dst = out_hbm.at[g, pl.ds(k0, tk), pl.ds(n0, tn)]
-      return pltpu.make_async_copy(staging.at[slot], dst, sems.at[slot])
+    sweep = k_i * tiles_n + n_i
+
+    def out_copy(w):
+      # NOTE: writes are numbered in issue order across sweeps, w = sweep * G + g (groups are
+      # finalized in order within a sweep); write w uses staging slot w % 2.
+      w_sweep, g = w // num_groups, w % num_groups
+      w_k0 = pl.multiple_of((w_sweep // tiles_n) * tk, tk)
+      w_n0 = pl.multiple_of((w_sweep % tiles_n) * tn, tn)
+      dst = out_hbm.at[g, pl.ds(w_k0, tk), pl.ds(w_n0, tn)]
+      return pltpu.make_async_copy(staging.at[w % 2], dst, sems.at[w % 2])
 
     if counts_ref is not None:
       counts_ref[k_i, n_i, t, 0] = 0
@@ -165,10 +162,14 @@ def tgmm_rowtile_pallas(
 
       @pl.when(fin_ref[g] == t)
       def _finalize():
-        # NOTE: the slot was last used by group g - 2; its DMA must be done before reuse.
-        @pl.when(g >= 2)
+        w = sweep * num_groups + g
+        # NOTE: the slot was last used by write w - 2; its DMA must be done before reuse. Without
+        # `sequential_sweeps` every sweep drains its writes, so only g >= 2 has one in flight.
+        in_flight = (w >= 2) if sequential_sweeps else (g >= 2)
+
+        @pl.when(in_flight)
         def _wait_slot():
-          out_copy(g - 2).wait()
+          out_copy(w - 2).wait()
 
         acc = acc_ref[...]
         if existing_hbm is not None:
@@ -177,8 +178,8 @@ def tgmm_rowtile_pallas(
           read.start()
           read.wait()
           acc = acc + ex_vmem[...].astype(jnp.float32)
-        staging[g % 2] = acc.astype(staging.dtype)
-        out_copy(g).start()
+        staging[w % 2] = acc.astype(staging.dtype)
+        out_copy(w).start()
         if counts_ref is not None:
           counts_ref[k_i, n_i, t, 1] += 1
 
@@ -187,12 +188,20 @@ def tgmm_rowtile_pallas(
     lax.fori_loop(first_ref[t], last_ref[t] + 1, group_body, 0)
 
     # NOTE: every group is finalized by the last tile; drain the (at most two) writes in flight
-    # so each (k, n) sweep ends with no pending DMA.
-    @pl.when(t == tiles_m - 1)
+    # so that no DMA is pending when the sweep (or, with `sequential_sweeps`, the grid) ends.
+    last = t == tiles_m - 1
+    if sequential_sweeps:
+      last = last & (sweep == tiles_k * tiles_n - 1)
+
+    # NOTE: the writes in flight are the last two issued: of this sweep, or with
+    # `sequential_sweeps` and a single group, of this sweep and the previous one.
+    in_flight = tiles_k * tiles_n * num_groups if sequential_sweeps else num_groups
+
+    @pl.when(last)
     def _drain():
       for back in (2, 1):
-        if num_groups - back >= 0:
-          out_copy(num_groups - back).wait()
+        if in_flight - back >= 0:
+          out_copy((sweep + 1) * num_groups - back).wait()
 
   # Index maps get (k_i, n_i, t, *prefetch refs).
   def lhs_map(k_i, n_i, t, *_):
@@ -239,10 +248,13 @@ def tgmm_rowtile_pallas(
           pltpu.SemaphoreType.DMA((3,)),
         ],
       ),
-      # NOTE: m-tiles run in order (a group's partial sum crosses tiles, writes are drained at
-      # the sweep's end); (k, n) sweeps are independent and may be split across TensorCores.
+      # NOTE: m-tiles run in order (a group's partial sum crosses tiles). Without
+      # `sequential_sweeps` writes are drained at each sweep's end, so (k, n) sweeps are
+      # independent and may be split across TensorCores; with it writes cross sweeps.
       compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        dimension_semantics=("arbitrary",) * 3
+        if sequential_sweeps
+        else ("parallel", "parallel", "arbitrary"),
         vmem_limit_bytes=vmem_limit_bytes,
       ),
       cost_estimate=cost,

@@ -42,6 +42,7 @@ GMM_CASES = [
   (200, 96, 256, 64, 128, 32, 16, 16, jnp.bfloat16, jnp.float32, False, False),
   (130, 64, 128, 256, 128, 256, 6, 4, jnp.bfloat16, jnp.bfloat16, True, False),
   (300, 128, 256, 128, 256, 128, 9, 9, jnp.float32, jnp.bfloat16, False, True),
+  (67, 40, 48, 16, 16, 8, 4, 1, jnp.float32, jnp.float32, True, False),
 ]
 GMM_IDS = [f"m{c[0]}k{c[1]}n{c[2]}tm{c[3]}g{c[6]}l{c[7]}" for c in GMM_CASES]
 
@@ -51,6 +52,7 @@ TGMM_CASES = [
   (67, 32, 48, 16, 16, 48, 16, 5, 3, jnp.float32, jnp.float32, True),
   (200, 96, 256, 128, 32, 128, 128, 16, 16, jnp.bfloat16, jnp.float32, False),
   (300, 64, 128, 256, 64, 128, 128, 9, 6, jnp.bfloat16, jnp.bfloat16, True),
+  (67, 32, 48, 16, 16, 16, 8, 3, 1, jnp.float32, jnp.float32, False),
 ]
 TGMM_IDS = [f"m{c[0]}k{c[1]}n{c[2]}tm{c[3]}g{c[7]}l{c[8]}" for c in TGMM_CASES]
 
@@ -72,7 +74,7 @@ def _draw_shard(data, total, local):
   return offset
 
 
-def check_gmm(case, sizes, offset, seed, interpret, *, count=True):
+def check_gmm(case, sizes, offset, seed, interpret, *, count=True, sequential=False):
   m, k, n, tm, tn, sub_m, _, local, in_dtype, out_dtype, transpose_rhs, has_existing = case
   lhs = random_array(seed, (m, k), in_dtype)
   rhs = random_array(seed + 1, (local, n, k) if transpose_rhs else (local, k, n), in_dtype)
@@ -84,6 +86,7 @@ def check_gmm(case, sizes, offset, seed, interpret, *, count=True):
     out_dtype=out_dtype,
     transpose_rhs=transpose_rhs,
     sub_m=sub_m,
+    sequential_sweeps=sequential,
     count_rows=count,
     interpret=interpret,
   )
@@ -140,7 +143,8 @@ def check_gmm(case, sizes, offset, seed, interpret, *, count=True):
 def test_gmm_rowtile_matches_references(case, data):
   sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[6]))
   offset = _draw_shard(data, case[6], case[7])
-  check_gmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["hlo"])
+  seed, sequential = data.draw(st.integers(0, 2**16)), data.draw(st.booleans())
+  check_gmm(case, sizes, offset, seed, INTERPRET_MODES["hlo"], sequential=sequential)
 
 
 @pytest.mark.parametrize("case", GMM_CASES[1:3], ids=GMM_IDS[1:3])
@@ -149,10 +153,11 @@ def test_gmm_rowtile_matches_references(case, data):
 def test_gmm_rowtile_tpu_simulator(case, data):
   sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[6]))
   offset = _draw_shard(data, case[6], case[7])
-  check_gmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["tpu"])
+  seed, sequential = data.draw(st.integers(0, 2**16)), data.draw(st.booleans())
+  check_gmm(case, sizes, offset, seed, INTERPRET_MODES["tpu"], sequential=sequential)
 
 
-def check_tgmm(case, sizes, offset, seed, interpret, *, count=True):
+def check_tgmm(case, sizes, offset, seed, interpret, *, count=True, sequential=False):
   m, k, n, tm, tk, tn, sub_m, _, local, in_dtype, out_dtype, has_existing = case
   lhs = random_array(seed, (k, m), in_dtype)
   rhs = random_array(seed + 1, (m, n), in_dtype)
@@ -163,6 +168,7 @@ def check_tgmm(case, sizes, offset, seed, interpret, *, count=True):
     out_dtype=out_dtype,
     num_actual_groups=local,
     sub_m=sub_m,
+    sequential_sweeps=sequential,
     count_rows=count,
     interpret=interpret,
   )
@@ -216,7 +222,8 @@ def check_tgmm(case, sizes, offset, seed, interpret, *, count=True):
 def test_tgmm_rowtile_matches_references(case, data):
   sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[7]))
   offset = _draw_shard(data, case[7], case[8])
-  check_tgmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["hlo"])
+  seed, sequential = data.draw(st.integers(0, 2**16)), data.draw(st.booleans())
+  check_tgmm(case, sizes, offset, seed, INTERPRET_MODES["hlo"], sequential=sequential)
 
 
 @pytest.mark.parametrize("case", TGMM_CASES[1:2], ids=TGMM_IDS[1:2])
@@ -225,20 +232,23 @@ def test_tgmm_rowtile_matches_references(case, data):
 def test_tgmm_rowtile_tpu_simulator(case, data):
   sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[7]))
   offset = _draw_shard(data, case[7], case[8])
-  check_tgmm(case, sizes, offset, data.draw(st.integers(0, 2**16)), INTERPRET_MODES["tpu"])
+  seed, sequential = data.draw(st.integers(0, 2**16)), data.draw(st.booleans())
+  check_tgmm(case, sizes, offset, seed, INTERPRET_MODES["tpu"], sequential=sequential)
 
 
-def test_rowtile_kernels_have_no_races(capfd):
-  """The DMA slots and semaphores are used race-free with 2 simulated cores on parallel axes.
+@pytest.mark.parametrize("sequential", [False, True], ids=["parallel", "sequential"])
+def test_rowtile_kernels_have_no_races(capfd, sequential):
+  """The DMA slots and semaphores are used race-free: with 2 simulated cores on the parallel
+  axes, and with `sequential_sweeps` (DMAs crossing sweeps, all axes arbitrary).
 
   NOTE: without the count_rows instrumentation: its SMEM output is per core in the simulator.
   """
   sizes = np.array([13, 0, 7, 30, 0, 17], np.int32)
   with no_races_or_oob(capfd):
     gmm_case = GMM_CASES[0][:6] + (6, 6) + GMM_CASES[0][8:]
-    check_gmm(gmm_case, sizes, 0, 3, RACE_PARAMS, count=False)
+    check_gmm(gmm_case, sizes, 0, 3, RACE_PARAMS, count=False, sequential=sequential)
     tgmm_case = TGMM_CASES[0][:7] + (6, 6) + TGMM_CASES[0][9:]
-    check_tgmm(tgmm_case, sizes, 0, 4, RACE_PARAMS, count=False)
+    check_tgmm(tgmm_case, sizes, 0, 4, RACE_PARAMS, count=False, sequential=sequential)
 
 
 def test_rowtile_rows_are_floor_rows():
