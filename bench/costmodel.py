@@ -131,6 +131,9 @@ class CallSchedule:
     kernel_jaxpr: the kernel body (for counting dots).
     step_scale: per-step MXU work fraction from the hook, or None (all steps run their dots).
     notes: anything not modeled.
+    step_exposed_bytes: per-step manual-DMA bytes the kernel waits for with no MXU work to
+      overlap (from the `step_manual_bytes` hook), or None; charged on top of the step's
+      max(MXU, DMA) time.
   """
 
   name: str
@@ -143,6 +146,7 @@ class CallSchedule:
   kernel_jaxpr: Any
   step_scale: np.ndarray | None
   notes: tuple[str, ...]
+  step_exposed_bytes: np.ndarray | None = None
 
   @property
   def hbm_bytes(self) -> int:
@@ -406,8 +410,10 @@ def analyze(
       (abstract: for big operands).
     step_scale: optional hook, see the module docstring; applied to every pallas_call.
     step_manual_bytes: optional hook (same context) giving the bytes a kernel moves by manual DMA
-      (operands in `pl.ANY`) in each step; added to the step's DMA and reported as operand
-      "manual". Without it, manual DMAs are not counted (and a note says so).
+      (operands in `pl.ANY`) in each step: an array (overlapped with the step's MXU work: added
+      to the step's DMA) or a pair (overlapped, exposed: waited for with nothing to overlap,
+      charged after the step's max(MXU, DMA)). Reported as operand "manual". Without it, manual
+      DMAs are not counted (and a note says so).
     **kwargs: keyword arguments of `fn`, same rules as args.
 
   Returns:
@@ -462,10 +468,14 @@ def analyze(
     ctx = StepContext(name=name, grid=grid, program_ids=pids, index_operands=index_operands)
     if step_scale is not None and steps:
       scale = np.broadcast_to(np.asarray(step_scale(ctx), np.float64), (steps,))
+    exposed = None
     if step_manual_bytes is not None and steps:
-      manual = np.broadcast_to(np.asarray(step_manual_bytes(ctx), np.float64), (steps,))
+      res = step_manual_bytes(ctx)
+      over, exp = res if isinstance(res, tuple) else (res, 0.0)
+      manual = np.broadcast_to(np.asarray(over, np.float64), (steps,))
+      exposed = np.broadcast_to(np.asarray(exp, np.float64), (steps,))
       step_bytes = step_bytes + manual
-      operand_bytes["manual"] = int(manual.sum())
+      operand_bytes["manual"] = round(float(manual.sum() + exposed.sum()))
       notes = [n for n in notes if "not pipelined" not in n]
       notes.append("manual DMAs counted from the kernel's schedule (step_manual_bytes hook)")
     cp = eqn.params.get("compiler_params")
@@ -486,6 +496,7 @@ def analyze(
         kernel_jaxpr=eqn.params["jaxpr"],
         step_scale=scale,
         notes=tuple(notes),
+        step_exposed_bytes=exposed,
       )
     )
   return schedules
@@ -612,7 +623,10 @@ def cost(
     scale = s.step_scale if s.step_scale is not None else np.ones(s.steps)
     mxu_t = scale * (2 * padded / peak)
     dma_t = s.step_bytes / gen.hbm_bytes_per_s
-    total = float(np.maximum(mxu_t, dma_t).sum() + s.steps * step_overhead_s)
+    stall_t = 0.0
+    if s.step_exposed_bytes is not None:
+      stall_t = float(s.step_exposed_bytes.sum()) / gen.hbm_bytes_per_s
+    total = float(np.maximum(mxu_t, dma_t).sum() + stall_t + s.steps * step_overhead_s)
     padded_exec = float(scale.sum() * padded)
     padded_total += padded_exec
     calls.append(
@@ -622,7 +636,7 @@ def cost(
         steps=s.steps,
         modeled_us=total * 1e6,
         mxu_us=float(mxu_t.sum()) * 1e6,
-        dma_us=float(dma_t.sum()) * 1e6,
+        dma_us=(float(dma_t.sum()) + stall_t) * 1e6,
         overhead_us=s.steps * step_overhead_s * 1e6,
         hbm_bytes=s.hbm_bytes,
         min_hbm_bytes=s.min_hbm_bytes,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -286,6 +287,7 @@ def rowtile_hooks(
   tk: int,
   tn: int,
   sub_m: int,
+  sequential_sweeps: bool,
   itemsize: int = 2,
   block_bytes: int | None = None,
 ):
@@ -294,8 +296,9 @@ def rowtile_hooks(
   MXU: each step multiplies, for every group of its tile, the sub_m-row sub-blocks holding the
   group's rows (the kernel's one sub-block dot runs once per hit: step_scale = hits; the same
   count as `metadata.rowtile_mxu_rows`, checked against the kernels' `count_rows`). Manual DMA:
-  gmm loads a group's [k, tn] weight block in the tile of its first row; tgmm writes a group's
-  [tk, tn] output block in its `finalize_tile`.
+  gmm loads a group's [k, tn] weight block, tgmm writes a group's [tk, tn] output block; each
+  is spread over the sub-block work between the points the kernel starts and waits for it, or
+  exposed when there is none (`tiling.rowtile_manual_dma`).
 
   Args:
     op: "fwd"/"dlhs" (gmm prefetch: offsets, first, last, load_rank, load_group, num_loads,
@@ -304,6 +307,7 @@ def rowtile_hooks(
     tk: gmm: the contraction k (whole); tgmm: its k tile.
     tn: n tile.
     sub_m: rows per MXU pass.
+    sequential_sweeps: the kernel's option (`tiling.sequential_sweeps(generation)` in ops).
     itemsize: bytes per weight (gmm) / output (tgmm) element.
     block_bytes: bytes of one manual block (default tk * tn * itemsize); quantized weights add
       their [1, tn] f32 scales.
@@ -315,11 +319,22 @@ def rowtile_hooks(
   def scale(ctx: StepContext) -> np.ndarray:
     return _rowtile_hits(ctx, op=op, tm=tm, sub_m=sub_m)[0].astype(np.float64)
 
-  def manual(ctx: StepContext) -> np.ndarray:
-    _, loads, finals = _rowtile_hits(ctx, op=op, tm=tm, sub_m=sub_m)
-    count = finals if op == "drhs" else loads
-    per_block = tk * tn * itemsize if block_bytes is None else block_bytes
-    return count.astype(np.float64) * per_block
+  def manual(ctx: StepContext) -> tuple[np.ndarray, np.ndarray]:
+    prefetch = [np.asarray(x) for x in ctx.index_operands]
+    offsets, goff = prefetch[0], int(prefetch[-1].reshape(-1)[0])
+    num_local = prefetch[3].shape[0]
+    tiles_m = ctx.grid[-1]
+    return tiling_lib.rowtile_manual_dma(
+      starts=offsets[goff : goff + num_local],
+      ends=offsets[goff + 1 : goff + num_local + 1],
+      m=tiles_m * tm,
+      tm=tm,
+      sub_m=sub_m,
+      kind="tgmm" if op == "drhs" else "gmm",
+      sweeps=math.prod(ctx.grid[:-1]),
+      block_bytes=tk * tn * itemsize if block_bytes is None else block_bytes,
+      sequential_sweeps=sequential_sweeps,
+    )
 
   return scale, manual
 
@@ -398,7 +413,14 @@ def _pallas_moe_build(tiling: tuple[int, int, int] | None, schedule: str = "ops"
           interpret=False,
         )
       if kt.rowtile:
-        scale, manual = rowtile_hooks(op=op, tm=til[0], tk=til[1], tn=til[2], sub_m=sub_m)
+        scale, manual = rowtile_hooks(
+          op=op,
+          tm=til[0],
+          tk=til[1],
+          tn=til[2],
+          sub_m=sub_m,
+          sequential_sweeps=kt.sequential_sweeps,
+        )
         # Tiling(fwd=) only: the single-op bench never runs the backward passes.
         tl = ops.Tiling(fwd=til, dlhs=(128, 128, 128), drhs=(128, 128, 128))
         if op == "drhs":
@@ -553,6 +575,7 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
           narrow_dot=narrow,
           sub_m=kt.sub_m,
           vmem_limit_bytes=kt.vmem_limit_bytes,
+          sequential_sweeps=kt.sequential_sweeps,
           interpret=False,
         )
 
@@ -562,6 +585,7 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
         tk=dk,
         tn=tn,
         sub_m=kt.sub_m,
+        sequential_sweeps=kt.sequential_sweeps,
         block_bytes=dk * tn * jnp.dtype(dtype).itemsize + (dk if dlhs else tn) * 4,
       )
       return Case(

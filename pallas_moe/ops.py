@@ -81,15 +81,21 @@ class KernelTiling:
     vmem_limit_bytes: Mosaic's scoped VMEM limit when the tiles need more than the default.
     rowtile: run the row-tile kernel (`gmm_rowtile_kernel` / `tgmm_rowtile_kernel`: one grid
       step per m-tile, per-group blocks by manual DMA) instead of the visit-schedule kernel.
+    sequential_sweeps: row-tile kernels only: let DMAs cross sweeps (`tiling.sequential_sweeps`:
+      the generation has one TensorCore per chip, so nothing is gained by splitting sweeps).
   """
 
   tiles: Tiles
   sub_m: int
   vmem_limit_bytes: int | None
   rowtile: bool = False
+  sequential_sweeps: bool = False
 
   def kwargs(self) -> dict[str, Any]:
-    return dict(tiling=self.tiles, sub_m=self.sub_m, vmem_limit_bytes=self.vmem_limit_bytes)
+    kw = dict(tiling=self.tiles, sub_m=self.sub_m, vmem_limit_bytes=self.vmem_limit_bytes)
+    if self.rowtile:
+      kw["sequential_sweeps"] = self.sequential_sweeps
+    return kw
 
 
 def _resolve_tiles(
@@ -170,6 +176,7 @@ def _resolve_tiles(
         sub_m=mxu if tm % mxu == 0 else tm,
         vmem_limit_bytes=tiling_lib.vmem_limit_for(estimate, generation),
         rowtile=True,
+        sequential_sweeps=tiling_lib.sequential_sweeps(generation),
       )
   estimate = tiling_lib.vmem_estimate_bytes(**vmem, kind=kind)
   if interpret is None or interpret is False:
@@ -248,6 +255,7 @@ def _run_gmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
       tn=tn,
       sub_m=kt.sub_m,
       vmem_limit_bytes=kt.vmem_limit_bytes,
+      sequential_sweeps=kt.sequential_sweeps,
       **kwargs,
     )
   return gmm_pallas(lhs, rhs, group_sizes, **kt.kwargs(), **kwargs)

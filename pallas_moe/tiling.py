@@ -45,7 +45,9 @@ __all__ = [
   "check_fits_vmem",
   "pick_tiling",
   "pick_rowtile_tiling",
+  "rowtile_manual_dma",
   "rowtile_step_costs",
+  "sequential_sweeps",
 ]
 
 _MIB = 1024 * 1024
@@ -290,21 +292,38 @@ def vmem_estimate_bytes(
     acc = tk * tn * 4
     temps = tk * tn * 4 + tm * (tk + tn) * 4
   elif kind == "gmm_rowtile":
-    # NOTE: pipelined lhs [tm, k] and out [tm, tn] blocks, an existing_out block (counted always),
-    # and two manual weight slots [k, tn] (counted once each: the pipeline does not double them).
-    blocks = tm * tk * li + 2 * tm * tn * oi
-    acc = tk * tn * ri
-    temps = tm * tn * 4 + tm * tk * li
+    # NOTE: calibrated on real Mosaic (AOT, v6e, the smallest vmem_limit_bytes that compiles):
+    # (512, 4096, 3584) needs 74 MiB, (512, 14336, 1024) transposed 94 MiB, (256, 4096, 1792)
+    # with existing_out 34 MiB. Pipelined lhs [tm, k], out and existing_out [tm, tn] blocks (x2),
+    # two manual weight slots [k, tn], the f32 product of one sub-block and a copy of its lhs
+    # rows; quantized weights add the upcast block and the scale slots.
+    sub = min(tm, _MAX_SUB_M)
+    blocks = 2 * tm * tk * li + 4 * tm * tn * oi + 2 * tk * tn * ri
+    temps = sub * tn * 4 + sub * tk * li
+    if ri == 1:
+      temps += tk * tn * 2 + 2 * tk * 4 + 2 * tn * 4
+    return int(blocks + temps + _ROWTILE_MARGIN)
   elif kind == "tgmm_rowtile":
-    # NOTE: pipelined lhs [tk, tm] and rhs [tm, tn] blocks; the f32 accumulator, two staging slots
-    # and an existing_out buffer [tk, tn] (out dtype).
-    blocks = tm * tk * li + tm * tn * ri
-    acc = tk * tn * 4 + 3 * tk * tn * oi
-    temps = tk * tn * 4 + tm * (tk + tn) * 4
+    # NOTE: calibrated likewise: (1024, 2048, 1792) needs 45 MiB (64 with existing_out),
+    # (512, 1024, 1024) 13 MiB. Pipelined lhs [tk, tm] and rhs [tm, tn] blocks (x2), the f32
+    # accumulator, two staging slots, the existing_out buffer with its f32 sum (counted always:
+    # the estimate does not know whether the call has one), and the masked sub-block operands.
+    sub = min(tm, _MAX_SUB_M)
+    blocks = 2 * tm * tk * li + 2 * tm * tn * ri
+    acc = tk * tn * 4 + 2 * tk * tn * oi + tk * tn * (oi + 4)
+    temps = sub * (tk + tn) * 4
+    return int(blocks + acc + temps + _ROWTILE_MARGIN)
   else:
     raise ValueError(f"kind must be 'gmm', 'tgmm', 'gmm_rowtile' or 'tgmm_rowtile', got {kind!r}")
   explicit = 2 * blocks + acc + temps
   return int(explicit * (1 + _MOSAIC_FRACTION_MARGIN) + _MOSAIC_FIXED_MARGIN)
+
+
+# NOTE: the row-tile estimates are per-buffer sums calibrated on real Mosaic (they match the AOT
+# figures within 1-3 MiB, above them); a fixed margin covers Mosaic's internal scratch.
+_ROWTILE_MARGIN = 1 << 20
+# Rows per MXU pass the row-tile kernels use at most (the largest MXU edge).
+_MAX_SUB_M = 256
 
 
 def check_fits_vmem(
@@ -537,6 +556,163 @@ def _divisor_tiles(dim: int) -> list[int]:
   return sorted({dim, *(t for t in range(128, dim, 128) if dim % t == 0)})
 
 
+def sequential_sweeps(generation: str | TpuGeneration) -> bool:
+  """Whether the row-tile kernels run their sweeps in order with DMAs crossing them.
+
+  On a chip with one TensorCore (v5e, v6e) a grid runs in order anyway, so the kernels prefetch
+  across sweeps; with two (megacore: v4, v5p, tpu7x) the sweeps stay independent so that they can
+  be split between the cores.
+  """
+  return get_generation(generation).cores_per_chip == 1
+
+
+def rowtile_manual_dma(
+  *,
+  starts,
+  ends,
+  m: int,
+  tm: int,
+  sub_m: int,
+  kind: str,
+  sweeps: int,
+  block_bytes: float,
+  sequential_sweeps: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Per grid step: bytes of the row-tile kernels' manual DMAs, split into overlapped and exposed.
+
+  A manual DMA runs from the point the kernel starts it to the point it waits for it, concurrent
+  with the MXU work in between: gmm starts a group's weight load when the previous group starts
+  computing and waits for it before the group computes; tgmm starts a group's output write after
+  its last rows are reduced and waits for it when the write two later needs its staging slot (or
+  at the drain). The bytes are spread over that window's (group, tile) sub-block work in
+  proportion to its MXU rows, and counted in the grid steps doing that work, so a step's time is
+  max(MXU, pipelined + overlapped bytes / bandwidth). A DMA with no MXU work in its window (the
+  first load of a sweep, the last write before a drain) stalls the kernel: its bytes are
+  "exposed", added to the step that waits for it on top of that max.
+
+  Args:
+    starts: [local groups] first row of each local group (numpy, sorted, clipped to m).
+    ends: [local groups] end row of each local group.
+    m: rows.
+    tm: m tile.
+    sub_m: rows per MXU pass.
+    kind: "gmm" (weight loads) or "tgmm" (output writes).
+    sweeps: grid steps over the other axes (gmm: n-tiles; tgmm: k-tiles x n-tiles).
+    block_bytes: bytes of one load / write.
+    sequential_sweeps: the kernels' option: DMAs cross sweeps (see the kernels).
+
+  Returns:
+    (overlapped, exposed), each [sweeps * tiles_m] bytes in grid-step order.
+  """
+  if kind not in ("gmm", "tgmm"):
+    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+  starts = np.asarray(starts, np.int64)
+  ends = np.asarray(ends, np.int64)
+  num_groups = starts.size
+  tiles_m = max(1, -(-m // tm))
+  nonempty = ends > starts
+  # NOTE: the work of one sweep as (tile, group) pairs in kernel order (tiles in order, groups in
+  # order within a tile), each with the MXU rows it pushes; tgmm also has a pair without work
+  # where an empty group is finalized.
+  first_t = np.where(nonempty, starts // tm, 0)
+  last_t = np.where(nonempty, (np.maximum(ends, 1) - 1) // tm, -1)
+  counts = np.maximum(last_t - first_t + 1, 0)
+  pair_g = np.repeat(np.arange(num_groups), counts)
+  pair_t = np.repeat(first_t, counts) + (
+    np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+  )
+  lo = pair_t * tm
+  s = np.maximum(starts[pair_g], lo) - lo
+  e = np.minimum(ends[pair_g], lo + tm) - lo
+  pair_rows = ((e - 1) // sub_m - s // sub_m + 1) * sub_m
+  fin = None
+  if kind == "tgmm":
+    fin = np.clip(np.where(nonempty, (ends - 1) // tm, starts // tm), 0, tiles_m - 1)
+    empty = np.flatnonzero(~nonempty)
+    pair_g = np.concatenate([pair_g, empty])
+    pair_t = np.concatenate([pair_t, fin[empty]])
+    pair_rows = np.concatenate([pair_rows, np.zeros(empty.size, np.int64)])
+  order = np.lexsort((pair_g, pair_t))
+  pair_g, pair_t, pair_rows = pair_g[order], pair_t[order], pair_rows[order]
+  num_pairs = pair_g.size
+  pair_key = pair_t * num_groups + pair_g
+  # Two consecutive sweeps, for DMAs that cross from one into the next.
+  step2 = np.concatenate([pair_t, pair_t + tiles_m])
+  cum2 = np.concatenate([[0], np.cumsum(np.concatenate([pair_rows, pair_rows]))]).astype(np.float64)
+  rows2 = np.concatenate([pair_rows, pair_rows]).astype(np.float64)
+
+  def spread(windows):
+    """windows: (first pair, end pair (exclusive), step that waits) over two sweeps."""
+    over = np.zeros(2 * tiles_m)
+    exposed = np.zeros(2 * tiles_m)
+    for i, j, wait_step in windows:
+      work = cum2[j] - cum2[i]
+      if work > 0:
+        np.add.at(over, step2[i:j], block_bytes * rows2[i:j] / work)
+      else:
+        exposed[wait_step] += block_bytes
+    return over, exposed
+
+  if kind == "gmm":
+    # NOTE: load r is waited at group r's first pair and started at group r - 1's first pair.
+    loaded = np.flatnonzero(nonempty)
+    first_pair = np.searchsorted(pair_key, first_t[loaded] * num_groups + loaded)
+    loads = first_pair.size
+    within = [(first_pair[r - 1], first_pair[r], pair_t[first_pair[r]]) for r in range(1, loads)]
+    # The first load of a sweep, started where it is waited for.
+    head_alone = [(first_pair[0], first_pair[0], pair_t[first_pair[0]])] if loads else []
+    # With sequential sweeps: started at the previous sweep's last group.
+    cross = (
+      [(first_pair[-1], num_pairs + first_pair[0], tiles_m + pair_t[first_pair[0]])]
+      if loads
+      else []
+    )
+    tail_alone = []
+  else:
+    # NOTE: write g is started after its finalize pair and waited at write g + 2's finalize
+    # (after that pair's work), or at the drain after the sweep's (or the grid's) last pair.
+    fin_pair = np.searchsorted(pair_key, fin * num_groups + np.arange(num_groups))
+    within = [
+      (fin_pair[g] + 1, fin_pair[g + 2] + 1, pair_t[fin_pair[g + 2]]) for g in range(num_groups - 2)
+    ]
+    last_two = range(max(num_groups - 2, 0), num_groups)
+    tail_alone = [(fin_pair[g] + 1, num_pairs, tiles_m - 1) for g in last_two]
+    head_alone = []
+    if num_groups >= 2:
+      cross = [
+        (
+          fin_pair[g] + 1,
+          num_pairs + fin_pair[g + 2 - num_groups] + 1,
+          tiles_m + pair_t[fin_pair[g + 2 - num_groups]],
+        )
+        for g in last_two
+      ]
+    else:
+      # NOTE: a single group waits for the write two sweeps back; counted as if one sweep back.
+      cross = [(fin_pair[0] + 1, 2 * num_pairs, 2 * tiles_m - 1)] if num_groups else []
+  w_over, w_exp = spread(within)
+  h_over, h_exp = spread(head_alone)
+  t_over, t_exp = spread(tail_alone)
+  c_over, c_exp = spread(cross)
+  over = np.zeros((sweeps, tiles_m))
+  exposed = np.zeros((sweeps, tiles_m))
+  over += w_over[:tiles_m]
+  exposed += w_exp[:tiles_m]
+  if not sequential_sweeps:
+    over += h_over[:tiles_m] + t_over[:tiles_m]
+    exposed += h_exp[:tiles_m] + t_exp[:tiles_m]
+  else:
+    over[0] += h_over[:tiles_m]
+    exposed[0] += h_exp[:tiles_m]
+    over[-1] += t_over[:tiles_m]
+    exposed[-1] += t_exp[:tiles_m]
+    over[:-1] += c_over[:tiles_m]
+    exposed[:-1] += c_exp[:tiles_m]
+    over[1:] += c_over[tiles_m:]
+    exposed[1:] += c_exp[tiles_m:]
+  return over.reshape(-1), exposed.reshape(-1)
+
+
 def rowtile_step_costs(
   *,
   group_sizes,
@@ -550,11 +726,13 @@ def rowtile_step_costs(
   rhs_itemsize: int,
   out_itemsize: int,
   generation: str | TpuGeneration,
-) -> tuple[np.ndarray, np.ndarray]:
-  """Per-step MXU seconds and HBM bytes of one (k, n) sweep of a row-tile kernel.
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per-step MXU seconds and HBM bytes of a row-tile kernel's whole grid.
 
-  The same accounting as `bench.costmodel` applies to the real kernel (pipelined blocks plus the
-  manual per-group DMAs), in closed form from the group sizes: the picker's model.
+  The same accounting as `bench.costmodel` applies to the real kernel (pipelined blocks, plus the
+  manual per-group DMAs spread over the work they overlap, `rowtile_manual_dma`), in closed form
+  from the group sizes: the picker's model. The kernels' `sequential_sweeps` follows the
+  generation, as in `pallas_moe.ops`.
 
   Args:
     group_sizes: rows per local group (numpy).
@@ -570,7 +748,8 @@ def rowtile_step_costs(
     generation: TPU generation.
 
   Returns:
-    (mxu_seconds [tiles_m], hbm_bytes [tiles_m]).
+    (mxu_seconds, overlapped_bytes, exposed_bytes), each [sweeps * tiles_m] in grid-step order:
+    a step takes max(mxu, overlapped / bandwidth) + exposed / bandwidth.
   """
   gen = get_generation(generation)
   mxu = gen.mxu_size
@@ -593,21 +772,30 @@ def rowtile_step_costs(
   e = np.minimum(ends[g], lo + tm) - lo
   hits = (e - 1) // sub - s // sub + 1
   # NOTE: the MXU works in mxu x mxu weight tiles: a dot's contraction and output columns are
-  # padded to multiples of mxu (as in bench.costmodel).
+  # padded to multiples of mxu, and a pass has at least mxu rows (as in bench.costmodel).
   pad = lambda d: -(-d // mxu) * mxu  # noqa: E731
-  mxu_s = np.bincount(t, hits * sub * 2.0 * pad(tk) * pad(tn), tiles_m)
+  mxu_s = np.bincount(t, hits * pad(sub) * 2.0 * pad(tk) * pad(tn), tiles_m)
   mxu_s = mxu_s / gen.peak_bf16_flops
   rows = np.minimum(m, (np.arange(tiles_m) + 1) * tm) - np.arange(tiles_m) * tm
+  sweeps = (k // tk) * (n // tn)
   if kind == "gmm":
-    # NOTE: a group's weight block is loaded in the tile holding its first row.
-    loads = np.bincount(t, (starts[g] >= lo).astype(np.float64), tiles_m)
-    dma = rows * (k * lhs_itemsize + tn * out_itemsize) + loads * k * tn * rhs_itemsize
+    pipelined = rows * (k * lhs_itemsize + tn * out_itemsize)
+    block = k * tn * rhs_itemsize
   else:
-    # NOTE: a group's output is written in the tile of its last row (empty: of its position).
-    fin = np.where(nonempty, (ends - 1) // tm, starts // tm).clip(0, tiles_m - 1)
-    writes = np.bincount(fin, minlength=tiles_m)
-    dma = rows * (tk * lhs_itemsize + tn * rhs_itemsize) + writes * tk * tn * out_itemsize
-  return mxu_s, dma.astype(np.float64)
+    pipelined = rows * (tk * lhs_itemsize + tn * rhs_itemsize)
+    block = tk * tn * out_itemsize
+  over, exposed = rowtile_manual_dma(
+    starts=starts,
+    ends=ends,
+    m=m,
+    tm=tm,
+    sub_m=sub,
+    kind=kind,
+    sweeps=sweeps,
+    block_bytes=block,
+    sequential_sweeps=sequential_sweeps(gen),
+  )
+  return np.tile(mxu_s, sweeps), np.tile(pipelined.astype(np.float64), sweeps) + over, exposed
 
 
 def pick_rowtile_tiling(
@@ -627,7 +815,8 @@ def pick_rowtile_tiling(
   """Chooses (tm, tk, tn) for a row-tile kernel, or None when none fits VMEM.
 
   Scores every candidate on one uniform-routing draw of group sizes (the kernel does not see the
-  real sizes when it is traced) by the sum over grid steps of max(MXU time, HBM time) plus
+  real sizes when it is traced) by the sum over grid steps of max(MXU time, HBM time), plus the
+  exposed DMA time (`rowtile_step_costs`) and
   the per-step overhead: the DESIGN.md model applied to the row-tile schedule. Candidates: tm in
   {128 .. 4096} (powers of two; or all of m), tn (and tgmm's tk) dividing the dim; gmm's tk is
   always k (the whole contraction stays in VMEM). Among tilings within 1% of the best, the one
@@ -678,7 +867,7 @@ def pick_rowtile_tiling(
         )
         if est > budget:
           continue
-        mxu_s, dma = rowtile_step_costs(
+        mxu_s, over, exposed = rowtile_step_costs(
           group_sizes=sizes,
           k=k,
           n=n,
@@ -691,9 +880,9 @@ def pick_rowtile_tiling(
           out_itemsize=oi,
           generation=gen,
         )
-        sweeps = (k // tk) * (n // tn)
-        score = sweeps * (
-          np.maximum(mxu_s, dma / gen.hbm_bytes_per_s).sum() + step_overhead_s * mxu_s.size
+        bw = gen.hbm_bytes_per_s
+        score = (
+          np.maximum(mxu_s, over / bw).sum() + exposed.sum() / bw + step_overhead_s * mxu_s.size
         )
         scored.append((float(score), est, (tm, tk, tn)))
   if not scored:

@@ -268,26 +268,34 @@ def test_rowtile_rows_are_floor_rows():
   assert int(rows.sum()) == floor_rows(sizes, 128)
 
 
+@pytest.mark.parametrize("sequential", [False, True], ids=["parallel", "sequential"])
 @pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
-def test_cost_model_hooks_match_kernel_counts(op):
-  """The bench's row-tile hooks (schedule-derived, used at full size) = what the kernel does."""
+def test_cost_model_hooks_match_kernel_counts(op, sequential):
+  """The bench's row-tile hooks (schedule-derived, used at full size) = what the kernel does:
+  MXU rows per step, and every manual DMA the kernel waits for, exposed only in a step that
+  waits for one (n and k are split in two, so DMAs cross sweeps when `sequential`)."""
   from bench import costmodel as cm
   from bench.impls import rowtile_hooks
 
   sizes = np.array([40, 0, 75, 3, 0, 90, 50], np.int32)
-  m, k, n, tm, sub_m = 300, 64, 128, 64, 32
-  scale, manual = rowtile_hooks(op=op, tm=tm, tk=k, tn=n, sub_m=sub_m, itemsize=4)
+  m, k, n, tm, sub_m = 300, 64, 256, 64, 32
+  tk = k // 2 if op == "drhs" else k
+  tn = n // 2
+  scale, manual = rowtile_hooks(
+    op=op, tm=tm, tk=tk, tn=tn, sub_m=sub_m, sequential_sweeps=sequential, itemsize=4
+  )
   if op == "drhs":
     lhs, rhs = jnp.zeros((k, m)), jnp.zeros((m, n))
     call = lambda x, y, gs, c: tgmm_rowtile_pallas(  # noqa: E731
       x,
       y,
       gs,
-      tiling=(tm, k, n),
+      tiling=(tm, tk, tn),
       out_dtype=jnp.float32,
       group_offset=jnp.int32(0),
       num_actual_groups=7,
       sub_m=sub_m,
+      sequential_sweeps=sequential,
       count_rows=c,
       interpret=True,
     )
@@ -298,11 +306,12 @@ def test_cost_model_hooks_match_kernel_counts(op):
       w,
       gs,
       tm=tm,
-      tn=n,
+      tn=tn,
       out_dtype=jnp.float32,
       group_offset=jnp.int32(0),
       transpose_rhs=op == "dlhs",
       sub_m=sub_m,
+      sequential_sweeps=sequential,
       count_rows=c,
       interpret=True,
     )
@@ -317,7 +326,50 @@ def test_cost_model_hooks_match_kernel_counts(op):
   _, counts = call(lhs, rhs, jnp.asarray(sizes), True)
   counts = np.asarray(counts).reshape(-1, 2)
   np.testing.assert_array_equal(sched.step_scale * sub_m, counts[:, 0])
-  np.testing.assert_array_equal(sched.operand_bytes["manual"], counts[:, 1].sum() * k * n * 4)
+  block = tk * tn * 4
+  np.testing.assert_allclose(sched.operand_bytes["manual"], counts[:, 1].sum() * block)
+  waits = counts[:, 1] > 0
+  assert not np.any(sched.step_exposed_bytes[~waits])
+  # Without crossing sweeps, each sweep's first load (gmm) / last write (tgmm) is exposed.
+  sweeps = 2 if op != "drhs" else 4
+  exposed_blocks = sched.step_exposed_bytes.sum() / block
+  assert exposed_blocks == (1 if sequential else sweeps)
+
+
+def test_manual_dma_windows():
+  """Hand-computed windows: groups of 8 and 4 rows, tm = sub_m = 4, two sweeps, 100-byte blocks."""
+
+  def dma(kind, sequential):
+    over, exposed = tiling.rowtile_manual_dma(
+      starts=np.array([0, 8]),
+      ends=np.array([8, 12]),
+      m=12,
+      tm=4,
+      sub_m=4,
+      kind=kind,
+      sweeps=2,
+      block_bytes=100.0,
+      sequential_sweeps=sequential,
+    )
+    return over.reshape(2, 3), exposed.reshape(2, 3)
+
+  # gmm: load 1 overlaps group 0's two tiles; load 0 is exposed unless the previous sweep's last
+  # group (tile 2) prefetched it.
+  over, exposed = dma("gmm", False)
+  np.testing.assert_allclose(over, [[50, 50, 0], [50, 50, 0]])
+  np.testing.assert_allclose(exposed, [[100, 0, 0], [100, 0, 0]])
+  over, exposed = dma("gmm", True)
+  np.testing.assert_allclose(over, [[50, 50, 100], [50, 50, 0]])
+  np.testing.assert_allclose(exposed, [[100, 0, 0], [0, 0, 0]])
+  # tgmm: write 0 (finalized in tile 1) overlaps tile 2; write 1 (tile 2) is drained exposed,
+  # unless it is waited for in the next sweep, at group 1's finalize.
+  over, exposed = dma("tgmm", False)
+  np.testing.assert_allclose(over, [[0, 0, 100], [0, 0, 100]])
+  np.testing.assert_allclose(exposed, [[0, 0, 100], [0, 0, 100]])
+  over, exposed = dma("tgmm", True)
+  third = 100 / 3
+  np.testing.assert_allclose(over, [[0, 0, third], [2 * third, 2 * third, third + 100]])
+  np.testing.assert_allclose(exposed, [[0, 0, 0], [0, 0, 100]])
 
 
 def test_ops_default_picks_rowtile_and_falls_back():
