@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import importlib
 import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.costmodel import StepContext
+from bench import costmodel
+from bench.costmodel import CallSchedule, StepContext
 from bench.shapes import Shape
 from pallas_moe import tiling as tiling_lib
 from pallas_moe.tiling import TpuGeneration, pick_tiling, use_generation
@@ -41,6 +43,12 @@ __all__ = [
   "op_arrays",
   "OPS",
   "pallas_moe_step_scale",
+  "MEGABLOX_GRID_SIZES",
+  "GridResult",
+  "megablox_tilings",
+  "megablox_vmem_bytes",
+  "megablox_lower_bound_us",
+  "megablox_grid_search",
 ]
 
 OPS = ("fwd", "dlhs", "drhs")
@@ -62,6 +70,9 @@ class Case:
     step_scale: optional per-step MXU-work hook for the cost model.
     step_manual_bytes: optional per-step manual-DMA bytes hook for the cost model.
     kernel: which of an implementation's kernels runs (for the report), e.g. "rowtile".
+    schedules: `costmodel.analyze`'s result when the build already ran it (a tiling search);
+      the bench then uses it instead of analyzing again.
+    extra: more fields for the bench's record (e.g. the search's statistics).
     row_macs: MACs per token row of one full sweep, padded as the kernel pads (tile grid and
       MXU); makes `mxu_rows_executed` a pure row count. Callable of the MXU size.
   """
@@ -73,6 +84,8 @@ class Case:
   row_macs: Callable[[int], float] | None = None
   step_manual_bytes: Callable[[StepContext], np.ndarray] | None = None
   kernel: str = ""
+  schedules: tuple[CallSchedule, ...] | None = None
+  extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -199,6 +212,310 @@ def _megablox_build(tiling: tuple[int, int, int]):
 
 register(Impl(name="megablox-maxtext", build=_megablox_build((512, 1024, 1024))))
 register(Impl(name="megablox-default", build=_megablox_build((128, 128, 128))))
+
+
+# ----------------------------------------------------------------------------------------------
+# Upstream megablox at its best tiling (issue 7, acceptance 2b): per case and chip, the fastest
+# modeled (tm, tk, tn) from a grid that fits VMEM.
+#
+# NOTE: "fits" uses our `vmem_estimate_bytes` for megablox's blocks (kind "gmm": lhs [tm, tk],
+# rhs [tk, tn], out [tm, tn] double-buffered + f32 acc [tm, tn]; "tgmm": lhs [tm, tk], rhs
+# [tm, tn], out [tk, tn] + f32 acc [tk, tn] and the f32 masked input copies megablox's tgmm makes)
+# against `usable_vmem_bytes` (3/4 of physical VMEM), not the scoped default: megablox passes no
+# `vmem_limit_bytes`, so it reaches that budget only if its caller raises the scoped limit. The
+# estimate leaves out the f32 masked copies megablox's gmm makes on a ragged last k tile; both
+# choices admit more tilings (generous to megablox). Whether the best also fits the scoped
+# default is reported (`fits_scoped`), and `megablox-best-scoped` searches within it.
+
+# None: the full dimension.
+MEGABLOX_GRID_SIZES = (128, 256, 512, 1024, None)
+
+
+def _kernel_dims(*, op: str, shape: Shape) -> tuple[int, int, int]:
+  """(m, dim tiled by tk, dim tiled by tn) as megablox's kernel sees the op."""
+  return (shape.m, shape.n, shape.k) if op == "dlhs" else (shape.m, shape.k, shape.n)
+
+
+def megablox_tilings(
+  *, op: str, shape: Shape, sizes: tuple[int | None, ...] = MEGABLOX_GRID_SIZES
+) -> list[tuple[int, int, int]]:
+  """The (tm, tk, tn) grid for megablox, in its kernel's terms.
+
+  Each tile takes every value of `sizes` (None: the full dim), clamped to its dim as
+  `_megablox_build` clamps (dlhs: tk tiles n and tn tiles k), deduplicated; tilings with
+  m % tm != 0 (megablox refuses them) are left out.
+
+  Args:
+    op: "fwd", "dlhs" or "drhs".
+    shape: the problem.
+    sizes: tile sizes to try per dimension.
+
+  Returns:
+    The tilings, sorted.
+  """
+  dims = _kernel_dims(op=op, shape=shape)
+  per_dim = [sorted({min(s or d, d) for s in sizes}) for d in dims]
+  return [
+    (tm, tk, tn) for tm in per_dim[0] for tk in per_dim[1] for tn in per_dim[2] if dims[0] % tm == 0
+  ]
+
+
+def megablox_vmem_bytes(*, op: str, tiling: tuple[int, int, int]) -> int:
+  """Our VMEM estimate for megablox's gmm (fwd, dlhs) or tgmm (drhs) at a tiling, bf16.
+
+  Args:
+    op: "fwd", "dlhs" or "drhs".
+    tiling: (tm, tk, tn) in the kernel's terms.
+
+  Returns:
+    Bytes.
+  """
+  tm, tk, tn = tiling
+  kind = "tgmm" if op == "drhs" else "gmm"
+  return tiling_lib.vmem_estimate_bytes(
+    tm=tm, tk=tk, tn=tn, lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE, kind=kind
+  )
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def megablox_lower_bound_us(
+  *,
+  op: str,
+  shape: Shape,
+  group_sizes: np.ndarray,
+  tiling: tuple[int, int, int],
+  generation: str | TpuGeneration,
+  step_overhead_s: float = costmodel.DEFAULT_STEP_OVERHEAD_S,
+) -> float:
+  """A lower bound of megablox's modeled time at a tiling, from numpy alone (no tracing).
+
+  The cost model gives Σ_steps max(mxu, dma) + steps·overhead ≥ max(Σ mxu, Σ dma) +
+  steps·overhead. Steps and Σ mxu are exact (megablox's grid and its one dot per step, as
+  `make_group_metadata` and `kernel_dot_macs` count them; tgmm's skipped empty-group steps
+  excluded). Σ dma is bounded below by pipeline fetches that must happen: with more than one k
+  tile every step changes the lhs and (gmm) the rhs block, so both are fetched every step;
+  otherwise each distinct block is fetched at least once per sweep of the inner grid axes (the
+  first step of a sweep differs from the previous sweep's last step when there are two or more
+  m tiles), and each output block is written at least once. `megablox_grid_search` checks
+  bound ≤ model on every tiling it analyzes.
+
+  Args:
+    op: "fwd", "dlhs" or "drhs".
+    shape: the problem.
+    group_sizes: rows per group.
+    tiling: (tm, tk, tn) in the kernel's terms, clamped, m % tm == 0.
+    generation: TPU generation.
+    step_overhead_s: the cost model's per-step overhead.
+
+  Returns:
+    Microseconds.
+  """
+  gen = tiling_lib.get_generation(generation)
+  mxu = gen.mxu_size
+  m, dk, dn = _kernel_dims(op=op, shape=shape)
+  tm, tk, tn = tiling
+  tiles_k, tiles_n = _cdiv(dk, tk), _cdiv(dn, tn)
+  gs = np.asarray(group_sizes, np.int64)
+  ends = np.cumsum(gs)
+  starts = ends - gs
+  nonempty = gs > 0
+  first, stop = starts // tm, -(-ends // tm)
+  visits = int(np.where(nonempty, stop - first, 0).sum())  # visits of non-empty groups
+  # Distinct m tiles holding rows of non-empty groups.
+  cover = np.zeros(m // tm + 1, np.int64)
+  np.add.at(cover, first[nonempty], 1)
+  np.add.at(cover, stop[nonempty], -1)
+  m_tiles = int((np.cumsum(cover)[:-1] > 0).sum())
+  groups = int(nonempty.sum())
+  pad = lambda x: _cdiv(x, mxu) * mxu
+  if op == "drhs":
+    # Grid (tiles_n, tiles_k, visits incl. one per empty group); dot [tk, tm] x [tm, tn].
+    steps = tiles_n * tiles_k * (visits + int((~nonempty).sum()))
+    macs = tiles_n * tiles_k * visits * max(tk, mxu) * pad(tm) * pad(tn)
+    lhs = (tiles_n if (tiles_k >= 2 or m_tiles >= 2) else 1) * m_tiles * tm * dk
+    rhs = (tiles_k if m_tiles >= 2 else 1) * m_tiles * tm * dn
+    out = groups * dk * dn
+  else:
+    # Grid (tiles_n, visits, tiles_k); dot [tm, tk] x [tk, tn].
+    steps = tiles_n * visits * tiles_k
+    macs = steps * max(tm, mxu) * pad(tk) * pad(tn)
+    if tiles_k >= 2:
+      lhs, rhs = tiles_n * visits * tm * dk, visits * dk * dn
+    else:
+      lhs = (tiles_n if m_tiles >= 2 else 1) * m_tiles * tm * dk
+      rhs = groups * dk * dn
+    out = m_tiles * tm * dn
+  itemsize = np.dtype(DTYPE).itemsize
+  mxu_s = 2 * macs / gen.peak_bf16_flops
+  dma_s = (lhs + rhs + out) * itemsize / gen.hbm_bytes_per_s
+  return (steps * step_overhead_s + max(mxu_s, dma_s)) * 1e6
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GridResult:
+  """The best megablox tiling of one case on one chip.
+
+  Attributes:
+    tiling: (tm, tk, tn) in the kernel's terms.
+    modeled_us: its modeled time.
+    schedules: its `costmodel.analyze` result.
+    vmem_bytes: its VMEM estimate.
+    fits_scoped: whether that estimate fits the chip's scoped VMEM default.
+    budget_bytes: the VMEM budget of the search.
+    enumerated: tilings in the grid.
+    fitting: of those, tilings within the budget.
+    analyzed: tilings modeled (traced) on this chip; the others were pruned by the lower bound.
+    seconds: wall time of the search.
+  """
+
+  tiling: tuple[int, int, int]
+  modeled_us: float
+  schedules: tuple[CallSchedule, ...]
+  vmem_bytes: int
+  fits_scoped: bool
+  budget_bytes: int
+  enumerated: int
+  fitting: int
+  analyzed: int
+  seconds: float
+
+
+# Analyses of megablox tilings, per (shape, op, group sizes): shared by the chips and by
+# megablox-best / megablox-best-scoped. NOTE: only the last few cases are kept (a 128^3 schedule
+# of a big shape holds per-step arrays of millions of steps).
+_GRID_CACHE: dict[tuple, dict[tuple[int, int, int], tuple[CallSchedule, ...]]] = {}
+_GRID_CACHE_CASES = 2
+
+
+def _grid_schedules(
+  *, op: str, shape: Shape, group_sizes: np.ndarray, tiling: tuple[int, int, int]
+) -> tuple[CallSchedule, ...]:
+  key = (shape, op, np.asarray(group_sizes, np.int32).tobytes())
+  if key not in _GRID_CACHE:
+    while len(_GRID_CACHE) >= _GRID_CACHE_CASES:
+      del _GRID_CACHE[next(iter(_GRID_CACHE))]
+    _GRID_CACHE[key] = {}
+  per_case = _GRID_CACHE[key]
+  if tiling not in per_case:
+    case = _megablox_build(tiling)(op=op, shape=shape, group_sizes=group_sizes, generation=None)
+    per_case[tiling] = tuple(costmodel.analyze(case.fn, *case.args, step_scale=case.step_scale))
+  return per_case[tiling]
+
+
+def megablox_grid_search(
+  *,
+  op: str,
+  shape: Shape,
+  group_sizes: np.ndarray,
+  generation: str | TpuGeneration,
+  sizes: tuple[int | None, ...] = MEGABLOX_GRID_SIZES,
+  vmem_budget_bytes: int | None = None,
+  prune: bool = True,
+) -> GridResult:
+  """The fastest modeled megablox tiling of the grid that fits VMEM.
+
+  Tilings are modeled in order of their lower bound (`megablox_lower_bound_us`); with `prune`
+  the search stops at the first whose bound is ≥ the best modeled time so far (it and all later
+  ones cannot be faster). Raises if a modeled time is below its bound (an unsound bound).
+
+  Args:
+    op: "fwd", "dlhs" or "drhs".
+    shape: the problem.
+    group_sizes: rows per group.
+    generation: TPU generation.
+    sizes: tile sizes per dimension (see `megablox_tilings`).
+    vmem_budget_bytes: VMEM budget; default `usable_vmem_bytes(generation)`.
+    prune: skip tilings whose lower bound cannot beat the best (False: model all).
+
+  Returns:
+    The `GridResult`.
+
+  Raises:
+    Unsupported: no tiling of the grid fits the budget.
+  """
+  t0 = time.time()
+  gen = tiling_lib.get_generation(generation)
+  budget = tiling_lib.usable_vmem_bytes(gen) if vmem_budget_bytes is None else vmem_budget_bytes
+  tilings = megablox_tilings(op=op, shape=shape, sizes=sizes)
+  fitting = [t for t in tilings if megablox_vmem_bytes(op=op, tiling=t) <= budget]
+  if not fitting:
+    raise Unsupported(f"no megablox tiling of the grid fits {budget / 2**20:.0f} MiB of VMEM")
+  bound = {
+    t: megablox_lower_bound_us(
+      op=op, shape=shape, group_sizes=group_sizes, tiling=t, generation=gen
+    )
+    for t in fitting
+  }
+  best, best_us, best_scheds, analyzed = None, math.inf, None, 0
+  for t in sorted(fitting, key=lambda t: (bound[t], t)):
+    if prune and bound[t] >= best_us:
+      break
+    scheds = _grid_schedules(op=op, shape=shape, group_sizes=group_sizes, tiling=t)
+    analyzed += 1
+    us = costmodel.cost(scheds, generation=gen).modeled_us
+    if us < bound[t] * (1 - 1e-9):
+      raise AssertionError(f"megablox lower bound {bound[t]} > modeled {us} at {t} ({op})")
+    if us < best_us:
+      best, best_us, best_scheds = t, us, scheds
+  vmem = megablox_vmem_bytes(op=op, tiling=best)
+  return GridResult(
+    tiling=best,
+    modeled_us=best_us,
+    schedules=best_scheds,
+    vmem_bytes=vmem,
+    fits_scoped=vmem <= gen.scoped_vmem_default_bytes,
+    budget_bytes=budget,
+    enumerated=len(tilings),
+    fitting=len(fitting),
+    analyzed=analyzed,
+    seconds=time.time() - t0,
+  )
+
+
+def _megablox_best_build(*, scoped: bool):
+  def build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation: TpuGeneration) -> Case:
+    gen = tiling_lib.get_generation(generation)
+    res = megablox_grid_search(
+      op=op,
+      shape=shape,
+      group_sizes=group_sizes,
+      generation=gen,
+      vmem_budget_bytes=gen.scoped_vmem_default_bytes if scoped else None,
+    )
+    case = _megablox_build(res.tiling)(op=op, shape=shape, group_sizes=group_sizes, generation=gen)
+    extra = dict(
+      grid_search=dict(
+        budget_mib=res.budget_bytes / 2**20,
+        vmem_mib=res.vmem_bytes / 2**20,
+        fits_scoped=res.fits_scoped,
+        enumerated=res.enumerated,
+        fitting=res.fitting,
+        analyzed=res.analyzed,
+        seconds=res.seconds,
+      )
+    )
+    return dataclasses.replace(case, schedules=res.schedules, extra=extra)
+
+  return build
+
+
+register(
+  Impl(
+    name="megablox-best",
+    build=_megablox_best_build(scoped=False),
+    tiling_depends_on_generation=True,
+  )
+)
+register(
+  Impl(
+    name="megablox-best-scoped",
+    build=_megablox_best_build(scoped=True),
+    tiling_depends_on_generation=True,
+  )
+)
 
 
 # ----------------------------------------------------------------------------------------------

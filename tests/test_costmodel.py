@@ -391,3 +391,67 @@ def test_pallas_moe_single_dense_group_bytes(tk):
   assert s.min_hbm_bytes == 2 * (m * k + k * n + m * n)
   rep = cm.cost([s], generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=m)
   assert rep.mxu_rows_executed == m
+
+
+# megablox at its best tiling (bench/impls.py, megablox-best) ---------------------------------
+
+
+def _mb_model(op, shape, t):
+  """megablox's modeled time at tiling t on v5e, analyzed directly (not through the search)."""
+  from bench import impls
+
+  case = impls._megablox_build(t)(op=op, shape=shape, group_sizes=_GS, generation=V5E)
+  return cm.model(case.fn, *case.args, generation=V5E, step_scale=case.step_scale).modeled_us
+
+
+@pytest.mark.parametrize("op", ["fwd", "drhs"])
+def test_megablox_grid_search_is_the_minimum(op):
+  """The search returns the fastest tiling of its grid: its pick is modeled as it says, beats
+  the others modeled directly, and every tiling it did not model has a lower bound ≥ its pick
+  (the bound is checked against the model on the tilings modeled here)."""
+  from bench import impls
+
+  shape = _tiny_shape(m=1024, k=256, n=384, g=len(_GS))
+  sizes = (128, None)
+  tilings = impls.megablox_tilings(op=op, shape=shape, sizes=sizes)
+  assert tilings == [(tm, tk, tn) for tm in (128, 1024) for tk in (128, 256) for tn in (128, 384)]
+  res = impls.megablox_grid_search(op=op, shape=shape, group_sizes=_GS, generation=V5E, sizes=sizes)
+  assert (res.enumerated, res.fitting) == (8, 8) and res.analyzed < 8
+  assert res.modeled_us == pytest.approx(_mb_model(op, shape, res.tiling), rel=1e-12)
+  bound = lambda t: impls.megablox_lower_bound_us(
+    op=op, shape=shape, group_sizes=_GS, tiling=t, generation=V5E
+  )
+  by_bound = sorted(tilings, key=lambda t: (bound(t), t))
+  for t in [(128, 128, 128), (1024, 256, 384), *(by_bound[:2])]:
+    us = _mb_model(op, shape, t)
+    assert bound(t) <= us * (1 + 1e-12)
+    assert res.modeled_us <= us
+  assert sum(bound(t) < res.modeled_us for t in tilings) <= res.analyzed
+
+
+def test_megablox_grid_search_refuses_tilings_over_vmem():
+  from bench import impls
+
+  shape = _tiny_shape(m=1024, k=256, n=384, g=len(_GS))
+  sizes = (128, None)
+  free = impls.megablox_grid_search(
+    op="fwd", shape=shape, group_sizes=_GS, generation=V5E, sizes=sizes
+  )
+  # A budget just under the free pick's estimate: it and everything bigger are refused.
+  budget = free.vmem_bytes - 1
+  res = impls.megablox_grid_search(
+    op="fwd", shape=shape, group_sizes=_GS, generation=V5E, sizes=sizes, vmem_budget_bytes=budget
+  )
+  fit = [
+    t
+    for t in impls.megablox_tilings(op="fwd", shape=shape, sizes=sizes)
+    if impls.megablox_vmem_bytes(op="fwd", tiling=t) <= budget
+  ]
+  assert res.fitting == len(fit) < 8 and res.tiling in fit and res.tiling != free.tiling
+  assert res.vmem_bytes <= budget and res.modeled_us >= free.modeled_us
+  assert res.fits_scoped  # tiny tiles: within v5e's 16 MiB scoped default
+  assert res.modeled_us <= min(_mb_model("fwd", shape, t) for t in fit if t != res.tiling)
+  with pytest.raises(impls.Unsupported, match="fits"):
+    impls.megablox_grid_search(
+      op="fwd", shape=shape, group_sizes=_GS, generation=V5E, sizes=sizes, vmem_budget_bytes=2**20
+    )
