@@ -158,6 +158,13 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10, warmu
               tuple(case.tiling),
               gen.name if impl.program_depends_on_generation else None,
             )
+            if key not in cache and case.schedules is not None:
+              # NOTE: a tiling search (megablox-best) already analyzed its pick.
+              cache[key] = list(case.schedules)
+              _log(
+                f"[{done}/{total}] {impl.name} {shape.label}/{routing} {op} on {gen.name}: "
+                f"tiling={case.tiling} {case.extra} (elapsed {time.time() - t_start:.0f}s)"
+              )
             if key not in cache:
               t0 = time.time()
               try:
@@ -220,6 +227,7 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10, warmu
                 mxu_us=sum(c.mxu_us for c in rep.calls),
                 dma_us=sum(c.dma_us for c in rep.calls),
                 notes=sorted({n for c in rep.calls for n in c.notes}),
+                **case.extra,
               )
             )
   _add_speedups(records)
@@ -228,19 +236,28 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10, warmu
 
 
 # Speedup columns: modeled time of these references / the row's modeled time, same chip.
-SPEEDUP_REFS = {"x_mb512": "megablox-maxtext", "x_mb128": "megablox-default"}
+SPEEDUP_REFS = {
+  "x_mb512": "megablox-maxtext",
+  "x_mb128": "megablox-default",
+  "x_mbbest": "megablox-best",
+}
+MBBEST = "megablox-best"
 
 
 def _add_speedups(records: list[dict]) -> None:
-  """Adds `speedup_vs` {column: ref modeled / this modeled (or None)} to every record."""
-  by_case = {
-    (r["impl"], r["shape"], r["routing"], r["op"], r["chip"]): r["modeled_us"] for r in records
-  }
+  """Adds `speedup_vs` {column: ref modeled / this modeled (or None)} to every record, and
+  `mbbest_us` / `mbbest_tiling` (megablox-best's time and tiling on the same case and chip)."""
+  by_case = {(r["impl"], r["shape"], r["routing"], r["op"], r["chip"]): r for r in records}
   for r in records:
     r["speedup_vs"] = {}
     for col, ref in SPEEDUP_REFS.items():
       t = by_case.get((ref, r["shape"], r["routing"], r["op"], r["chip"]))
-      r["speedup_vs"][col] = t / r["modeled_us"] if t and r["modeled_us"] else None
+      r["speedup_vs"][col] = (
+        t["modeled_us"] / r["modeled_us"] if t and t["modeled_us"] and r["modeled_us"] else None
+      )
+    best = by_case.get((MBBEST, r["shape"], r["routing"], r["op"], r["chip"]))
+    r["mbbest_us"] = best["modeled_us"] if best else None
+    r["mbbest_tiling"] = best["tiling"] if best else None
 
 
 _COLUMNS = (
@@ -255,6 +272,7 @@ _COLUMNS = (
   "mod/roof",
   "x_mb512",
   "x_mb128",
+  "x_mbbest",
   "row_waste",
   "hbm/min",
   "mxu_us",
@@ -286,6 +304,7 @@ def _row(r: dict) -> list[str]:
     f(roof, 2),
     f(sp.get("x_mb512"), 2),
     f(sp.get("x_mb128"), 2),
+    f(sp.get("x_mbbest"), 2),
     f(waste, 2),
     f(r["hbm_bytes"] / r["min_hbm_bytes"], 2),
     f(r["mxu_us"]),
@@ -326,6 +345,72 @@ def tables(records: list[dict], *, markdown: bool) -> str:
   return "\n".join(out)
 
 
+_MBBEST_COLUMNS = (
+  "shape",
+  "routing",
+  "op",
+  "chip",
+  "impl",
+  "µs",
+  "tiling",
+  "mbbest µs",
+  "mbbest tiling",
+  "mbbest scoped",
+  "vs mbbest",
+)
+
+
+def mbbest_table(records: list[dict], *, markdown: bool) -> str:
+  """One row per (case, chip) of each implementation against megablox at its best tiling.
+
+  `vs mbbest` = megablox-best's modeled time / the implementation's (< 1: megablox is faster);
+  `mbbest scoped`: whether megablox's best tiling fits the chip's scoped VMEM default (the
+  search's budget is 3/4 of physical VMEM).
+
+  Args:
+    records: from `run`.
+    markdown: a markdown table instead of aligned text.
+
+  Returns:
+    The text ("" without megablox-best records).
+  """
+  f = lambda x, p=1: "-" if x is None else f"{x:,.{p}f}"
+  best = {(r["shape"], r["routing"], r["op"], r["chip"]): r for r in records if r["impl"] == MBBEST}
+  rows = []
+  for r in records:
+    b = best.get((r["shape"], r["routing"], r["op"], r["chip"]))
+    if b is None or r["impl"].startswith("megablox"):
+      continue
+    rows.append(
+      [
+        r["shape"],
+        r["routing"],
+        r["op"],
+        r["chip"],
+        r["impl"],
+        f(r["modeled_us"]),
+        "x".join(map(str, r["tiling"])),
+        f(b["modeled_us"]),
+        "x".join(map(str, b["tiling"])),
+        "yes" if b["grid_search"]["fits_scoped"] else "no",
+        f(r["speedup_vs"]["x_mbbest"], 3),
+      ]
+    )
+  if not rows:
+    return ""
+  title = "Against megablox at its best tiling (tm, tk, tn in {128, 256, 512, 1024, full})"
+  if markdown:
+    out = [f"### {title}\n", "| " + " | ".join(_MBBEST_COLUMNS) + " |"]
+    out.append("|" + "---|" * len(_MBBEST_COLUMNS))
+    out.extend("| " + " | ".join(row) + " |" for row in rows)
+  else:
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(_MBBEST_COLUMNS)]
+    out = [f"== {title}"]
+    out.append("  ".join(c.rjust(w) for c, w in zip(_MBBEST_COLUMNS, widths, strict=True)))
+    out.extend("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)) for row in rows)
+  return "\n".join(out) + "\n"
+
+
 def main(argv) -> None:
   del argv
   t_start = time.time()
@@ -346,6 +431,9 @@ def main(argv) -> None:
   jax.config.update("jax_disable_most_optimizations", False)
   out = {"modeled": records}
   text, md = [tables(records, markdown=False)], [tables(records, markdown=True)]
+  if any(r["impl"] == MBBEST for r in records):
+    text.append(mbbest_table(records, markdown=False))
+    md.append(mbbest_table(records, markdown=True))
   if _INTERPRET_TABLE.value and jax.default_backend() != "tpu":
     from bench import interpret_time
 
