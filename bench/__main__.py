@@ -3,9 +3,18 @@
 For each shape / op / chip / implementation: modeled_us (bench.costmodel over the real
 pallas_call schedule), roofline_us, achievable_us, modeled/achievable, modeled/roofline, MXU row
 waste (executed / useful rows), HBM bytes / minimum, and the speedup of the modeled time against
-upstream megablox at MaxText's tiles (x_mb512) and at its default 128^3 tiles (x_mb128) on the
-same chip (> 1: faster than megablox). On a TPU (jax.default_backend() == "tpu") cases for the
-local chip are also timed: warm-up, several runs, median, TFLOP/s, % of peak.
+upstream megablox at MaxText's tiles (x_mb512), at its default 128^3 tiles (x_mb128), and at its
+best tiling (x_mbbest) on the same chip (> 1: faster than megablox). On a TPU
+(jax.default_backend() == "tpu") cases for the local chip are also timed: warm-up, several runs,
+median, TFLOP/s, % of peak.
+
+megablox-best is the fastest modeled megablox tiling of tm, tk, tn in {128, 256, 512, 1024, full
+dim} whose VMEM estimate (`tiling.vmem_estimate_bytes`) fits 3/4 of the chip's physical VMEM: the
+budget megablox reaches only if its caller raises Mosaic's scoped limit (it passes no
+vmem_limit_bytes); the table "Against megablox at its best tiling" says whether that tiling also
+fits the scoped default, and `--impls megablox-best-scoped` searches within the scoped default.
+The search prunes with a lower bound of the model (`impls.megablox_lower_bound_us`): all 48
+cases take 2-3 minutes on one core (about 150 tilings modeled of 4,400 that fit).
 
 Off TPU, a second small table gives the CPU wall time of interpret mode (ours vs megablox) on a
 reduced shape (--interpret_shape; --nointerpret_table to skip it). It says nothing about TPU
@@ -41,9 +50,10 @@ from pallas_moe.tiling import current_generation, get_generation  # noqa: E402
 _CHIP = flags.DEFINE_list("chip", ["v5e", "v6e"], "TPU generations to model.")
 _SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Shapes: {', '.join(SHAPES)}.")
 _OPS = flags.DEFINE_list("ops", list(OPS), "Ops: fwd, dlhs, drhs.")
-# Default: ours (heuristic tiles) and upstream megablox at MaxText's and at its default tiles.
-# `pallas_moe-maxtext` (ours at MaxText's tiles) is registered too; select it with --impls.
-DEFAULT_IMPLS = ["pallas_moe", "megablox-maxtext", "megablox-default"]
+# Default: ours (heuristic tiles) and upstream megablox at MaxText's, at its default, and at its
+# best tiles. `pallas_moe-maxtext` (ours at MaxText's tiles) and `megablox-best-scoped` are
+# registered too; select them with --impls.
+DEFAULT_IMPLS = ["pallas_moe", "megablox-maxtext", "megablox-default", "megablox-best"]
 _IMPLS = flags.DEFINE_list("impls", None, f"Implementations (default: {','.join(DEFAULT_IMPLS)}).")
 _TOKENS = flags.DEFINE_list(
   "tokens",
