@@ -169,7 +169,7 @@ def _resolve_tiles(
   # must divide n (and tgmm's tk divide k); gmm keeps the whole contraction in VMEM (tk == k).
   fits_rowtile = (tk == k if kind == "gmm" else k % tk == 0) and n % tn == 0
   if allow_rowtile and fits_rowtile:
-    estimate = tiling_lib.vmem_estimate_bytes(**vmem, kind=f"{kind}_rowtile")
+    estimate = tiling_lib.vmem_estimate_bytes(**vmem, kind=f"{kind}_rowtile", generation=generation)
     if estimate <= budget or not (interpret is None or interpret is False):
       return KernelTiling(
         tiles=(tm, tk, tn),

@@ -255,7 +255,15 @@ def _itemsize(dtype) -> int:
 
 
 def vmem_estimate_bytes(
-  *, tm: int, tk: int, tn: int, lhs_dtype, rhs_dtype, out_dtype, kind: str
+  *,
+  tm: int,
+  tk: int,
+  tn: int,
+  lhs_dtype,
+  rhs_dtype,
+  out_dtype,
+  kind: str,
+  generation: str | TpuGeneration | None = None,
 ) -> int:
   """Estimates the VMEM a gmm/tgmm tiling needs.
 
@@ -276,6 +284,8 @@ def vmem_estimate_bytes(
       (blocks lhs[tm,tk], rhs[tm,tn], out[tk,tn], acc f32[tk,tn]), or the row-tile kernels
       "gmm_rowtile" (tk = k; weight slots instead of rhs blocks) / "tgmm_rowtile" (staging slots
       instead of out blocks).
+    generation: row-tile kinds only: the chip the kernel compiles for (its MXU rows per pass
+      and Mosaic's temporaries differ); None: the largest over the generations.
 
   Returns:
     Estimated bytes.
@@ -292,14 +302,18 @@ def vmem_estimate_bytes(
     acc = tk * tn * 4
     temps = tk * tn * 4 + tm * (tk + tn) * 4
   elif kind == "gmm_rowtile":
-    # NOTE: calibrated on real Mosaic (AOT, v6e, the smallest vmem_limit_bytes that compiles):
+    # NOTE: calibrated on real Mosaic (AOT, the smallest vmem_limit_bytes that compiles), v6e:
     # (512, 4096, 3584) needs 74 MiB, (512, 14336, 1024) transposed 94 MiB, (256, 4096, 1792)
-    # with existing_out 34 MiB. Pipelined lhs [tm, k], out and existing_out [tm, tn] blocks (x2),
-    # two manual weight slots [k, tn], the f32 product of one sub-block and a copy of its lhs
-    # rows; quantized weights add the upcast block and the scale slots.
-    sub = min(tm, _MAX_SUB_M)
+    # with existing_out 34 MiB; (256, 14336, 512) transposed needs 46 MiB on v5e and v5p, 50 on
+    # v6e, 43 on tpu7x. Pipelined lhs [tm, k], out and existing_out [tm, tn] blocks (x2), two
+    # manual weight slots [k, tn], the f32 product of one sub-block and, except on tpu7x, a copy
+    # of its lhs rows; quantized weights add the upcast block and the scale slots.
+    gen = get_generation(generation) if generation is not None else None
+    mxu = gen.mxu_size if gen is not None else _MAX_SUB_M
+    sub = mxu if tm % mxu == 0 else tm  # as pallas_moe.ops picks sub_m
+    lhs_copy = gen is None or gen.name != "tpu7x"
     blocks = 2 * tm * tk * li + 4 * tm * tn * oi + 2 * tk * tn * ri
-    temps = sub * tn * 4 + sub * tk * li
+    temps = sub * tn * 4 + (sub * tk * li if lhs_copy else 0)
     if ri == 1:
       temps += tk * tn * 2 + 2 * tk * 4 + 2 * tn * 4
     return int(blocks + temps + _ROWTILE_MARGIN)
@@ -308,7 +322,9 @@ def vmem_estimate_bytes(
     # (512, 1024, 1024) 13 MiB. Pipelined lhs [tk, tm] and rhs [tm, tn] blocks (x2), the f32
     # accumulator, two staging slots, the existing_out buffer with its f32 sum (counted always:
     # the estimate does not know whether the call has one), and the masked sub-block operands.
-    sub = min(tm, _MAX_SUB_M)
+    gen = get_generation(generation) if generation is not None else None
+    mxu = gen.mxu_size if gen is not None else _MAX_SUB_M
+    sub = mxu if tm % mxu == 0 else tm  # as pallas_moe.ops picks sub_m
     blocks = 2 * tm * tk * li + 2 * tm * tn * ri
     acc = tk * tn * 4 + 2 * tk * tn * oi + tk * tn * (oi + 4)
     temps = sub * (tk + tn) * 4
@@ -864,6 +880,7 @@ def pick_rowtile_tiling(
           rhs_dtype=rhs_dtype,
           out_dtype=out_dtype,
           kind=f"{kind}_rowtile",
+          generation=gen,
         )
         if est > budget:
           continue
