@@ -582,6 +582,33 @@ def sequential_sweeps(generation: str | TpuGeneration) -> bool:
   return get_generation(generation).cores_per_chip == 1
 
 
+def _rowtile_pairs(starts: np.ndarray, ends: np.ndarray, *, tm: int, sub_m: int):
+  """The (group, m-tile) pairs a row-tile kernel multiplies, and the sub-blocks of each.
+
+  Args:
+    starts: [groups] first row of each group (int64).
+    ends: [groups] end row of each group.
+    tm: m tile.
+    sub_m: rows per MXU pass.
+
+  Returns:
+    (pair_group, pair_tile, pair_hits), in group order: every non-empty group with each tile it
+    intersects, and the number of its sub_m-row sub-blocks there.
+  """
+  nonempty = ends > starts
+  first_t = np.where(nonempty, starts // tm, 0)
+  last_t = np.where(nonempty, (np.maximum(ends, 1) - 1) // tm, -1)
+  counts = np.maximum(last_t - first_t + 1, 0)
+  pair_g = np.repeat(np.arange(starts.size), counts)
+  pair_t = np.repeat(first_t, counts) + (
+    np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+  )
+  lo = pair_t * tm
+  s = np.maximum(starts[pair_g], lo) - lo
+  e = np.minimum(ends[pair_g], lo + tm) - lo
+  return pair_g, pair_t, (e - 1) // sub_m - s // sub_m + 1
+
+
 def rowtile_manual_dma(
   *,
   starts,
@@ -631,16 +658,8 @@ def rowtile_manual_dma(
   # order within a tile), each with the MXU rows it pushes; tgmm also has a pair without work
   # where an empty group is finalized.
   first_t = np.where(nonempty, starts // tm, 0)
-  last_t = np.where(nonempty, (np.maximum(ends, 1) - 1) // tm, -1)
-  counts = np.maximum(last_t - first_t + 1, 0)
-  pair_g = np.repeat(np.arange(num_groups), counts)
-  pair_t = np.repeat(first_t, counts) + (
-    np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-  )
-  lo = pair_t * tm
-  s = np.maximum(starts[pair_g], lo) - lo
-  e = np.minimum(ends[pair_g], lo + tm) - lo
-  pair_rows = ((e - 1) // sub_m - s // sub_m + 1) * sub_m
+  pair_g, pair_t, pair_hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub_m)
+  pair_rows = pair_hits * sub_m
   fin = None
   if kind == "tgmm":
     fin = np.clip(np.where(nonempty, (ends - 1) // tm, starts // tm), 0, tiles_m - 1)
@@ -775,18 +794,7 @@ def rowtile_step_costs(
   starts = ends - gs
   m = int(ends[-1]) if gs.size else 0
   tiles_m = max(1, -(-m // tm))
-  nonempty = gs > 0
-  first_t = np.where(nonempty, starts // tm, 0)
-  last_t = np.where(nonempty, (np.maximum(ends, 1) - 1) // tm, -1)
-  counts = np.maximum(last_t - first_t + 1, 0)
-  g = np.repeat(np.arange(gs.size), counts)
-  t = np.repeat(first_t, counts) + (
-    np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-  )
-  lo = t * tm
-  s = np.maximum(starts[g], lo) - lo
-  e = np.minimum(ends[g], lo + tm) - lo
-  hits = (e - 1) // sub - s // sub + 1
+  _, t, hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub)
   # NOTE: the MXU works in mxu x mxu weight tiles: a dot's contraction and output columns are
   # padded to multiples of mxu, and a pass has at least mxu rows (as in bench.costmodel).
   pad = lambda d: -(-d // mxu) * mxu  # noqa: E731
