@@ -578,23 +578,24 @@ def pallas_moe_step_scale(
   return scale
 
 
-def _rowtile_hits(ctx: StepContext, *, op: str, tm: int, sub_m: int):
-  """Per step: sub-blocks multiplied, groups starting in the tile, groups finalized in it."""
+def _local_groups(ctx: StepContext) -> tuple[np.ndarray, np.ndarray]:
+  """(starts, ends) rows of the local groups, from a row-tile kernel's prefetched schedule."""
   prefetch = [np.asarray(x) for x in ctx.index_operands]
   offsets, goff = prefetch[0], int(prefetch[-1].reshape(-1)[0])
   num_local = prefetch[3].shape[0]
-  starts = offsets[goff : goff + num_local]
-  ends = offsets[goff + 1 : goff + num_local + 1]
+  return offsets[goff : goff + num_local], offsets[goff + 1 : goff + num_local + 1]
+
+
+def _rowtile_hits(ctx: StepContext, *, tm: int, sub_m: int) -> np.ndarray:
+  """Per step: the sub-blocks multiplied."""
+  starts, ends = _local_groups(ctx)
   tile = ctx.program_ids[-1]
   lo = tile[:, None] * tm
   sub_lo = lo[:, :, None] + np.arange(0, tm, sub_m)[None, None, :]  # [steps, 1, subs]
   # NOTE: as in the kernels: group g multiplies each sub-block of the tile meeting [start, end).
   nonempty = ends > starts
   hit = (sub_lo < ends[None, :, None]) & (sub_lo + sub_m > starts[None, :, None])
-  hits = (hit & nonempty[None, :, None]).sum(axis=(1, 2))
-  loads = ((starts[None, :] >= lo) & (starts[None, :] < lo + tm) & nonempty[None, :]).sum(axis=1)
-  finals = (prefetch[3][None, :] == tile[:, None]).sum(axis=1) if op == "drhs" else None
-  return hits, loads, finals
+  return (hit & nonempty[None, :, None]).sum(axis=(1, 2))
 
 
 def rowtile_hooks(
@@ -634,17 +635,14 @@ def rowtile_hooks(
   """
 
   def scale(ctx: StepContext) -> np.ndarray:
-    return _rowtile_hits(ctx, op=op, tm=tm, sub_m=sub_m)[0].astype(np.float64)
+    return _rowtile_hits(ctx, tm=tm, sub_m=sub_m).astype(np.float64)
 
   def manual(ctx: StepContext) -> tuple[np.ndarray, np.ndarray]:
-    prefetch = [np.asarray(x) for x in ctx.index_operands]
-    offsets, goff = prefetch[0], int(prefetch[-1].reshape(-1)[0])
-    num_local = prefetch[3].shape[0]
-    tiles_m = ctx.grid[-1]
+    starts, ends = _local_groups(ctx)
     return tiling_lib.rowtile_manual_dma(
-      starts=offsets[goff : goff + num_local],
-      ends=offsets[goff + 1 : goff + num_local + 1],
-      m=tiles_m * tm,
+      starts=starts,
+      ends=ends,
+      m=ctx.grid[-1] * tm,
       tm=tm,
       sub_m=sub_m,
       kind="tgmm" if op == "drhs" else "gmm",
