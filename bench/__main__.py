@@ -292,6 +292,12 @@ _COLUMNS = (
 )
 
 
+def _tiling_cell(r: dict) -> str:
+  """tm x tk x tn; "(rs)" marks a row-tile kernel run with `rows_stationary` (out^T)."""
+  mark = " (rs)" if r.get("kernel", "").endswith("rows-stationary") else ""
+  return "x".join(map(str, r["tiling"])) + mark
+
+
 def _row(r: dict) -> list[str]:
   f = lambda x, p=1: "-" if x is None else f"{x:,.{p}f}"
   waste = (
@@ -305,7 +311,7 @@ def _row(r: dict) -> list[str]:
   return [
     r["chip"],
     r["impl"],
-    "x".join(map(str, r["tiling"])),
+    _tiling_cell(r),
     str(r["steps"]),
     f(r["modeled_us"]),
     f(r["roofline_us"]),
@@ -399,7 +405,7 @@ def mbbest_table(records: list[dict], *, markdown: bool) -> str:
         r["chip"],
         r["impl"],
         f(r["modeled_us"]),
-        "x".join(map(str, r["tiling"])),
+        _tiling_cell(r),
         f(b["modeled_us"]),
         "x".join(map(str, b["tiling"])),
         "yes" if b["grid_search"]["fits_scoped"] else "no",

@@ -69,7 +69,8 @@ class Case:
     tiling: (tm, tk, tn) as the implementation uses them (for the report).
     step_scale: optional per-step MXU-work hook for the cost model.
     step_manual_bytes: optional per-step manual-DMA bytes hook for the cost model.
-    kernel: which of an implementation's kernels runs (for the report), e.g. "rowtile".
+    kernel: which of an implementation's kernels runs (for the report): "rowtile", or
+      "rowtile-rows-stationary" (run with `rows_stationary`).
     schedules: `costmodel.analyze`'s result when the build already ran it (a tiling search);
       the bench then uses it instead of analyzing again.
     extra: more fields for the bench's record (e.g. the search's statistics).
@@ -153,14 +154,34 @@ def _pad(x: int, t: int) -> int:
   return -(-x // t) * t
 
 
-def _gmm_row_macs(contract: int, out: int, tk: int, tn: int) -> Callable[[int], float]:
-  """gmm step dot [tm,tk]x[tk,tn]: per row, Σ over k tiles and n tiles of tk'·tn'."""
-  return lambda mxu: (-(-contract // tk)) * _pad(tk, mxu) * (-(-out // tn)) * _pad(tn, mxu)
+def _gmm_row_macs(
+  contract: int, out: int, tk: int, tn: int, *, rows_stationary: bool = False
+) -> Callable[[int], float]:
+  """gmm step dot [tm,tk]x[tk,tn]: per row, Σ over k tiles and n tiles of tk'·tn'. With
+  `rows_stationary` (the kernel computes [tn,tk]x[tk,rows]) the tn columns are streamed rows:
+  per row max(tn, mxu) instead of tn'."""
+
+  def row_macs(mxu: int) -> float:
+    cols = max(tn, mxu) if rows_stationary else _pad(tn, mxu)
+    return (-(-contract // tk)) * _pad(tk, mxu) * (-(-out // tn)) * cols
+
+  return row_macs
 
 
-def _tgmm_row_macs(k: int, n: int, tk: int, tn: int) -> Callable[[int], float]:
-  """tgmm step dot [tk,tm]x[tm,tn]: rows are the contraction; per row max(tk,mxu)·tn'."""
-  return lambda mxu: (-(-k // tk)) * max(tk, mxu) * (-(-n // tn)) * _pad(tn, mxu)
+def _tgmm_row_macs(
+  k: int, n: int, tk: int, tn: int, *, rows_stationary: bool = False
+) -> Callable[[int], float]:
+  """tgmm step dot [tk,tm]x[tm,tn]: rows are the contraction; per row max(tk,mxu)·tn'. With
+  `rows_stationary` ([tn,tm]x[tm,tk]): per row max(tn,mxu)·tk'."""
+
+  def row_macs(mxu: int) -> float:
+    if rows_stationary:
+      per_tile = max(tn, mxu) * _pad(tk, mxu)
+    else:
+      per_tile = max(tk, mxu) * _pad(tn, mxu)
+    return (-(-k // tk)) * (-(-n // tn)) * per_tile
+
+  return row_macs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -740,10 +761,10 @@ def _pallas_moe_build(tiling: tuple[int, int, int] | None, schedule: str = "ops"
         tl = ops.Tiling(fwd=til, dlhs=(128, 128, 128), drhs=(128, 128, 128))
         if op == "drhs":
           fn = functools.partial(ops.tgmm, tiling=til, **kw)
-          row_macs = _tgmm_row_macs(k, n, til[1], til[2])
+          row_macs = _tgmm_row_macs(k, n, til[1], til[2], rows_stationary=kt.rows_stationary)
         else:
           fn = functools.partial(ops.gmm, tiling=tl, transpose_rhs=op == "dlhs", **kw)
-          row_macs = _gmm_row_macs(dk, dn, til[1], til[2])
+          row_macs = _gmm_row_macs(dk, dn, til[1], til[2], rows_stationary=kt.rows_stationary)
         return Case(
           fn=_in_generation(fn, generation),
           args=args,
@@ -751,7 +772,7 @@ def _pallas_moe_build(tiling: tuple[int, int, int] | None, schedule: str = "ops"
           step_scale=scale,
           step_manual_bytes=manual,
           row_macs=row_macs,
-          kernel="rowtile",
+          kernel="rowtile-rows-stationary" if kt.rows_stationary else "rowtile",
         )
     # NOTE: the visit-schedule kernels, called directly (ops would pick the row-tile kernel for
     # tiles it can run).
@@ -891,9 +912,12 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
           sub_m=kt.sub_m,
           vmem_limit_bytes=kt.vmem_limit_bytes,
           sequential_sweeps=kt.sequential_sweeps,
+          rows_stationary=swap,
           interpret=False,
         )
 
+      # NOTE: as pallas_moe.ops runs it: 8-bit dots keep the weights stationary.
+      swap = kt.rows_stationary and not narrow
       scale, manual = rowtile_hooks(
         op=op,
         tm=tm,
@@ -909,8 +933,8 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
         tiling=kt.tiles,
         step_scale=scale,
         step_manual_bytes=manual,
-        row_macs=_gmm_row_macs(dk, dn, dk, tn),
-        kernel="rowtile",
+        row_macs=_gmm_row_macs(dk, dn, dk, tn, rows_stationary=swap),
+        kernel="rowtile-rows-stationary" if swap else "rowtile",
       )
     # NOTE: tiles and VMEM estimate as for bf16 (as pallas_moe.gmm does: an over-estimate that
     # covers the upcast copy of the 8-bit blocks).

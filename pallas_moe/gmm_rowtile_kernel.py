@@ -15,6 +15,10 @@ So weights are read exactly once per n-tile, lhs once per n-tile, the output wri
 there are tiles_n x tiles_m grid steps instead of tiles_n x (tiles_m + groups): the weight
 traffic that the visit schedule concentrates in one step per group is spread over the steps
 that compute.
+
+With `rows_stationary` each sub-block computes out^T = w^T @ x^T: the rows are the MXU's
+stationary operand and the tn weight columns stream through it, so a tn that the MXU width does
+not divide (1408 on v6e's 256-wide MXU) is not padded to it (1.09x fewer MXU passes there).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ def gmm_rowtile_pallas(
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
   sequential_sweeps: bool = False,
+  rows_stationary: bool = False,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -79,6 +84,12 @@ def gmm_rowtile_pallas(
     sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e): the first weights
       of n-tile j + 1 are prefetched while the last group of n-tile j computes, instead of being
       loaded (exposed) at the start of n-tile j + 1. Both grid axes are then "arbitrary".
+    rows_stationary: multiply out^T = w^T @ lhs^T: the sub-block's rows are the MXU's
+      stationary operand and the tn weight columns stream through it as rows, so a tn that is a
+      multiple of 128 but not of the MXU width (1408 on a 256-wide MXU) is not padded to it.
+      Costs a transpose of each group's weight block once per load (none with
+      `transpose_rhs`: its [tn, k] blocks are already w^T) and of each [tn, sub_m] f32 result.
+      Not with `narrow_dot`. `tiling.rows_stationary_pays` says when it saves MXU work.
     count_rows: interpret-mode instrumentation: also return [tiles_n, tiles_m, 2] int32: rows
       pushed through the MXU and weight blocks loaded, per grid step.
     interpret: see `common.run_kernel`.
@@ -105,7 +116,15 @@ def gmm_rowtile_pallas(
     scales_allow_narrow=not scales_on_k,
     scales_requirement=" and per-output-column rhs scales (not scales_on_k)",
   )
+  if rows_stationary and narrow_dot:
+    raise ValueError(
+      "rows_stationary=True needs a wide dot: pass narrow_dot=False (8-bit weights are not "
+      "transposed in VMEM)."
+    )
   upcast = quantized and not narrow_dot
+  # NOTE: the weights the dot reads, prepared once per group load: upcast (quantized) and/or
+  # transposed to [tn, k] (rows_stationary with [k, tn] blocks). Otherwise it reads the slot.
+  prepare = upcast or (rows_stationary and not transpose_rhs)
   if scales_on_k:
     s_block = (1, k) if transpose_rhs else (k, 1)
   else:
@@ -134,12 +153,17 @@ def gmm_rowtile_pallas(
   )
   has_existing = existing_out is not None
   w_block = (tn, k) if transpose_rhs else (k, tn)
-  # NOTE: rhs blocks are [k, tn], or [tn, k] when transposed; contract lhs's k with rhs's k.
-  dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+  prep_block = (tn, k) if rows_stationary else w_block
+  # NOTE: rhs blocks are [k, tn], or [tn, k] when transposed; contract lhs's k with rhs's k. With
+  # rows_stationary the weights are the dot's lhs as [tn, k] and lhs its transposed rhs.
+  if rows_stationary:
+    dims = (((1,), (1,)), ((), ()))
+  else:
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
 
   def kernel(offsets_ref, first_ref, last_ref, rank_ref, load_ref, nloads_ref, goff_ref, *refs):
     refs = list(refs)
-    scratch = [refs.pop() for _ in range(2 + 2 * quantized)][::-1]
+    scratch = [refs.pop() for _ in range(2 + quantized + prepare)][::-1]
     counts_ref = refs.pop() if count_rows else None
     out_ref = refs.pop()
     lhs_ref, rhs_hbm = refs[0], refs[1]
@@ -147,7 +171,8 @@ def gmm_rowtile_pallas(
     lhs_scales_ref = refs[2 + quantized] if lhs_quantized else None
     existing_ref = refs[2 + quantized + lhs_quantized] if has_existing else None
     w_vmem, sems = scratch[0], scratch[1]
-    s_vmem, w_up = (scratch[2], scratch[3]) if quantized else (None, None)
+    s_vmem = scratch[2] if quantized else None
+    w_prep = scratch[-1] if prepare else None
     n_i, t = pl.program_id(0), pl.program_id(1)
     row0 = t * tm
 
@@ -228,15 +253,19 @@ def gmm_rowtile_pallas(
               start_load(0, n_i + 1)
 
           wait_load(rank, n_i)
-          if upcast:
-            # NOTE: upcast once per group and n-tile (not per sub-block); the group keeps it
-            # while it spans several m-tiles, since the next group is upcast only when it starts.
-            w32 = w_vmem[slot_of(rank, n_i)].astype(jnp.float32)
-            if scales_on_k:
-              # NOTE: scales along the contraction cannot be factored out of the dot; they
-              # scale the weights, once per group, as part of the upcast.
-              w32 = w32 * s_vmem[slot_of(rank, n_i)]
-            w_up[...] = w32.astype(compute_dtype)
+          if prepare:
+            # NOTE: upcast / transpose once per group and n-tile (not per sub-block); the group
+            # keeps it while it spans several m-tiles, since the next group is prepared only
+            # when it starts.
+            w = w_vmem[slot_of(rank, n_i)]
+            if upcast:
+              w = w.astype(jnp.float32)
+              if scales_on_k:
+                # NOTE: scales along the contraction cannot be factored out of the dot; they
+                # scale the weights, once per group, as part of the upcast.
+                w = w * s_vmem[slot_of(rank, n_i)]
+              w = w.astype(compute_dtype)
+            w_prep[...] = w.T if rows_stationary and not transpose_rhs else w
           if counts_ref is not None:
             counts_ref[n_i, t, 1] += 1
 
@@ -253,13 +282,15 @@ def gmm_rowtile_pallas(
           lhs_blk = lhs_ref[rows, :]
           if lhs_quantized and not narrow_dot:
             lhs_blk = lhs_blk.astype(jnp.float32)
-          w_blk = w_up[...] if upcast else w_vmem[slot]
+          w_blk = w_prep[...] if prepare else w_vmem[slot]
+          operands = (w_blk, lhs_blk) if rows_stationary else (lhs_blk, w_blk)
           prod = lax.dot_general(
-            lhs_blk.astype(compute_dtype),
-            w_blk.astype(compute_dtype),
+            *(x.astype(compute_dtype) for x in operands),
             dimension_numbers=dims,
             preferred_element_type=dot_acc_dtype,
           ).astype(jnp.float32)
+          if rows_stationary:
+            prod = prod.T  # [tn, sub_m] -> [sub_m, tn]
           if quantized and not scales_on_k:
             # NOTE: one scale per output column: dot(x, q) * s[None, :] == dot(x, q * s).
             prod = prod * s_vmem[slot]
@@ -328,11 +359,8 @@ def gmm_rowtile_pallas(
           pltpu.VMEM((2, *w_block), rhs.dtype),
           pltpu.SemaphoreType.DMA((4 if quantized else 2,)),
         ]
-        + (
-          [pltpu.VMEM((2, *s_block), jnp.float32), pltpu.VMEM(w_block, compute_dtype)]
-          if quantized
-          else []
-        ),
+        + ([pltpu.VMEM((2, *s_block), jnp.float32)] if quantized else [])
+        + ([pltpu.VMEM(prep_block, compute_dtype if upcast else rhs.dtype)] if prepare else []),
       ),
       # NOTE: m-tiles run in order (a group's weights stay in their slot across tiles, and the
       # next load is started a group ahead). Without `sequential_sweeps` each n-tile restarts

@@ -83,6 +83,8 @@ class KernelTiling:
       step per m-tile, per-group blocks by manual DMA) instead of the visit-schedule kernel.
     sequential_sweeps: row-tile kernels only: let DMAs cross sweeps (`tiling.sequential_sweeps`:
       the generation has one TensorCore per chip, so nothing is gained by splitting sweeps).
+    rows_stationary: row-tile kernels only: the sub-block rows are the MXU's stationary operand
+      (`tiling.rows_stationary_pays`: tn is not a multiple of the MXU width, e.g. 1408 on v6e).
   """
 
   tiles: Tiles
@@ -90,11 +92,13 @@ class KernelTiling:
   vmem_limit_bytes: int | None
   rowtile: bool = False
   sequential_sweeps: bool = False
+  rows_stationary: bool = False
 
   def kwargs(self) -> dict[str, Any]:
     kw = dict(tiling=self.tiles, sub_m=self.sub_m, vmem_limit_bytes=self.vmem_limit_bytes)
     if self.rowtile:
       kw["sequential_sweeps"] = self.sequential_sweeps
+      kw["rows_stationary"] = self.rows_stationary
     return kw
 
 
@@ -169,14 +173,21 @@ def _resolve_tiles(
   # must divide n (and tgmm's tk divide k); gmm keeps the whole contraction in VMEM (tk == k).
   fits_rowtile = (tk == k if kind == "gmm" else k % tk == 0) and n % tn == 0
   if allow_rowtile and fits_rowtile:
-    estimate = tiling_lib.vmem_estimate_bytes(**vmem, kind=f"{kind}_rowtile", generation=generation)
+    sub_m = mxu if tm % mxu == 0 else tm
+    swap = tiling_lib.rows_stationary_pays(
+      kind=kind, sub_m=sub_m, tk=tk, tn=tn, generation=generation
+    )
+    estimate = tiling_lib.vmem_estimate_bytes(
+      **vmem, kind=f"{kind}_rowtile", generation=generation, rows_stationary=swap
+    )
     if estimate <= budget or not (interpret is None or interpret is False):
       return KernelTiling(
         tiles=(tm, tk, tn),
-        sub_m=mxu if tm % mxu == 0 else tm,
+        sub_m=sub_m,
         vmem_limit_bytes=tiling_lib.vmem_limit_for(estimate, generation),
         rowtile=True,
         sequential_sweeps=tiling_lib.sequential_sweeps(generation),
+        rows_stationary=swap,
       )
   estimate = tiling_lib.vmem_estimate_bytes(**vmem, kind=kind)
   if interpret is None or interpret is False:
@@ -256,6 +267,9 @@ def _run_gmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
       sub_m=kt.sub_m,
       vmem_limit_bytes=kt.vmem_limit_bytes,
       sequential_sweeps=kt.sequential_sweeps,
+      # NOTE: 8-bit dots keep the weights stationary (the kernel does not transpose 8-bit
+      # weights); they then pay the MXU padding of tn.
+      rows_stationary=kt.rows_stationary and not kwargs.get("narrow_dot", False),
       **kwargs,
     )
   return gmm_pallas(lhs, rhs, group_sizes, **kt.kwargs(), **kwargs)

@@ -13,6 +13,10 @@ the weight gradient) with another schedule, chosen by `pallas_moe.ops` when its 
 
 Each output block is written once, lhs once per n-tile and rhs once per k-tile, and there are
 tiles_k x tiles_n x tiles_m grid steps instead of tiles_k x tiles_n x (tiles_m + groups).
+
+With `rows_stationary` the accumulator holds out^T = rhs^T @ lhs^T: the [sub_m, tk] lhs^T rows
+are the MXU's stationary operand and the tn rhs columns stream through it, so a tn that the MXU
+width does not divide is not padded to it; the sum is transposed once, when the group is written.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ def tgmm_rowtile_pallas(
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
   sequential_sweeps: bool = False,
+  rows_stationary: bool = False,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -62,6 +67,11 @@ def tgmm_rowtile_pallas(
       still in flight at the end of a (k, n) sweep complete while the next sweep computes, and
       are drained only after the last grid step, instead of at the end of every sweep. All grid
       axes are then "arbitrary".
+    rows_stationary: accumulate out^T = rhs^T @ lhs^T: the sub-block's [sub_m, tk] lhs^T is the
+      MXU's stationary operand and the tn rhs columns stream through it as rows, so a tn that is
+      a multiple of 128 but not of the MXU width (1408 on a 256-wide MXU) is not padded to it.
+      Costs a transpose of each [sub_m, tn] rhs sub-block and of the [tn, tk] f32 sum once per
+      group. `tiling.rows_stationary_pays` says when it saves MXU work.
     count_rows: interpret-mode instrumentation: also return [tiles_k, tiles_n, tiles_m, 2] int32:
       rows pushed through the MXU and output blocks written, per grid step.
     interpret: see `common.run_kernel`.
@@ -147,11 +157,20 @@ def tgmm_rowtile_pallas(
         rhs_rows = lo + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
         lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_ref[:, rows], 0)
         rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_ref[rows, :], 0)
-        acc_ref[...] += jnp.dot(
-          lhs_blk.astype(compute_dtype),
-          rhs_blk.astype(compute_dtype),
-          preferred_element_type=jnp.float32,
-        )
+        if rows_stationary:
+          # NOTE: [sub_m, tn] contracted on its rows with [tk, sub_m] on its columns: [tn, tk].
+          acc_ref[...] += lax.dot_general(
+            rhs_blk.astype(compute_dtype),
+            lhs_blk.astype(compute_dtype),
+            dimension_numbers=(((0,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+          )
+        else:
+          acc_ref[...] += jnp.dot(
+            lhs_blk.astype(compute_dtype),
+            rhs_blk.astype(compute_dtype),
+            preferred_element_type=jnp.float32,
+          )
         return c
 
       @pl.when(end > start)
@@ -171,7 +190,7 @@ def tgmm_rowtile_pallas(
         def _wait_slot():
           out_copy(w - 2).wait()
 
-        acc = acc_ref[...]
+        acc = acc_ref[...].T if rows_stationary else acc_ref[...]
         if existing_hbm is not None:
           src = existing_hbm.at[g, pl.ds(k0, tk), pl.ds(n0, tn)]
           read = pltpu.make_async_copy(src, ex_vmem, sems.at[2])
@@ -242,7 +261,7 @@ def tgmm_rowtile_pallas(
         out_specs=out_specs if count_rows else out_specs[0],
         grid=(tiles_k, tiles_n, tiles_m),
         scratch_shapes=[
-          pltpu.VMEM((tk, tn), jnp.float32),
+          pltpu.VMEM((tn, tk) if rows_stationary else (tk, tn), jnp.float32),
           pltpu.VMEM((2, tk, tn), out_dtype),
           pltpu.VMEM((tk, tn), out_dtype),
           pltpu.SemaphoreType.DMA((3,)),

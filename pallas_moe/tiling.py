@@ -46,6 +46,7 @@ __all__ = [
   "pick_tiling",
   "pick_rowtile_tiling",
   "rowtile_manual_dma",
+  "rows_stationary_pays",
   "rowtile_step_costs",
   "sequential_sweeps",
 ]
@@ -264,6 +265,7 @@ def vmem_estimate_bytes(
   out_dtype,
   kind: str,
   generation: str | TpuGeneration | None = None,
+  rows_stationary: bool = False,
 ) -> int:
   """Estimates the VMEM a gmm/tgmm tiling needs.
 
@@ -286,6 +288,8 @@ def vmem_estimate_bytes(
       instead of out blocks).
     generation: row-tile kinds only: the chip the kernel compiles for (its MXU rows per pass
       and Mosaic's temporaries differ); None: the largest over the generations.
+    rows_stationary: row-tile kinds only: the kernel runs with `rows_stationary` (transposed
+      weights / products / sums).
 
   Returns:
     Estimated bytes.
@@ -311,11 +315,17 @@ def vmem_estimate_bytes(
     gen = get_generation(generation) if generation is not None else None
     mxu = gen.mxu_size if gen is not None else _MAX_SUB_M
     sub = mxu if tm % mxu == 0 else tm  # as pallas_moe.ops picks sub_m
-    lhs_copy = gen is None or gen.name != "tpu7x"
+    # NOTE: with rows_stationary the lhs rows are the dot's transposed operand; tpu7x then copies
+    # them too (AOT: (1024, 2048, 1408) with existing_out needs 31 MiB usual, 39 MiB swapped).
+    lhs_copy = gen is None or gen.name != "tpu7x" or rows_stationary
     blocks = 2 * tm * tk * li + 4 * tm * tn * oi + 2 * tk * tn * ri
     temps = sub * tn * 4 + (sub * tk * li if lhs_copy else 0)
     if ri == 1:
       temps += tk * tn * 2 + 2 * tk * 4 + 2 * tn * 4
+    if rows_stationary:
+      # NOTE: the [tn, k] transposed weights (counted also with transposed rhs, where the slot
+      # is read directly: the estimate does not know the layout) and the transposed product.
+      temps += tk * tn * max(ri, 2) + sub * tn * 4
     return int(blocks + temps + _ROWTILE_MARGIN)
   elif kind == "tgmm_rowtile":
     # NOTE: calibrated likewise: (1024, 2048, 1792) needs 45 MiB (64 with existing_out),
@@ -328,6 +338,10 @@ def vmem_estimate_bytes(
     blocks = 2 * tm * tk * li + 2 * tm * tn * ri
     acc = tk * tn * 4 + 2 * tk * tn * oi + tk * tn * (oi + 4)
     temps = sub * (tk + tn) * 4
+    if rows_stationary:
+      # NOTE: the transposed rhs sub-block. The transposed f32 sum at a group's finalize reuses
+      # Mosaic's scratch (AOT, v6e: (2048, 2048, 1408) with existing_out needs 66 MiB either way).
+      temps += sub * tn * 4
     return int(blocks + acc + temps + _ROWTILE_MARGIN)
   else:
     raise ValueError(f"kind must be 'gmm', 'tgmm', 'gmm_rowtile' or 'tgmm_rowtile', got {kind!r}")
@@ -582,6 +596,48 @@ def sequential_sweeps(generation: str | TpuGeneration) -> bool:
   return get_generation(generation).cores_per_chip == 1
 
 
+def _dot_macs(*, rows: int, contract: int, cols: int, mxu: int) -> int:
+  """MACs one dot costs on an mxu x mxu systolic array (DESIGN.md, as in `bench.costmodel`):
+  the stationary operand is cut into mxu x mxu tiles (contraction and output columns padded to
+  the MXU), and each tile costs at least mxu row passes (loading it takes as long)."""
+  pad = lambda d: -(-d // mxu) * mxu  # noqa: E731
+  return max(rows, mxu) * pad(contract) * pad(cols)
+
+
+def rows_stationary_pays(
+  *, kind: str, sub_m: int, tk: int, tn: int, generation: str | TpuGeneration
+) -> bool:
+  """Whether a row-tile kernel does less MXU work with its sub-block rows as the stationary
+  operand (the kernels' `rows_stationary`: out^T = w^T @ x^T streams the tn columns as rows).
+
+  The usual orientation streams the sub_m rows through [contraction, tn] weight tiles, so a tn
+  that is not a multiple of the MXU width is padded to it (1408 -> 1536 on a 256-wide MXU:
+  1.09x). Swapped, the rows are padded instead, and a sub_m that is a multiple of the MXU is not.
+  Ties keep the usual orientation, which needs no transposes.
+
+  Args:
+    kind: "gmm" (contraction tk = the whole k; output [sub_m, tn]) or "tgmm" (contraction
+      sub_m; output [tk, tn]).
+    sub_m: rows per MXU pass.
+    tk: gmm: k; tgmm: its k tile.
+    tn: n tile.
+    generation: TPU generation (its MXU edge).
+
+  Returns:
+    True when the swapped orientation costs strictly fewer MACs.
+  """
+  mxu = get_generation(generation).mxu_size
+  if kind == "gmm":
+    usual = _dot_macs(rows=sub_m, contract=tk, cols=tn, mxu=mxu)
+    swapped = _dot_macs(rows=tn, contract=tk, cols=sub_m, mxu=mxu)
+  elif kind == "tgmm":
+    usual = _dot_macs(rows=tk, contract=sub_m, cols=tn, mxu=mxu)
+    swapped = _dot_macs(rows=tn, contract=sub_m, cols=tk, mxu=mxu)
+  else:
+    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+  return swapped < usual
+
+
 def _rowtile_pairs(starts: np.ndarray, ends: np.ndarray, *, tm: int, sub_m: int):
   """The (group, m-tile) pairs a row-tile kernel multiplies, and the sub-blocks of each.
 
@@ -795,11 +851,14 @@ def rowtile_step_costs(
   m = int(ends[-1]) if gs.size else 0
   tiles_m = max(1, -(-m // tm))
   _, t, hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub)
-  # NOTE: the MXU works in mxu x mxu weight tiles: a dot's contraction and output columns are
-  # padded to multiples of mxu, and a pass has at least mxu rows (as in bench.costmodel).
-  pad = lambda d: -(-d // mxu) * mxu  # noqa: E731
-  mxu_s = np.bincount(t, hits * pad(sub) * 2.0 * pad(tk) * pad(tn), tiles_m)
-  mxu_s = mxu_s / gen.peak_bf16_flops
+  # NOTE: one sub-block dot in the orientation the kernel runs (`rows_stationary_pays`).
+  swap = rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen)
+  if kind == "gmm":
+    shape = dict(rows=tn, contract=k, cols=sub) if swap else dict(rows=sub, contract=k, cols=tn)
+  else:
+    shape = dict(rows=tn, contract=sub, cols=tk) if swap else dict(rows=tk, contract=sub, cols=tn)
+  macs = _dot_macs(**shape, mxu=mxu)
+  mxu_s = np.bincount(t, hits * 2.0 * macs, tiles_m) / gen.peak_bf16_flops
   rows = np.minimum(m, (np.arange(tiles_m) + 1) * tm) - np.arange(tiles_m) * tm
   sweeps = (k // tk) * (n // tn)
   if kind == "gmm":
@@ -880,6 +939,7 @@ def pick_rowtile_tiling(
   for tm in sorted(set(tms)):
     for tk in tks:
       for tn in _divisor_tiles(n):
+        sub = gen.mxu_size if tm % gen.mxu_size == 0 else tm
         est = vmem_estimate_bytes(
           tm=tm,
           tk=tk,
@@ -889,6 +949,7 @@ def pick_rowtile_tiling(
           out_dtype=out_dtype,
           kind=f"{kind}_rowtile",
           generation=gen,
+          rows_stationary=rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen),
         )
         if est > budget:
           continue

@@ -312,6 +312,29 @@ def test_pallas_moe_default_rowtile_rows_and_bytes(op):
   assert s.hbm_bytes == want
 
 
+@pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
+def test_rows_stationary_saves_the_column_padding_on_v6e(op):
+  """n = 384 on v6e's 256-wide MXU: the forward and the weight gradient run with the rows
+  stationary, so their modeled MXU work is floor_rows x k x n with n unpadded (384, not 512);
+  the lhs gradient contracts over n, which no orientation unpads. Rows executed stay floor_rows."""
+  from bench.impls import _pallas_moe_build
+
+  m, k, n = 1024, 256, 384
+  shape = _tiny_shape(m=m, k=k, n=n, g=len(_GS))
+  tiles = (256, k, n) if op == "fwd" else (256, n, k) if op == "dlhs" else (256, k, n)
+  case = _pallas_moe_build(tiles)(op=op, shape=shape, group_sizes=_GS, generation=V6E)
+  swapped = op != "dlhs"
+  assert case.kernel == ("rowtile-rows-stationary" if swapped else "rowtile")
+  (s,) = cm.analyze(
+    case.fn, *case.args, step_scale=case.step_scale, step_manual_bytes=case.step_manual_bytes
+  )
+  rep = cm.cost([s], generation=V6E, row_macs=case.row_macs(256), mxu_rows_useful=int(_GS.sum()))
+  floor = cm.floor_rows(_GS, 256)
+  assert rep.mxu_rows_executed == pytest.approx(floor)
+  padded_n = 512  # 384 rounded up to the MXU
+  assert rep.calls[0].mxu_macs_padded == pytest.approx(floor * k * (n if swapped else padded_n))
+
+
 def _interpret_rows_executed(op, shape, tiling):
   """Rows the kernel multiplies per k, n sweep, counted by running it (interpret, count_rows)."""
   from pallas_moe import gmm_kernel, tgmm_kernel

@@ -48,8 +48,12 @@ GMM_CASES = [
 # per case so each static configuration is compiled once; both modes have several n-tiles and a
 # single local group.
 GMM_SEQUENTIAL = {1, 2, 5}
+# NOTE: likewise `rows_stationary` (out^T = w^T @ x^T): with [k, tn] weights (transposed once per
+# load) in both sweep modes, and with transposed weights (read as they are).
+GMM_ROWS_STATIONARY = {0, 2, 3}
 GMM_IDS = [
-  f"m{c[0]}k{c[1]}n{c[2]}tm{c[3]}g{c[6]}l{c[7]}{'-seq' if i in GMM_SEQUENTIAL else ''}"
+  f"m{c[0]}k{c[1]}n{c[2]}tm{c[3]}g{c[6]}l{c[7]}"
+  f"{'-seq' if i in GMM_SEQUENTIAL else ''}{'-rs' if i in GMM_ROWS_STATIONARY else ''}"
   for i, c in enumerate(GMM_CASES)
 ]
 
@@ -62,8 +66,10 @@ TGMM_CASES = [
   (67, 32, 48, 16, 16, 16, 8, 3, 1, jnp.float32, jnp.float32, False),
 ]
 TGMM_SEQUENTIAL = {1, 2, 4}
+TGMM_ROWS_STATIONARY = {1, 3}
 TGMM_IDS = [
-  f"m{c[0]}k{c[1]}n{c[2]}tm{c[3]}g{c[7]}l{c[8]}{'-seq' if i in TGMM_SEQUENTIAL else ''}"
+  f"m{c[0]}k{c[1]}n{c[2]}tm{c[3]}g{c[7]}l{c[8]}"
+  f"{'-seq' if i in TGMM_SEQUENTIAL else ''}{'-rs' if i in TGMM_ROWS_STATIONARY else ''}"
   for i, c in enumerate(TGMM_CASES)
 ]
 
@@ -85,7 +91,9 @@ def _draw_shard(data, total, local):
   return offset
 
 
-def check_gmm(case, sizes, offset, seed, interpret, *, count=True, sequential=False):
+def check_gmm(
+  case, sizes, offset, seed, interpret, *, count=True, sequential=False, rows_stationary=False
+):
   m, k, n, tm, tn, sub_m, _, local, in_dtype, out_dtype, transpose_rhs, has_existing = case
   lhs = random_array(seed, (m, k), in_dtype)
   rhs = random_array(seed + 1, (local, n, k) if transpose_rhs else (local, k, n), in_dtype)
@@ -98,6 +106,7 @@ def check_gmm(case, sizes, offset, seed, interpret, *, count=True, sequential=Fa
     transpose_rhs=transpose_rhs,
     sub_m=sub_m,
     sequential_sweeps=sequential,
+    rows_stationary=rows_stationary,
     count_rows=count,
     interpret=interpret,
   )
@@ -155,8 +164,17 @@ def test_gmm_rowtile_matches_references(case, data):
   sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[6]))
   offset = _draw_shard(data, case[6], case[7])
   sequential = GMM_CASES.index(case) in GMM_SEQUENTIAL
+  stationary = GMM_CASES.index(case) in GMM_ROWS_STATIONARY
   seed = data.draw(st.integers(0, 2**16))
-  check_gmm(case, sizes, offset, seed, INTERPRET_MODES["hlo"], sequential=sequential)
+  check_gmm(
+    case,
+    sizes,
+    offset,
+    seed,
+    INTERPRET_MODES["hlo"],
+    sequential=sequential,
+    rows_stationary=stationary,
+  )
 
 
 @pytest.mark.parametrize("case", GMM_CASES[1:3], ids=GMM_IDS[1:3])
@@ -166,11 +184,22 @@ def test_gmm_rowtile_tpu_simulator(case, data):
   sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[6]))
   offset = _draw_shard(data, case[6], case[7])
   sequential = GMM_CASES.index(case) in GMM_SEQUENTIAL
+  stationary = GMM_CASES.index(case) in GMM_ROWS_STATIONARY
   seed = data.draw(st.integers(0, 2**16))
-  check_gmm(case, sizes, offset, seed, INTERPRET_MODES["tpu"], sequential=sequential)
+  check_gmm(
+    case,
+    sizes,
+    offset,
+    seed,
+    INTERPRET_MODES["tpu"],
+    sequential=sequential,
+    rows_stationary=stationary,
+  )
 
 
-def check_tgmm(case, sizes, offset, seed, interpret, *, count=True, sequential=False):
+def check_tgmm(
+  case, sizes, offset, seed, interpret, *, count=True, sequential=False, rows_stationary=False
+):
   m, k, n, tm, tk, tn, sub_m, _, local, in_dtype, out_dtype, has_existing = case
   lhs = random_array(seed, (k, m), in_dtype)
   rhs = random_array(seed + 1, (m, n), in_dtype)
@@ -182,6 +211,7 @@ def check_tgmm(case, sizes, offset, seed, interpret, *, count=True, sequential=F
     num_actual_groups=local,
     sub_m=sub_m,
     sequential_sweeps=sequential,
+    rows_stationary=rows_stationary,
     count_rows=count,
     interpret=interpret,
   )
@@ -236,8 +266,17 @@ def test_tgmm_rowtile_matches_references(case, data):
   sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[7]))
   offset = _draw_shard(data, case[7], case[8])
   sequential = TGMM_CASES.index(case) in TGMM_SEQUENTIAL
+  stationary = TGMM_CASES.index(case) in TGMM_ROWS_STATIONARY
   seed = data.draw(st.integers(0, 2**16))
-  check_tgmm(case, sizes, offset, seed, INTERPRET_MODES["hlo"], sequential=sequential)
+  check_tgmm(
+    case,
+    sizes,
+    offset,
+    seed,
+    INTERPRET_MODES["hlo"],
+    sequential=sequential,
+    rows_stationary=stationary,
+  )
 
 
 @pytest.mark.parametrize("case", TGMM_CASES[1:2], ids=TGMM_IDS[1:2])
@@ -247,23 +286,36 @@ def test_tgmm_rowtile_tpu_simulator(case, data):
   sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[7]))
   offset = _draw_shard(data, case[7], case[8])
   sequential = TGMM_CASES.index(case) in TGMM_SEQUENTIAL
+  stationary = TGMM_CASES.index(case) in TGMM_ROWS_STATIONARY
   seed = data.draw(st.integers(0, 2**16))
-  check_tgmm(case, sizes, offset, seed, INTERPRET_MODES["tpu"], sequential=sequential)
+  check_tgmm(
+    case,
+    sizes,
+    offset,
+    seed,
+    INTERPRET_MODES["tpu"],
+    sequential=sequential,
+    rows_stationary=stationary,
+  )
 
 
-@pytest.mark.parametrize("sequential", [False, True], ids=["parallel", "sequential"])
-def test_rowtile_kernels_have_no_races(capfd, sequential):
+@pytest.mark.parametrize(
+  "sequential, stationary", [(False, False), (True, True)], ids=["parallel", "sequential-rs"]
+)
+def test_rowtile_kernels_have_no_races(capfd, sequential, stationary):
   """The DMA slots and semaphores are used race-free: with 2 simulated cores on the parallel
-  axes, and with `sequential_sweeps` (DMAs crossing sweeps, all axes arbitrary).
+  axes, and with `sequential_sweeps` (DMAs crossing sweeps, all axes arbitrary; here with
+  `rows_stationary`, whose prepared weights are written once per load).
 
   NOTE: without the count_rows instrumentation: its SMEM output is per core in the simulator.
   """
   sizes = np.array([13, 0, 7, 30, 0, 17], np.int32)
+  kw = dict(count=False, sequential=sequential, rows_stationary=stationary)
   with no_races_or_oob(capfd):
     gmm_case = GMM_CASES[0][:6] + (6, 6) + GMM_CASES[0][8:]
-    check_gmm(gmm_case, sizes, 0, 3, RACE_PARAMS, count=False, sequential=sequential)
+    check_gmm(gmm_case, sizes, 0, 3, RACE_PARAMS, **kw)
     tgmm_case = TGMM_CASES[0][:7] + (6, 6) + TGMM_CASES[0][9:]
-    check_tgmm(tgmm_case, sizes, 0, 4, RACE_PARAMS, count=False, sequential=sequential)
+    check_tgmm(tgmm_case, sizes, 0, 4, RACE_PARAMS, **kw)
 
 
 def test_rowtile_rows_are_floor_rows():
@@ -512,3 +564,73 @@ def test_quantized_dlhs_rowtile_scales_on_contraction(transpose_fwd):
                       transpose_rhs=not transpose_fwd)  # fmt: skip
   # NOTE: the scaled weights are rounded to bf16 (the compute dtype) before the dot.
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-2, atol=2e-2 * np.sqrt(n))
+
+
+@pytest.mark.parametrize(
+  "transpose_rhs", [False, True], ids=["fwd-scales-on-n", "dlhs-scales-on-k"]
+)
+def test_gmm_rowtile_rows_stationary_quantized(transpose_rhs):
+  """`rows_stationary` with int8 weights upcast once per load: per-column scales on the product
+  (forward) and scales along the contraction folded into the weights (lhs gradient), vs the
+  reference on the dequantized weights. Empty groups, a group spanning tiles, rows past the sum."""
+  m, k, n, tm, tn, sub_m, local = 70, 48, 32, 16, 16, 8, 5
+  sizes = np.array([9, 0, 30, 1, 20], np.int32)
+  rng = np.random.default_rng(7)
+  lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+  shape = (local, n, k) if transpose_rhs else (local, k, n)
+  values = jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8)
+  scale_shape = (local, 1, k) if transpose_rhs else (local, 1, n)
+  scales = jnp.asarray(rng.uniform(0.01, 0.05, size=scale_shape), jnp.float32)
+  out = gmm_rowtile_pallas(
+    lhs,
+    values,
+    jnp.asarray(sizes),
+    tm=tm,
+    tn=tn,
+    out_dtype=jnp.float32,
+    group_offset=jnp.int32(0),
+    transpose_rhs=transpose_rhs,
+    rhs_scales=scales,
+    scales_on_k=transpose_rhs,
+    sub_m=sub_m,
+    rows_stationary=True,
+    interpret=INTERPRET_MODES["hlo"],
+  )
+  weights = values.astype(jnp.float32) * scales
+  expected = np_gmm(np.asarray(lhs), np.asarray(weights), sizes, transpose_rhs=transpose_rhs)
+  np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_rows_stationary_refuses_narrow_dot():
+  x = jnp.zeros((16, 32), jnp.int8)
+  w = jnp.zeros((2, 32, 16), jnp.int8)
+  with pytest.raises(ValueError, match="narrow_dot=False"):
+    gmm_rowtile_pallas(
+      x,
+      w,
+      jnp.array([8, 8], jnp.int32),
+      tm=16,
+      tn=16,
+      out_dtype=jnp.float32,
+      group_offset=jnp.int32(0),
+      rhs_scales=jnp.ones((2, 1, 16)),
+      lhs_scales=jnp.ones((16, 1)),
+      narrow_dot=True,
+      rows_stationary=True,
+      interpret=True,
+    )
+
+
+@pytest.mark.parametrize(
+  "kind, sub_m, tk, tn, gen, want",
+  [
+    ("gmm", 256, 2048, 1408, "v6e", True),  # 1408 columns padded to 1536 on a 256-wide MXU
+    ("gmm", 128, 2048, 1408, "v5e", False),  # 1408 = 11 x 128: no padding on a 128-wide MXU
+    ("gmm", 256, 1408, 2048, "v6e", False),  # the contraction is padded either way
+    ("gmm", 256, 2048, 1536, "v6e", False),  # tie: keep the orientation without transposes
+    ("tgmm", 256, 2048, 1408, "v6e", True),
+    ("tgmm", 256, 1408, 2048, "v6e", False),  # tk would be padded instead
+  ],
+)
+def test_rows_stationary_pays(kind, sub_m, tk, tn, gen, want):
+  assert tiling.rows_stationary_pays(kind=kind, sub_m=sub_m, tk=tk, tn=tn, generation=gen) is want
