@@ -916,8 +916,7 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
           interpret=False,
         )
 
-      # NOTE: as pallas_moe.ops runs it: 8-bit dots keep the weights stationary.
-      swap = kt.rows_stationary and not narrow
+      swap = kt.rows_stationary
       scale, manual = rowtile_hooks(
         op=op,
         tm=tm,

@@ -89,7 +89,7 @@ def gmm_rowtile_pallas(
       multiple of 128 but not of the MXU width (1408 on a 256-wide MXU) is not padded to it.
       Costs a transpose of each group's weight block once per load (none with
       `transpose_rhs`: its [tn, k] blocks are already w^T) and of each [tn, sub_m] f32 result.
-      Not with `narrow_dot`. `tiling.rows_stationary_pays` says when it saves MXU work.
+      `tiling.rows_stationary_pays` says when it saves MXU work.
     count_rows: interpret-mode instrumentation: also return [tiles_n, tiles_m, 2] int32: rows
       pushed through the MXU and weight blocks loaded, per grid step.
     interpret: see `common.run_kernel`.
@@ -116,11 +116,6 @@ def gmm_rowtile_pallas(
     scales_allow_narrow=not scales_on_k,
     scales_requirement=" and per-output-column rhs scales (not scales_on_k)",
   )
-  if rows_stationary and narrow_dot:
-    raise ValueError(
-      "rows_stationary=True needs a wide dot: pass narrow_dot=False (8-bit weights are not "
-      "transposed in VMEM)."
-    )
   upcast = quantized and not narrow_dot
   # NOTE: the weights the dot reads, prepared once per group load: upcast (quantized) and/or
   # transposed to [tn, k] (rows_stationary with [k, tn] blocks). Otherwise it reads the slot.

@@ -267,9 +267,7 @@ def _run_gmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
       sub_m=kt.sub_m,
       vmem_limit_bytes=kt.vmem_limit_bytes,
       sequential_sweeps=kt.sequential_sweeps,
-      # NOTE: 8-bit dots keep the weights stationary (the kernel does not transpose 8-bit
-      # weights); they then pay the MXU padding of tn.
-      rows_stationary=kt.rows_stationary and not kwargs.get("narrow_dot", False),
+      rows_stationary=kt.rows_stationary,
       **kwargs,
     )
   return gmm_pallas(lhs, rhs, group_sizes, **kt.kwargs(), **kwargs)

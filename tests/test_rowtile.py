@@ -567,20 +567,29 @@ def test_quantized_dlhs_rowtile_scales_on_contraction(transpose_fwd):
 
 
 @pytest.mark.parametrize(
-  "transpose_rhs", [False, True], ids=["fwd-scales-on-n", "dlhs-scales-on-k"]
+  "transpose_rhs, narrow",
+  [(False, False), (True, False), (False, True)],
+  ids=["fwd-scales-on-n", "dlhs-scales-on-k", "fwd-w8a8-narrow"],
 )
-def test_gmm_rowtile_rows_stationary_quantized(transpose_rhs):
-  """`rows_stationary` with int8 weights upcast once per load: per-column scales on the product
-  (forward) and scales along the contraction folded into the weights (lhs gradient), vs the
-  reference on the dequantized weights. Empty groups, a group spanning tiles, rows past the sum."""
+def test_gmm_rowtile_rows_stationary_quantized(transpose_rhs, narrow):
+  """`rows_stationary` with int8 weights: upcast once per load, with per-column scales on the
+  product (forward) or scales along the contraction folded into the weights (lhs gradient); and
+  the narrow int8 x int8 dot on transposed 8-bit weights with per-row activation scales. vs the
+  float64 reference on the dequantized operands. Empty groups, a group spanning tiles, rows
+  past the sum."""
   m, k, n, tm, tn, sub_m, local = 70, 48, 32, 16, 16, 8, 5
   sizes = np.array([9, 0, 30, 1, 20], np.int32)
   rng = np.random.default_rng(7)
-  lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
   shape = (local, n, k) if transpose_rhs else (local, k, n)
   values = jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8)
   scale_shape = (local, 1, k) if transpose_rhs else (local, 1, n)
   scales = jnp.asarray(rng.uniform(0.01, 0.05, size=scale_shape), jnp.float32)
+  if narrow:
+    lhs = jnp.asarray(rng.integers(-127, 128, size=(m, k)), jnp.int8)
+    lhs_scales = jnp.asarray(rng.uniform(0.01, 0.05, size=(m, 1)), jnp.float32)
+  else:
+    lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+    lhs_scales = None
   out = gmm_rowtile_pallas(
     lhs,
     values,
@@ -592,33 +601,16 @@ def test_gmm_rowtile_rows_stationary_quantized(transpose_rhs):
     transpose_rhs=transpose_rhs,
     rhs_scales=scales,
     scales_on_k=transpose_rhs,
+    lhs_scales=lhs_scales,
+    narrow_dot=narrow,
     sub_m=sub_m,
     rows_stationary=True,
     interpret=INTERPRET_MODES["hlo"],
   )
-  weights = values.astype(jnp.float32) * scales
-  expected = np_gmm(np.asarray(lhs), np.asarray(weights), sizes, transpose_rhs=transpose_rhs)
+  x = np.asarray(lhs, np.float64) * (1 if lhs_scales is None else np.asarray(lhs_scales))
+  weights = np.asarray(values, np.float64) * np.asarray(scales)
+  expected = np_gmm(x, weights, sizes, transpose_rhs=transpose_rhs)
   np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-4)
-
-
-def test_rows_stationary_refuses_narrow_dot():
-  x = jnp.zeros((16, 32), jnp.int8)
-  w = jnp.zeros((2, 32, 16), jnp.int8)
-  with pytest.raises(ValueError, match="narrow_dot=False"):
-    gmm_rowtile_pallas(
-      x,
-      w,
-      jnp.array([8, 8], jnp.int32),
-      tm=16,
-      tn=16,
-      out_dtype=jnp.float32,
-      group_offset=jnp.int32(0),
-      rhs_scales=jnp.ones((2, 1, 16)),
-      lhs_scales=jnp.ones((16, 1)),
-      narrow_dot=True,
-      rows_stationary=True,
-      interpret=True,
-    )
 
 
 @pytest.mark.parametrize(
