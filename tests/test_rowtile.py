@@ -480,9 +480,15 @@ QUANT_CASES = [
   (130, 64, 128, 64, 64, 32, 6, jnp.float8_e4m3fn, True, True, jnp.bfloat16),
   (130, 64, 128, 64, 64, 32, 6, jnp.int8, True, False, jnp.float32),
 ]
+# NOTE: `rows_stationary` on the upcast weights and on the narrow 8-bit dot (transposed 8-bit
+# weights); case 2 is also the race-detector case.
+QUANT_ROWS_STATIONARY = {1, 2}
 QUANT_IDS = [
-  f"{jnp.dtype(c[7]).name}" + ("-w8a8" if c[8] else "") + ("-narrow" if c[9] else "")
-  for c in QUANT_CASES
+  f"{jnp.dtype(c[7]).name}"
+  + ("-w8a8" if c[8] else "")
+  + ("-narrow" if c[9] else "")
+  + ("-rs" if i in QUANT_ROWS_STATIONARY else "")
+  for i, c in enumerate(QUANT_CASES)
 ]
 
 
@@ -506,6 +512,7 @@ def check_quantized(case, sizes, seed, interpret):
       lhs_scales=ls,
       narrow_dot=narrow,
       sub_m=sub_m,
+      rows_stationary=QUANT_CASES.index(case) in QUANT_ROWS_STATIONARY,
       interpret=interpret,
     )
   )(lhs, q.values, q.scales, jnp.asarray(sizes), lhs_scales)
@@ -533,9 +540,12 @@ def test_quantized_gmm_rowtile_simulator_no_races(case, capfd):
     check_quantized(case, sizes, 5, RACE_PARAMS)
 
 
-@pytest.mark.parametrize("transpose_fwd", [False, True])
-def test_quantized_dlhs_rowtile_scales_on_contraction(transpose_fwd):
-  """The lhs-gradient pass: dout @ dequantize(q)^T, scales along the kernel's contraction."""
+@pytest.mark.parametrize(
+  "transpose_fwd, rows_stationary", [(False, False), (True, True)], ids=["kn", "nk_T-rs"]
+)
+def test_quantized_dlhs_rowtile_scales_on_contraction(transpose_fwd, rows_stationary):
+  """The lhs-gradient pass: dout @ dequantize(q)^T, scales along the kernel's contraction (with
+  `rows_stationary`: [k, tn] weights scaled, upcast and transposed once per load)."""
   from pallas_moe import quant
 
   m, k, n, groups = 130, 64, 128, 6
@@ -557,6 +567,7 @@ def test_quantized_dlhs_rowtile_scales_on_contraction(transpose_fwd):
     rhs_scales=scales,
     scales_on_k=True,
     sub_m=32,
+    rows_stationary=rows_stationary,
     interpret=INTERPRET_MODES["tpu"],
   )
   deq = quant.dequantize(q)
@@ -564,53 +575,6 @@ def test_quantized_dlhs_rowtile_scales_on_contraction(transpose_fwd):
                       transpose_rhs=not transpose_fwd)  # fmt: skip
   # NOTE: the scaled weights are rounded to bf16 (the compute dtype) before the dot.
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-2, atol=2e-2 * np.sqrt(n))
-
-
-@pytest.mark.parametrize(
-  "transpose_rhs, narrow",
-  [(False, False), (True, False), (False, True)],
-  ids=["fwd-scales-on-n", "dlhs-scales-on-k", "fwd-w8a8-narrow"],
-)
-def test_gmm_rowtile_rows_stationary_quantized(transpose_rhs, narrow):
-  """`rows_stationary` with int8 weights: upcast once per load, with per-column scales on the
-  product (forward) or scales along the contraction folded into the weights (lhs gradient); and
-  the narrow int8 x int8 dot on transposed 8-bit weights with per-row activation scales. vs the
-  float64 reference on the dequantized operands. Empty groups, a group spanning tiles, rows
-  past the sum."""
-  m, k, n, tm, tn, sub_m, local = 70, 48, 32, 16, 16, 8, 5
-  sizes = np.array([9, 0, 30, 1, 20], np.int32)
-  rng = np.random.default_rng(7)
-  shape = (local, n, k) if transpose_rhs else (local, k, n)
-  values = jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8)
-  scale_shape = (local, 1, k) if transpose_rhs else (local, 1, n)
-  scales = jnp.asarray(rng.uniform(0.01, 0.05, size=scale_shape), jnp.float32)
-  if narrow:
-    lhs = jnp.asarray(rng.integers(-127, 128, size=(m, k)), jnp.int8)
-    lhs_scales = jnp.asarray(rng.uniform(0.01, 0.05, size=(m, 1)), jnp.float32)
-  else:
-    lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
-    lhs_scales = None
-  out = gmm_rowtile_pallas(
-    lhs,
-    values,
-    jnp.asarray(sizes),
-    tm=tm,
-    tn=tn,
-    out_dtype=jnp.float32,
-    group_offset=jnp.int32(0),
-    transpose_rhs=transpose_rhs,
-    rhs_scales=scales,
-    scales_on_k=transpose_rhs,
-    lhs_scales=lhs_scales,
-    narrow_dot=narrow,
-    sub_m=sub_m,
-    rows_stationary=True,
-    interpret=INTERPRET_MODES["hlo"],
-  )
-  x = np.asarray(lhs, np.float64) * (1 if lhs_scales is None else np.asarray(lhs_scales))
-  weights = np.asarray(values, np.float64) * np.asarray(scales)
-  expected = np_gmm(x, weights, sizes, transpose_rhs=transpose_rhs)
-  np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(
