@@ -883,14 +883,23 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
     scales = jax.ShapeDtypeStruct((g, 1, n), jnp.float32)
     dk, dn = (n, k) if dlhs else (k, n)
     # NOTE: as pallas_moe.gmm runs them: the row-tile kernel with its tiles (chosen, like the
-    # VMEM estimate, as for bf16: an over-estimate covering the upcast copy). dlhs reads the
+    # VMEM estimate, as for bf16, an over-estimate covering the upcast copy, unless the dot is
+    # narrow: then for the 8-bit operands at the narrow rate). dlhs reads the
     # weights transposed with the scales along its contraction, DMA'd whole per group.
     from pallas_moe import ops
     from pallas_moe.gmm_rowtile_kernel import gmm_rowtile_pallas
 
+    # NOTE: a narrow forward gets tiles for its 8-bit operands at the narrow rate, as in ops.
+    tile_dtypes = (jnp.dtype(dtype),) * 2 + (DTYPE,) if narrow else (DTYPE,) * 3
     with use_generation(generation):
       kt = ops._resolve_tiles(
-        None, dims=(m, dk, dn), kind="gmm", num_groups=g, dtypes=(DTYPE,) * 3, interpret=False
+        None,
+        dims=(m, dk, dn),
+        kind="gmm",
+        num_groups=g,
+        dtypes=tile_dtypes,
+        interpret=False,
+        narrow_dot=narrow,
       )
     if kt.rowtile:
       tm, _, tn = kt.tiles

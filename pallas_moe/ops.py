@@ -111,6 +111,7 @@ def _resolve_tiles(
   dtypes: tuple[Any, Any, Any],
   interpret: common.Interpret,
   allow_rowtile: bool = True,
+  narrow_dot: bool = False,
 ) -> KernelTiling:
   """Tiles (and the kernel) for one call: the heuristic, a LUT lookup, or the user's, checked.
 
@@ -128,6 +129,8 @@ def _resolve_tiles(
     interpret: when the call may compile for TPU (None or False), tiles over the current
       generation's VMEM budget are refused here rather than by Mosaic.
     allow_rowtile: False keeps the visit kernel (quantized tgmm operands).
+    narrow_dot: the gmm multiplies 8-bit lhs and rhs natively (w8a8 where the chip can): the
+      heuristic scores MXU time at that rate (`dtypes` are then the 8-bit ones).
   """
   m, k, n = dims
   lhs_dtype, rhs_dtype, out_dtype = dtypes
@@ -146,6 +149,7 @@ def _resolve_tiles(
       rhs_dtype=rhs_dtype,
       out_dtype=out_dtype,
       generation=generation,
+      narrow_dot=narrow_dot,
     )
   if picked is not None:
     spec = picked
@@ -750,14 +754,19 @@ def gmm(
     drhs_dims = (m, n, k)
   else:
     drhs_spec, drhs_dims = tilings.drhs, (m, k, n)
+  narrow_dot = activation_dtype is not None and quant.narrow_dot_supported(
+    activation_dtype, tiling_lib.current_generation()
+  )
+  # NOTE: a narrow forward moves and multiplies the 8-bit operands: tiles for those (the other
+  # quantized passes upcast, and take tiles as for lhs's dtype, see above).
+  fwd_dtypes = (
+    (jnp.dtype(activation_dtype), jnp.dtype(weight_dtype), out_dtype)
+    if narrow_dot
+    else (lhs.dtype, rhs_for_tiles.dtype, out_dtype)
+  )
   static = _GmmStatic(
     out_dtype=out_dtype,
-    fwd=resolve(
-      tilings.fwd,
-      dims=(m, k, n),
-      kind="gmm",
-      dtypes=(lhs.dtype, rhs_for_tiles.dtype, out_dtype),
-    ),
+    fwd=resolve(tilings.fwd, dims=(m, k, n), kind="gmm", dtypes=fwd_dtypes, narrow_dot=narrow_dot),
     dlhs=resolve(
       tilings.dlhs,
       dims=(m, n, k),
@@ -774,8 +783,7 @@ def gmm(
     interpret=interpret,
     weight_dtype=weight_dtype,
     activation_dtype=activation_dtype,
-    narrow_dot=activation_dtype is not None
-    and quant.narrow_dot_supported(activation_dtype, tiling_lib.current_generation()),
+    narrow_dot=narrow_dot,
   )
   if qweights is not None:
     lhs, values, scales, group_sizes, group_offset, existing_out = (

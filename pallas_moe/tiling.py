@@ -30,6 +30,7 @@ import contextvars
 import dataclasses
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,8 @@ __all__ = [
   "pick_tiling",
   "pick_rowtile_tiling",
   "rowtile_manual_dma",
+  "rowtile_modeled_seconds",
+  "narrow_peak",
   "rows_stationary_pays",
   "rowtile_step_costs",
   "sequential_sweeps",
@@ -253,6 +256,21 @@ _MOSAIC_FRACTION_MARGIN = 0.10
 
 def _itemsize(dtype) -> int:
   return np.dtype(dtype).itemsize
+
+
+def narrow_peak(generation: str | TpuGeneration, dtype) -> float:
+  """MXU rate of a dot that multiplies two `dtype` (int8 / fp8) operands natively.
+
+  Raises:
+    ValueError: the generation has no native mode for `dtype` (its dots upcast to bf16).
+  """
+  gen = get_generation(generation)
+  name = np.dtype(dtype).name
+  if name == "int8" and gen.supports_int8:
+    return gen.peak_int8_ops
+  if name.startswith("float8") and gen.supports_fp8:
+    return gen.peak_fp8_ops
+  raise ValueError(f"{gen.name} has no native {name} MXU mode: its {name} dots run upcast.")
 
 
 def vmem_estimate_bytes(
@@ -817,6 +835,7 @@ def rowtile_step_costs(
   rhs_itemsize: int,
   out_itemsize: int,
   generation: str | TpuGeneration,
+  peak_flops: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Per-step MXU seconds and HBM bytes of a row-tile kernel's whole grid.
 
@@ -837,6 +856,7 @@ def rowtile_step_costs(
     rhs_itemsize: bytes per rhs element.
     out_itemsize: bytes per output element.
     generation: TPU generation.
+    peak_flops: the dot's MXU rate (default the bf16 peak; `narrow_peak` for a narrow dot).
 
   Returns:
     (mxu_seconds, overlapped_bytes, exposed_bytes), each [sweeps * tiles_m] in grid-step order:
@@ -858,7 +878,8 @@ def rowtile_step_costs(
   else:
     shape = dict(rows=tn, contract=sub, cols=tk) if swap else dict(rows=tk, contract=sub, cols=tn)
   macs = _dot_macs(**shape, mxu=mxu)
-  mxu_s = np.bincount(t, hits * 2.0 * macs, tiles_m) / gen.peak_bf16_flops
+  peak = gen.peak_bf16_flops if peak_flops is None else peak_flops
+  mxu_s = np.bincount(t, hits * 2.0 * macs, tiles_m) / peak
   rows = np.minimum(m, (np.arange(tiles_m) + 1) * tm) - np.arange(tiles_m) * tm
   sweeps = (k // tk) * (n // tn)
   if kind == "gmm":
@@ -881,6 +902,18 @@ def rowtile_step_costs(
   return np.tile(mxu_s, sweeps), np.tile(pipelined.astype(np.float64), sweeps) + over, exposed
 
 
+def rowtile_modeled_seconds(*, step_overhead_s: float = 0.35e-6, **step_costs_kwargs: Any) -> float:
+  """Modeled time of a row-tile kernel's whole grid: Σ over steps of max(MXU, overlapped HBM
+  time) + exposed HBM time + per-step overhead (DESIGN.md), from `rowtile_step_costs` (same
+  keyword arguments)."""
+  gen = get_generation(step_costs_kwargs["generation"])
+  mxu_s, over, exposed = rowtile_step_costs(**step_costs_kwargs)
+  bw = gen.hbm_bytes_per_s
+  return float(
+    np.maximum(mxu_s, over / bw).sum() + exposed.sum() / bw + step_overhead_s * mxu_s.size
+  )
+
+
 def pick_rowtile_tiling(
   *,
   m: int,
@@ -894,6 +927,7 @@ def pick_rowtile_tiling(
   generation: str | TpuGeneration,
   vmem_budget_bytes: int | None = None,
   step_overhead_s: float = 0.35e-6,
+  narrow_dot: bool = False,
 ) -> tuple[int, int, int] | None:
   """Chooses (tm, tk, tn) for a row-tile kernel, or None when none fits VMEM.
 
@@ -917,6 +951,8 @@ def pick_rowtile_tiling(
     generation: TPU generation.
     vmem_budget_bytes: default `usable_vmem_bytes(generation)`.
     step_overhead_s: per grid step overhead.
+    narrow_dot: gmm multiplies the 8-bit lhs and rhs natively (both `lhs_dtype`), at the chip's
+      int8 / fp8 rate: less MXU time per step shifts the balance towards fewer, larger steps.
 
   Returns:
     (tm, tk, tn), or None.
@@ -926,6 +962,7 @@ def pick_rowtile_tiling(
   gen = get_generation(generation)
   budget = vmem_budget_bytes if vmem_budget_bytes is not None else usable_vmem_bytes(gen)
   li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+  peak = narrow_peak(gen, lhs_dtype) if narrow_dot else None
   # NOTE: group boundaries of a real routing fall anywhere; equal sizes would put them at regular,
   # often MXU-aligned rows and hide the per-tile imbalance. A fixed-seed uniform multinomial
   # draw stands in for the routing the kernel will see.
@@ -953,7 +990,7 @@ def pick_rowtile_tiling(
         )
         if est > budget:
           continue
-        mxu_s, over, exposed = rowtile_step_costs(
+        score = rowtile_modeled_seconds(
           group_sizes=sizes,
           k=k,
           n=n,
@@ -965,12 +1002,10 @@ def pick_rowtile_tiling(
           rhs_itemsize=ri,
           out_itemsize=oi,
           generation=gen,
+          peak_flops=peak,
+          step_overhead_s=step_overhead_s,
         )
-        bw = gen.hbm_bytes_per_s
-        score = (
-          np.maximum(mxu_s, over / bw).sum() + exposed.sum() / bw + step_overhead_s * mxu_s.size
-        )
-        scored.append((float(score), est, (tm, tk, tn)))
+        scored.append((score, est, (tm, tk, tn)))
   if not scored:
     return None
   best = min(score for score, _, _ in scored)

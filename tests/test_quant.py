@@ -921,3 +921,41 @@ def test_quantized_tgmm_compiles_aot(gen, dtype, token):
     assert dots == {(dtype, dtype, "int32" if dtype == "int8" else "float32")}
   else:
     assert dots == {("bfloat16", "bfloat16", "float32")}
+
+
+def test_narrow_forward_tiles_use_the_narrow_rate():
+  """w8a8 on v6e (int8 MXU at twice the bf16 rate): the forward's tiles are scored on the 8-bit
+  operands at the int8 rate. On deepseek-v2-lite@16384 that picks other tiles than bf16 (fewer,
+  larger steps once the MXU time per step halves), which model faster at the int8 rate; ops
+  resolves the same tiles."""
+  from pallas_moe import ops
+
+  m, k, n, g = 98304, 2048, 1408, 64
+  kw = dict(m=m, k=k, n=n, num_groups=g, kind="gmm", out_dtype=jnp.bfloat16, generation="v6e")
+  bf16 = tiling.pick_rowtile_tiling(lhs_dtype=jnp.bfloat16, rhs_dtype=jnp.bfloat16, **kw)
+  int8 = tiling.pick_rowtile_tiling(lhs_dtype=jnp.int8, rhs_dtype=jnp.int8, narrow_dot=True, **kw)
+  assert int8 != bf16
+  sizes = np.random.default_rng(0).multinomial(m, np.full(g, 1 / g))
+
+  def seconds_at_int8(tiles):
+    tm, tk, tn = tiles
+    return tiling.rowtile_modeled_seconds(
+      group_sizes=sizes, k=k, n=n, tm=tm, tk=tk, tn=tn, kind="gmm", lhs_itemsize=1,
+      rhs_itemsize=1, out_itemsize=2, generation="v6e",
+      peak_flops=tiling.narrow_peak("v6e", jnp.int8),
+    )  # fmt: skip
+
+  assert seconds_at_int8(int8) < seconds_at_int8(bf16)
+  with tiling.use_generation("v6e"):
+    resolved = ops._resolve_tiles(
+      None,
+      dims=(m, k, n),
+      kind="gmm",
+      num_groups=g,
+      dtypes=(jnp.dtype(jnp.int8), jnp.dtype(jnp.int8), jnp.dtype(jnp.bfloat16)),
+      interpret=None,
+      narrow_dot=True,
+    )
+  assert resolved.tiles == int8
+  with pytest.raises(ValueError, match="no native float8_e4m3fn MXU mode"):
+    tiling.narrow_peak("v6e", jnp.float8_e4m3fn)
