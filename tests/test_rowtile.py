@@ -472,6 +472,44 @@ def test_public_gmm_grad_through_rowtile_kernels():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
 
 
+def test_public_gmm_grad_rows_stationary_on_v6e():
+  """Under v6e's tiles, n = 384 (not a multiple of its 256-wide MXU): ops runs the forward and
+  the weight gradient with `rows_stationary` (the lhs gradient contracts over n: no swap), and
+  jax.grad of pallas_moe.gmm still matches the reference."""
+  from bench import costmodel as cm
+
+  sizes = jnp.array([100, 0, 250, 30, 0, 120], jnp.int32)  # 500 of 512 rows
+  m, k, n = 512, 256, 384
+  x = random_array(0, (m, k), jnp.float32)
+  w = random_array(1, (6, k, n), jnp.float32)
+  kw = dict(num_groups=6, dtypes=(jnp.dtype(jnp.float32),) * 3, interpret=True)
+  with tiling.use_generation("v6e"):
+    fwd = ops._resolve_tiles(None, dims=(m, k, n), kind="gmm", **kw)
+    dlhs = ops._resolve_tiles(None, dims=(m, n, k), kind="gmm", **kw)
+    drhs = ops._resolve_tiles(None, dims=(m, k, n), kind="tgmm", **kw)
+    assert fwd.rowtile and fwd.rows_stationary
+    assert dlhs.rowtile and not dlhs.rows_stationary
+    assert drhs.rowtile and drhs.rows_stationary
+
+    def loss(f):
+      return lambda x, w: jnp.sum(jnp.sin(f(x, w, sizes)))
+
+    grad_fn = jax.grad(loss(lambda x, w, s: pallas_moe.gmm(x, w, s, interpret=True)), (0, 1))
+    got = grad_fn(x, w)
+    # The kernels ops launched: with the rows stationary, a sub-block dot is [384, 256] x
+    # [256, 256] (n streams as rows: no MXU padding); the lhs gradient's [256, 384] x [384, 256]
+    # pads its contraction to 512.
+    calls = cm.analyze(grad_fn, x, w)
+  unpadded = sorted(
+    padded == true
+    for padded, true, _ in (cm.kernel_dot_macs(c.kernel_jaxpr, mxu=256) for c in calls)
+  )
+  assert unpadded == [False, True, True]
+  ref = jax.grad(loss(lambda x, w, s: reference.gmm(x, w, s)), (0, 1))(x, w)
+  for a, b in zip(got, ref, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
+
+
 # (m, k, n, tm, tn, sub_m, groups, weights dtype, quantize lhs, narrow_dot, in/out dtype)
 QUANT_CASES = [
   (67, 40, 48, 16, 16, 8, 5, jnp.int8, False, False, jnp.bfloat16),
