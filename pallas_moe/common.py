@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import core as jax_core
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_moe import _jax_compat
@@ -178,6 +179,31 @@ def pvary_like(x: jax.Array, *operands) -> jax.Array:
   if missing:
     x = jax.lax.pcast(x, missing, to="varying")
   return x
+
+
+def window(start: Any, size: int, full: int) -> Any:
+  """Index of `size` elements from `start` along a dim of `full`: a static whole-dim slice when
+  the window is the whole dim.
+
+  NOTE: Mosaic must prove a dynamic offset along a tiled (last two) dim of a VMEM ref to be a
+  multiple of its tile; for a window of the whole dim the offset is always 0 but, traced, is
+  not provably so (e.g. n = 130: "Offsets along tiled dimensions must be aligned to tiles").
+  XLA may place a `pl.ANY` operand in VMEM, so this holds for "HBM" refs too.
+  """
+  return slice(None) if size == full else pl.ds(start, size)
+
+
+def sub_block(sub: Any, sub_m: int, tm: int) -> tuple[Any, Any]:
+  """(first row, index) of sub-block `sub` of sub_m rows in a tm-row tile.
+
+  NOTE: with one sub-block per tile (sub_m == tm) it is the static whole tile: a traced offset
+  of 0 is not provably aligned, and a tile of all of m rows need not be (m = 300 rows on the
+  sublane dim, or 200 on tgmm's lane dim, do not compile with a dynamic offset).
+  """
+  if sub_m == tm:
+    return 0, slice(None)
+  r0 = pl.multiple_of(sub * sub_m, sub_m)
+  return r0, pl.ds(r0, sub_m)
 
 
 def run_kernel(build: Callable[[Interpret], Callable[..., Any]], interpret: Interpret, *args):

@@ -183,16 +183,16 @@ def gmm_rowtile_pallas(
       group = load_ref[rank]
       col = pl.multiple_of(sweep * tn, tn)
       src = (
-        rhs_hbm.at[group, pl.ds(col, tn), :]
+        rhs_hbm.at[group, common.window(col, tn, n), :]
         if transpose_rhs
-        else rhs_hbm.at[group, :, pl.ds(col, tn)]
+        else rhs_hbm.at[group, :, common.window(col, tn, n)]
       )
       copies = [pltpu.make_async_copy(src, w_vmem.at[slot], sems.at[slot])]
       if quantized:
         if scales_on_k:
           s_src = scales_hbm.at[group]
         else:
-          s_src = scales_hbm.at[group, :, pl.ds(col, tn)]
+          s_src = scales_hbm.at[group, :, common.window(col, tn, n)]
         copies.append(pltpu.make_async_copy(s_src, s_vmem.at[slot], sems.at[2 + slot]))
       return copies
 
@@ -272,8 +272,7 @@ def gmm_rowtile_pallas(
         last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
 
         def sub_body(sub, c):
-          r0 = pl.multiple_of(sub * sub_m, sub_m)
-          rows = pl.ds(r0, sub_m)
+          r0, rows = common.sub_block(sub, sub_m, tm)
           lhs_blk = lhs_ref[rows, :]
           if lhs_quantized and not narrow_dot:
             lhs_blk = lhs_blk.astype(jnp.float32)

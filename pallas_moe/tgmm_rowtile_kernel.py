@@ -126,7 +126,7 @@ def tgmm_rowtile_pallas(
       w_sweep, g = w // num_groups, w % num_groups
       w_k0 = pl.multiple_of((w_sweep // tiles_n) * tk, tk)
       w_n0 = pl.multiple_of((w_sweep % tiles_n) * tn, tn)
-      dst = out_hbm.at[g, pl.ds(w_k0, tk), pl.ds(w_n0, tn)]
+      dst = out_hbm.at[g, common.window(w_k0, tk, k), common.window(w_n0, tn, n)]
       return pltpu.make_async_copy(staging.at[w % 2], dst, sems.at[w % 2])
 
     if counts_ref is not None:
@@ -147,8 +147,7 @@ def tgmm_rowtile_pallas(
       last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
 
       def sub_body(sub, c):
-        r0 = pl.multiple_of(sub * sub_m, sub_m)
-        rows = pl.ds(r0, sub_m)
+        r0, rows = common.sub_block(sub, sub_m, tm)
         # NOTE: rows are the contraction dim: only rows of g in this sub-block contribute. Both
         # operands are masked: rows past m in a ragged last tile are uninitialized (NaN under
         # interpret mode) and 0 * NaN = NaN.
@@ -192,7 +191,7 @@ def tgmm_rowtile_pallas(
 
         acc = acc_ref[...].T if rows_stationary else acc_ref[...]
         if existing_hbm is not None:
-          src = existing_hbm.at[g, pl.ds(k0, tk), pl.ds(n0, tn)]
+          src = existing_hbm.at[g, common.window(k0, tk, k), common.window(n0, tn, n)]
           read = pltpu.make_async_copy(src, ex_vmem, sems.at[2])
           read.start()
           read.wait()

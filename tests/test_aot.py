@@ -134,6 +134,32 @@ def test_grad_compiles(gen, shape_name):
   assert _pallas_calls(_compile(gen, _tgmm, *_args(gen, shape, "tgmm"))) == 1
 
 
+# (generation, (m, k, n, groups), transpose_rhs): shapes off the 8 x 128 grid, with the default
+# (row-tile) kernels. Before `common.window` / `common.sub_block` these failed in Mosaic: a tile
+# of all of m rows (203, 200) indexed by a traced sub-block offset, and a weight / output window
+# of all of n (130) at a traced column offset into a `pl.ANY` operand XLA had put in VMEM.
+_ODD_SHAPES = [
+  ("v5e", (203, 200, 130, 5), False),
+  ("v6e", (200, 256, 384, 4), False),  # also rows_stationary with 200-row sub-blocks
+  ("tpu7x", (67, 40, 48, 5), True),
+]
+
+
+@pytest.mark.parametrize("gen, dims, transpose_rhs", _ODD_SHAPES, ids=str)
+def test_grad_compiles_for_odd_shapes(gen, dims, transpose_rhs):
+  m, k, n, g = dims
+  w = _sds(gen, g, n, k) if transpose_rhs else _sds(gen, g, k, n)
+
+  def loss(x, w, gs):
+    out = pallas_moe.gmm(x, w, gs, transpose_rhs=transpose_rhs)
+    return jnp.square(out.astype(jnp.float32)).sum()
+
+  compiled = _compile(
+    gen, jax.grad(loss, argnums=(0, 1)), _sds(gen, m, k), w, _sds(gen, g, dtype=jnp.int32)
+  )
+  assert _pallas_calls(compiled) == 3
+
+
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
 def test_use_generation_picks_that_generations_tiles(gen):
   """Under use_generation(g), tiling=None gives exactly pick_rowtile_tiling(..., generation=g)
