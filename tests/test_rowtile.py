@@ -91,6 +91,28 @@ def _draw_shard(data, total, local):
   return offset
 
 
+def _check_drawn(check, case, data, interpret, *, kind):
+  """Draws group sizes, a shard and a seed for a GMM_CASES / TGMM_CASES case and checks it, in
+  the case's fixed sweep mode and MXU orientation."""
+  cases, sequential, stationary, total, local = {
+    "gmm": (GMM_CASES, GMM_SEQUENTIAL, GMM_ROWS_STATIONARY, 6, 7),
+    "tgmm": (TGMM_CASES, TGMM_SEQUENTIAL, TGMM_ROWS_STATIONARY, 7, 8),
+  }[kind]
+  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[total]))
+  offset = _draw_shard(data, case[total], case[local])
+  seed = data.draw(st.integers(0, 2**16))
+  index = cases.index(case)
+  check(
+    case,
+    sizes,
+    offset,
+    seed,
+    interpret,
+    sequential=index in sequential,
+    rows_stationary=index in stationary,
+  )
+
+
 def check_gmm(
   case, sizes, offset, seed, interpret, *, count=True, sequential=False, rows_stationary=False
 ):
@@ -161,40 +183,14 @@ def check_gmm(
 @examples(0.5)
 @given(data=st.data())
 def test_gmm_rowtile_matches_references(case, data):
-  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[6]))
-  offset = _draw_shard(data, case[6], case[7])
-  sequential = GMM_CASES.index(case) in GMM_SEQUENTIAL
-  stationary = GMM_CASES.index(case) in GMM_ROWS_STATIONARY
-  seed = data.draw(st.integers(0, 2**16))
-  check_gmm(
-    case,
-    sizes,
-    offset,
-    seed,
-    INTERPRET_MODES["hlo"],
-    sequential=sequential,
-    rows_stationary=stationary,
-  )
+  _check_drawn(check_gmm, case, data, INTERPRET_MODES["hlo"], kind="gmm")
 
 
 @pytest.mark.parametrize("case", GMM_CASES[1:3], ids=GMM_IDS[1:3])
 @examples(0.25)
 @given(data=st.data())
 def test_gmm_rowtile_tpu_simulator(case, data):
-  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[6]))
-  offset = _draw_shard(data, case[6], case[7])
-  sequential = GMM_CASES.index(case) in GMM_SEQUENTIAL
-  stationary = GMM_CASES.index(case) in GMM_ROWS_STATIONARY
-  seed = data.draw(st.integers(0, 2**16))
-  check_gmm(
-    case,
-    sizes,
-    offset,
-    seed,
-    INTERPRET_MODES["tpu"],
-    sequential=sequential,
-    rows_stationary=stationary,
-  )
+  _check_drawn(check_gmm, case, data, INTERPRET_MODES["tpu"], kind="gmm")
 
 
 def check_tgmm(
@@ -263,40 +259,14 @@ def check_tgmm(
 @examples(0.5)
 @given(data=st.data())
 def test_tgmm_rowtile_matches_references(case, data):
-  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[7]))
-  offset = _draw_shard(data, case[7], case[8])
-  sequential = TGMM_CASES.index(case) in TGMM_SEQUENTIAL
-  stationary = TGMM_CASES.index(case) in TGMM_ROWS_STATIONARY
-  seed = data.draw(st.integers(0, 2**16))
-  check_tgmm(
-    case,
-    sizes,
-    offset,
-    seed,
-    INTERPRET_MODES["hlo"],
-    sequential=sequential,
-    rows_stationary=stationary,
-  )
+  _check_drawn(check_tgmm, case, data, INTERPRET_MODES["hlo"], kind="tgmm")
 
 
 @pytest.mark.parametrize("case", TGMM_CASES[1:2], ids=TGMM_IDS[1:2])
 @examples(0.25)
 @given(data=st.data())
 def test_tgmm_rowtile_tpu_simulator(case, data):
-  sizes = data.draw(group_sizes_strategy(m=case[0], num_groups=case[7]))
-  offset = _draw_shard(data, case[7], case[8])
-  sequential = TGMM_CASES.index(case) in TGMM_SEQUENTIAL
-  stationary = TGMM_CASES.index(case) in TGMM_ROWS_STATIONARY
-  seed = data.draw(st.integers(0, 2**16))
-  check_tgmm(
-    case,
-    sizes,
-    offset,
-    seed,
-    INTERPRET_MODES["tpu"],
-    sequential=sequential,
-    rows_stationary=stationary,
-  )
+  _check_drawn(check_tgmm, case, data, INTERPRET_MODES["tpu"], kind="tgmm")
 
 
 @pytest.mark.parametrize(
