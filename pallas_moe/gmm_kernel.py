@@ -163,7 +163,7 @@ def gmm_pallas(
 
     def accumulate(last_k: bool):
       def body(sub, carry):
-        rows = pl.ds(pl.multiple_of(sub * sub_m, sub_m), sub_m)
+        _, rows = common.sub_block(sub, sub_m, tm)
         lhs_blk, rhs_blk = lhs_ref[rows, :], rhs_ref[...]
         if lhs_quantized and not narrow_dot:
           lhs_blk = lhs_blk.astype(jnp.float32).astype(compute_dtype)

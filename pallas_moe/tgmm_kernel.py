@@ -154,8 +154,7 @@ def tgmm_pallas(
     last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
 
     def body(sub, carry):
-      r0 = pl.multiple_of(sub * sub_m, sub_m)
-      rows = pl.ds(r0, sub_m)
+      r0, rows = common.sub_block(sub, sub_m, tm)
       # NOTE: only the rows of this sub-block that belong to the group contribute. Mask both
       # operands: rows of a ragged last m-tile are uninitialized (NaN under interpret mode) and
       # 0 * NaN = NaN.

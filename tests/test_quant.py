@@ -923,6 +923,26 @@ def test_quantized_tgmm_compiles_aot(gen, dtype, token):
     assert dots == {("bfloat16", "bfloat16", "float32")}
 
 
+@pytest.mark.aot
+@pytest.mark.parametrize("gen, dtype", [("v6e", "int8"), ("tpu7x", "float8_e4m3fn")])
+def test_quantized_tgmm_compiles_aot_for_odd_shapes(gen, dtype):
+  """k, m, n = 200, 150, 130 (the visit kernel; m-tile = all of m): the sub-block index is
+  static (a traced offset into the lane dim of the [tk, 150] lhs block does not compile)."""
+  from test_aot import _compile, _sds
+
+  k, m, n, g = 200, 150, 130, 3
+  narrow = jnp.dtype(dtype)
+  args = (
+    _sds(gen, k, m, dtype=narrow), _sds(gen, m, n, dtype=narrow), _sds(gen, k, 1, dtype=F32),
+    _sds(gen, 1, n, dtype=F32), _sds(gen, g, dtype=jnp.int32),
+  )  # fmt: skip
+
+  def fn(a, b, a_s, b_s, gs):
+    return pallas_moe.tgmm(a, b, gs, lhs_scales=a_s, rhs_scales=b_s)
+
+  assert _compile(gen, fn, *args).as_text().count('custom_call_target="tpu_custom_call"') == 1
+
+
 def test_narrow_forward_tiles_use_the_narrow_rate():
   """w8a8 on v6e (int8 MXU at twice the bf16 rate): the forward's tiles are scored on the 8-bit
   operands at the int8 rate. On deepseek-v2-lite@16384 that picks other tiles than bf16 (fewer,
