@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,24 +56,31 @@ CASES = [
 CASE_IDS = [f"m{c[0]}k{c[1]}n{c[2]}g{c[4]}" + ("T" if c[6] else "") for c in CASES]
 
 
+@functools.cache
+def _grads_of(case, interpret, *, ours: bool):
+  """jit(grad) of sum(gmm(lhs, rhs, group_sizes) * cot) wrt lhs and rhs, once per case (the
+  hypothesis examples of a case share it: group sizes are an argument, not a constant)."""
+  _, _, _, tiling, _, _, transpose_rhs = case
+
+  def gmm(lhs, rhs, gs):
+    if ours:
+      return pallas_moe.gmm(lhs, rhs, gs, jnp.float32, tiling, None, None, transpose_rhs, interpret)
+    return reference.gmm(lhs, rhs, gs, jnp.float32, transpose_rhs=transpose_rhs)
+
+  def loss(lhs, rhs, gs, cot):
+    return jnp.sum(gmm(lhs, rhs, gs).astype(jnp.float32) * cot)
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
 def check_grads_case(case, sizes, interpret):
   m, k, n, tiling, num_groups, in_dtype, transpose_rhs = case
   lhs = random_array(0, (m, k), in_dtype)
   rhs = random_array(1, (num_groups, n, k) if transpose_rhs else (num_groups, k, n), in_dtype)
   cot = random_array(2, (m, n), jnp.float32)
+  gs = jnp.asarray(sizes)
 
-  def loss(fn, lhs, rhs):
-    return jnp.sum(fn(lhs, rhs).astype(jnp.float32) * cot)
-
-  def ours(lhs, rhs):
-    return pallas_moe.gmm(
-      lhs, rhs, jnp.asarray(sizes), jnp.float32, tiling, None, None, transpose_rhs, interpret
-    )
-
-  def ref(lhs, rhs):
-    return reference.gmm(lhs, rhs, jnp.asarray(sizes), jnp.float32, transpose_rhs=transpose_rhs)
-
-  dlhs, drhs = jax.grad(lambda a, b: loss(ours, a, b), argnums=(0, 1))(lhs, rhs)
+  dlhs, drhs = _grads_of(case, interpret, ours=True)(lhs, rhs, gs, cot)
   assert dlhs.dtype == in_dtype and drhs.dtype == in_dtype
   assert dlhs.shape == lhs.shape and drhs.shape == rhs.shape
   # The backward kernels multiply the cotangent in the input dtype (bf16 for bf16 inputs).
@@ -86,7 +95,7 @@ def check_grads_case(case, sizes, interpret):
     np.asarray(drhs, np.float32), np_drhs, **tolerance(in_dtype=in_dtype, out_dtype=in_dtype, k=m)
   )
   if in_dtype == jnp.float32:
-    r_dlhs, r_drhs = jax.grad(lambda a, b: loss(ref, a, b), argnums=(0, 1))(lhs, rhs)
+    r_dlhs, r_drhs = _grads_of(case, None, ours=False)(lhs, rhs, gs, cot)
     np.testing.assert_allclose(np.asarray(dlhs), np.asarray(r_dlhs), rtol=2e-5, atol=2e-5 * m**0.5)
     np.testing.assert_allclose(np.asarray(drhs), np.asarray(r_drhs), rtol=2e-5, atol=2e-5 * m**0.5)
   # Rows past sum(group_sizes) get exactly zero gradient.
@@ -129,8 +138,8 @@ def test_sharded_grads_chain_to_unsharded(transpose_rhs):
   def full(lhs, rhs):
     return jnp.sum(pallas_moe.gmm(lhs, rhs, sizes, **kw) * cot)
 
-  g_chain = jax.grad(chained, argnums=(0, 1))(lhs, rhs)
-  g_full = jax.grad(full, argnums=(0, 1))(lhs, rhs)
+  g_chain = jax.jit(jax.grad(chained, argnums=(0, 1)))(lhs, rhs)
+  g_full = jax.jit(jax.grad(full, argnums=(0, 1)))(lhs, rhs)
   np_grads = np_gmm_grads(lhs, rhs, sizes, cot, transpose_rhs=transpose_rhs)
   for a, b, c in zip(g_chain, g_full, np_grads, strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)

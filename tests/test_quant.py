@@ -259,8 +259,8 @@ def test_quantized_gmm_gradients(case, dtype):
     )
   )
   ref = loss_of(lambda x, w: _ste_reference(x, w, gs, dtype=dtype, **kw))
-  dx, dw = jax.grad(ours, (0, 1))(x, w)
-  rdx, rdw = jax.grad(ref, (0, 1))(x, w)
+  dx, dw = jax.jit(jax.grad(ours, (0, 1)))(x, w)
+  rdx, rdw = jax.jit(jax.grad(ref, (0, 1)))(x, w)
   tol = dict(rtol=2e-5, atol=1e-4 * np.sqrt(max(m, n, k)))
   np.testing.assert_allclose(np.asarray(dx), np.asarray(rdx), **tol)
   np.testing.assert_allclose(np.asarray(dw), np.asarray(rdw), **tol)
@@ -268,7 +268,7 @@ def test_quantized_gmm_gradients(case, dtype):
 
   # Frozen QuantizedWeights: the same lhs gradient; the weights get a zero cotangent.
   frozen = loss_of(lambda x, q: pallas_moe.gmm(x, q, gs, tiling=tiles, interpret=True, **kw))
-  fdx, fdq = jax.grad(frozen, (0, 1), allow_int=True)(x, q)
+  fdx, fdq = jax.jit(jax.grad(frozen, (0, 1), allow_int=True))(x, q)
   np.testing.assert_allclose(np.asarray(fdx), np.asarray(rdx), **tol)
   assert not np.any(np.asarray(fdq.scales))
   if dtype == "int8":
@@ -588,7 +588,7 @@ def test_activation_quantized_gradients_are_straight_through(dtype):
     w_q = w + jax.lax.stop_gradient(pallas_moe.dequantize(q) - w)
     return jnp.sum(reference.gmm(x_q, w_q, gs, group_offset=group_offset) * dout)
 
-  got, want = jax.grad(ours, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w)
+  got, want = jax.jit(jax.grad(ours, (0, 1)))(x, w), jax.jit(jax.grad(ref, (0, 1)))(x, w)
   tol = dict(rtol=2e-5, atol=1e-4 * np.sqrt(max(m, n, k)))
   for a, b in zip(got, want, strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)

@@ -436,8 +436,10 @@ def test_public_gmm_grad_through_rowtile_kernels():
   def loss(f):
     return lambda x, w: jnp.sum(jnp.sin(f(x, w, sizes)))
 
-  got = jax.grad(loss(lambda x, w, s: pallas_moe.gmm(x, w, s, interpret=True)), (0, 1))(x, w)
-  ref = jax.grad(loss(lambda x, w, s: reference.gmm(x, w, s)), (0, 1))(x, w)
+  got = jax.jit(jax.grad(loss(lambda x, w, s: pallas_moe.gmm(x, w, s, interpret=True)), (0, 1)))(
+    x, w
+  )
+  ref = jax.jit(jax.grad(loss(lambda x, w, s: reference.gmm(x, w, s)), (0, 1)))(x, w)
   for a, b in zip(got, ref, strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-4)
 
@@ -465,7 +467,7 @@ def test_public_gmm_grad_rows_stationary_on_v6e():
       return lambda x, w: jnp.sum(jnp.sin(f(x, w, sizes)))
 
     grad_fn = jax.grad(loss(lambda x, w, s: pallas_moe.gmm(x, w, s, interpret=True)), (0, 1))
-    got = grad_fn(x, w)
+    got = jax.jit(grad_fn)(x, w)
     # The kernels ops launched: with the rows stationary, a sub-block dot is [384, 256] x
     # [256, 256] (n streams as rows: no MXU padding); the lhs gradient's [256, 384] x [384, 256]
     # pads its contraction to 512.
