@@ -737,7 +737,7 @@ def _pallas_moe_build(tiling: tuple[int, int, int] | None, schedule: str = "ops"
       til = kt.tiles
     else:
       til = (min(tiling[0], m), min(tiling[1], dk), min(tiling[2], dn))
-    sub_m = mxu if til[0] % mxu == 0 else til[0]  # as pallas_moe.ops chooses it
+    sub_m = tiling_lib.rows_per_pass(til[0], mxu)  # as pallas_moe.ops chooses it
     if schedule == "ops":
       with use_generation(generation):
         kt = ops._resolve_tiles(
@@ -921,11 +921,10 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
           sub_m=kt.sub_m,
           vmem_limit_bytes=kt.vmem_limit_bytes,
           sequential_sweeps=kt.sequential_sweeps,
-          rows_stationary=swap,
+          rows_stationary=kt.rows_stationary,
           interpret=False,
         )
 
-      swap = kt.rows_stationary
       scale, manual = rowtile_hooks(
         op=op,
         tm=tm,
@@ -941,8 +940,8 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
         tiling=kt.tiles,
         step_scale=scale,
         step_manual_bytes=manual,
-        row_macs=_gmm_row_macs(dk, dn, dk, tn, rows_stationary=swap),
-        kernel="rowtile-rows-stationary" if swap else "rowtile",
+        row_macs=_gmm_row_macs(dk, dn, dk, tn, rows_stationary=kt.rows_stationary),
+        kernel="rowtile-rows-stationary" if kt.rows_stationary else "rowtile",
       )
     # NOTE: tiles and VMEM estimate as for bf16 (as pallas_moe.gmm does: an over-estimate that
     # covers the upcast copy of the 8-bit blocks).
@@ -950,7 +949,7 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
     til = pick_tiling(m=m, k=dk, n=dn, num_groups=g, kind="gmm", generation=generation, **dt)
     est = tiling_lib.vmem_estimate_bytes(tm=til[0], tk=til[1], tn=til[2], kind="gmm", **dt)
     mxu = generation.mxu_size
-    sub_m = mxu if til[0] % mxu == 0 else til[0]
+    sub_m = tiling_lib.rows_per_pass(til[0], mxu)
 
     def fn(x, q, s, gs, *xs):
       return gmm_pallas(

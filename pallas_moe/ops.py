@@ -177,7 +177,7 @@ def _resolve_tiles(
   # must divide n (and tgmm's tk divide k); gmm keeps the whole contraction in VMEM (tk == k).
   fits_rowtile = (tk == k if kind == "gmm" else k % tk == 0) and n % tn == 0
   if allow_rowtile and fits_rowtile:
-    sub_m = mxu if tm % mxu == 0 else tm
+    sub_m = tiling_lib.rows_per_pass(tm, mxu)
     swap = tiling_lib.rows_stationary_pays(
       kind=kind, sub_m=sub_m, tk=tk, tn=tn, generation=generation
     )
@@ -203,7 +203,7 @@ def _resolve_tiles(
     )
   return KernelTiling(
     tiles=(tm, tk, tn),
-    sub_m=mxu if tm % mxu == 0 else tm,
+    sub_m=tiling_lib.rows_per_pass(tm, mxu),
     vmem_limit_bytes=tiling_lib.vmem_limit_for(estimate, generation),
   )
 

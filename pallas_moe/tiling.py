@@ -49,6 +49,7 @@ __all__ = [
   "rowtile_manual_dma",
   "rowtile_modeled_seconds",
   "narrow_peak",
+  "rows_per_pass",
   "rows_stationary_pays",
   "rowtile_step_costs",
   "sequential_sweeps",
@@ -332,7 +333,7 @@ def vmem_estimate_bytes(
     # of its lhs rows; quantized weights add the upcast block and the scale slots.
     gen = get_generation(generation) if generation is not None else None
     mxu = gen.mxu_size if gen is not None else _MAX_SUB_M
-    sub = mxu if tm % mxu == 0 else tm  # as pallas_moe.ops picks sub_m
+    sub = rows_per_pass(tm, mxu)
     # NOTE: with rows_stationary the lhs rows are the dot's transposed operand; tpu7x then copies
     # them too (AOT: (1024, 2048, 1408) with existing_out needs 31 MiB usual, 39 MiB swapped).
     lhs_copy = gen is None or gen.name != "tpu7x" or rows_stationary
@@ -352,7 +353,7 @@ def vmem_estimate_bytes(
     # the estimate does not know whether the call has one), and the masked sub-block operands.
     gen = get_generation(generation) if generation is not None else None
     mxu = gen.mxu_size if gen is not None else _MAX_SUB_M
-    sub = mxu if tm % mxu == 0 else tm  # as pallas_moe.ops picks sub_m
+    sub = rows_per_pass(tm, mxu)
     blocks = 2 * tm * tk * li + 2 * tm * tn * ri
     acc = tk * tn * 4 + 2 * tk * tn * oi + tk * tn * (oi + 4)
     temps = sub * (tk + tn) * 4
@@ -614,6 +615,12 @@ def sequential_sweeps(generation: str | TpuGeneration) -> bool:
   return get_generation(generation).cores_per_chip == 1
 
 
+def rows_per_pass(tm: int, mxu: int) -> int:
+  """Rows the kernels push through the MXU per sub-block (their `sub_m`): the MXU edge when it
+  divides tm (sub-blocks without rows of a group are skipped), else the whole tile."""
+  return mxu if tm % mxu == 0 else tm
+
+
 def _dot_macs(*, rows: int, contract: int, cols: int, mxu: int) -> int:
   """MACs one dot costs on an mxu x mxu systolic array (DESIGN.md, as in `bench.costmodel`):
   the stationary operand is cut into mxu x mxu tiles (contraction and output columns padded to
@@ -864,7 +871,7 @@ def rowtile_step_costs(
   """
   gen = get_generation(generation)
   mxu = gen.mxu_size
-  sub = mxu if tm % mxu == 0 else tm
+  sub = rows_per_pass(tm, mxu)
   gs = np.maximum(np.asarray(group_sizes, np.int64), 0)
   ends = np.cumsum(gs)
   starts = ends - gs
@@ -976,7 +983,7 @@ def pick_rowtile_tiling(
   for tm in sorted(set(tms)):
     for tk in tks:
       for tn in _divisor_tiles(n):
-        sub = gen.mxu_size if tm % gen.mxu_size == 0 else tm
+        sub = rows_per_pass(tm, gen.mxu_size)
         est = vmem_estimate_bytes(
           tm=tm,
           tk=tk,
