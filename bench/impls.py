@@ -684,13 +684,13 @@ def _in_generation(fn: Callable[..., Any], generation: TpuGeneration) -> Callabl
 
 
 def _visits_gmm(x, w, gs, *, zero, **kw):
-  from pallas_moe.gmm_kernel import gmm_pallas
+  from pallas_moe.gmm import gmm_pallas
 
   return gmm_pallas(x, w, gs, out_dtype=DTYPE, group_offset=zero, interpret=False, **kw)
 
 
 def _visits_tgmm(x, y, gs, *, zero, num_groups, **kw):
-  from pallas_moe.tgmm_kernel import tgmm_pallas
+  from pallas_moe.tgmm import tgmm_pallas
 
   return tgmm_pallas(
     x,
@@ -867,7 +867,7 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
       )
     from pallas_moe import quant
     from pallas_moe import tiling as tiling_lib
-    from pallas_moe.gmm_kernel import gmm_pallas
+    from pallas_moe.gmm import gmm_pallas
 
     m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
     lhs, _, gs = op_arrays(op=op, shape=shape, group_sizes=group_sizes)
@@ -887,7 +887,7 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
     # narrow: then for the 8-bit operands at the narrow rate). dlhs reads the
     # weights transposed with the scales along its contraction, DMA'd whole per group.
     from pallas_moe import ops
-    from pallas_moe.gmm_rowtile_kernel import gmm_rowtile_pallas
+    from pallas_moe.gmm import gmm_rowtile_pallas
 
     # NOTE: a narrow forward gets tiles for its 8-bit operands at the narrow rate, as in ops.
     tile_dtypes = (jnp.dtype(dtype),) * 2 + (DTYPE,) if narrow else (DTYPE,) * 3

@@ -184,8 +184,8 @@ def mxu_rows(schedule: Schedule, *, group_offset: jax.Array | int, tm: int, sub_
   """Rows the kernels push through the MXU for one sweep over k and n, from the schedule.
 
   A compute visit multiplies each sub_m-row sub-block of its m-tile that holds a row of its group
-  (`gmm_kernel` / `tgmm_kernel` skip the others). This is the count a cost model uses at full
-  size; the kernels' `count_rows` instrumentation measures the same thing by running them.
+  (`gmm.gmm_pallas` / `tgmm.tgmm_pallas` skip the others). This is the count a cost model uses at
+  full size; the kernels' `count_rows` instrumentation measures the same thing by running them.
 
   Args:
     schedule: from `make_schedule`.
@@ -212,9 +212,9 @@ def mxu_rows(schedule: Schedule, *, group_offset: jax.Array | int, tm: int, sub_
 #
 # The visit schedule above gives each (group, m-tile) pair its own grid step, so a Pallas pipeline
 # fetches a whole m-tile in the first visit and a whole weight block in a group's first visit,
-# whatever work that step has. The row-tile kernels (`gmm_rowtile_kernel`, `tgmm_rowtile_kernel`)
-# instead keep one m-tile per grid step and move the per-group blocks (gmm: weights in; tgmm:
-# weight gradients out) with manual, double-buffered DMAs inside the step.
+# whatever work that step has. The row-tile kernels (`gmm.gmm_rowtile_pallas`,
+# `tgmm.tgmm_rowtile_pallas`) instead keep one m-tile per grid step and move the per-group blocks
+# (gmm: weights in; tgmm: weight gradients out) with manual, double-buffered DMAs inside the step.
 
 
 @jax.tree_util.register_dataclass

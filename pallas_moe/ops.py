@@ -25,10 +25,8 @@ import numpy as np
 
 from pallas_moe import common, quant
 from pallas_moe import tiling as tiling_lib
-from pallas_moe.gmm_kernel import gmm_pallas
-from pallas_moe.gmm_rowtile_kernel import gmm_rowtile_pallas
-from pallas_moe.tgmm_kernel import tgmm_pallas
-from pallas_moe.tgmm_rowtile_kernel import tgmm_rowtile_pallas
+from pallas_moe.gmm import gmm_pallas, gmm_rowtile_pallas
+from pallas_moe.tgmm import tgmm_pallas, tgmm_rowtile_pallas
 
 Tiles = tuple[int, int, int]
 TileFn = Callable[[int, int, int], Tiles | None]
@@ -79,7 +77,7 @@ class KernelTiling:
     tiles: (tm, tk, tn), clamped to the dims and aligned.
     sub_m: rows per MXU pass: the MXU size when it divides tm, else tm (no sub-block skipping).
     vmem_limit_bytes: Mosaic's scoped VMEM limit when the tiles need more than the default.
-    rowtile: run the row-tile kernel (`gmm_rowtile_kernel` / `tgmm_rowtile_kernel`: one grid
+    rowtile: run the row-tile kernel (`gmm_rowtile_pallas` / `tgmm_rowtile_pallas`: one grid
       step per m-tile, per-group blocks by manual DMA) instead of the visit-schedule kernel.
     sequential_sweeps: row-tile kernels only: let DMAs cross sweeps (`tiling.sequential_sweeps`:
       the generation has one TensorCore per chip, so nothing is gained by splitting sweeps).

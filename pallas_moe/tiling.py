@@ -593,7 +593,7 @@ def pick_tiling(
 
 
 # ------------------------------------------------------------------------------------------------
-# Row-tile kernels (`gmm_rowtile_kernel`, `tgmm_rowtile_kernel`): one grid step per m-tile.
+# Row-tile kernels (`gmm_rowtile_pallas`, `tgmm_rowtile_pallas`): one grid step per m-tile.
 
 
 _PICKER_SEED = 20261122

@@ -41,8 +41,8 @@ from jax.sharding import PartitionSpec as P
 import pallas_moe
 from bench.shapes import SHAPES
 from pallas_moe import tiling
-from pallas_moe.gmm_kernel import gmm_pallas
-from pallas_moe.tgmm_kernel import tgmm_pallas
+from pallas_moe.gmm import gmm_pallas
+from pallas_moe.tgmm import tgmm_pallas
 
 pytestmark = pytest.mark.aot
 
@@ -312,8 +312,8 @@ _ROWTILE_TIGHT = [
 
 
 def _rowtile_kernel(gen: str, program: str, tiles, vmem_limit_bytes: int, rows_stationary: bool):
-  from pallas_moe.gmm_rowtile_kernel import gmm_rowtile_pallas
-  from pallas_moe.tgmm_rowtile_kernel import tgmm_rowtile_pallas
+  from pallas_moe.gmm import gmm_rowtile_pallas
+  from pallas_moe.tgmm import tgmm_rowtile_pallas
 
   m, g = 8192, 8
   tm, tk, tn = tiles

@@ -337,14 +337,15 @@ def test_rows_stationary_saves_the_column_padding_on_v6e(op):
 
 def _interpret_rows_executed(op, shape, tiling):
   """Rows the kernel multiplies per k, n sweep, counted by running it (interpret, count_rows)."""
-  from pallas_moe import gmm_kernel, tgmm_kernel
+  from pallas_moe.gmm import gmm_pallas
+  from pallas_moe.tgmm import tgmm_pallas
 
   m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
   gs = jnp.asarray(_GS)
   tm = tiling[0]
   sub_m = 128 if tm % 128 == 0 else tm
   if op == "drhs":
-    _, rows = tgmm_kernel.tgmm_pallas(
+    _, rows = tgmm_pallas(
       jnp.ones((k, m)),
       jnp.ones((m, n)),
       gs,
@@ -358,7 +359,7 @@ def _interpret_rows_executed(op, shape, tiling):
     )
     return int(np.asarray(rows)[0, 0].sum())
   kk, nn = (n, k) if op == "dlhs" else (k, n)
-  _, rows = gmm_kernel.gmm_pallas(
+  _, rows = gmm_pallas(
     jnp.ones((m, kk)),
     jnp.ones((g, kk, nn)),
     gs,

@@ -10,7 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernel_testing import examples, group_sizes_strategy
 
-from pallas_moe import gmm_kernel, metadata, tgmm_kernel
+from pallas_moe import metadata
+from pallas_moe.gmm import gmm_pallas
+from pallas_moe.tgmm import tgmm_pallas
 
 make_schedule = jax.jit(
   metadata.make_schedule,
@@ -147,7 +149,7 @@ def test_mxu_rows_executed_equal_floor_rows(kernel, data):
   gs = jnp.asarray(sizes)
   x = jnp.ones((m, k), jnp.float32)
   if kernel == "gmm":
-    _, rows = gmm_kernel.gmm_pallas(
+    _, rows = gmm_pallas(
       x,
       jnp.ones((num_groups, k, n)),
       gs,
@@ -159,7 +161,7 @@ def test_mxu_rows_executed_equal_floor_rows(kernel, data):
       interpret=True,
     )
   else:
-    _, rows = tgmm_kernel.tgmm_pallas(
+    _, rows = tgmm_pallas(
       x.T,
       jnp.ones((m, n)),
       gs,

@@ -266,3 +266,21 @@ def test_shard_map_varying_lhs_hlo_interpreter():
     [reference.gmm(lhs[i * 16 : (i + 1) * 16], rhs, sizes[:4]) for i in range(4)]
   )
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-4)
+
+
+def test_package_exports_the_functions_and_the_kernel_modules_stay_importable():
+  """As in megablox: `pallas_moe.gmm` / `.tgmm` are the differentiable functions, while the
+  kernel modules `pallas_moe/gmm.py` / `tgmm.py` are reached by import, never by attribute."""
+  import importlib
+
+  from pallas_moe import ops
+  from pallas_moe.gmm import gmm_pallas, gmm_rowtile_pallas
+  from pallas_moe.tgmm import tgmm_pallas, tgmm_rowtile_pallas
+
+  gmm_module = importlib.import_module("pallas_moe.gmm")
+  tgmm_module = importlib.import_module("pallas_moe.tgmm")
+  assert pallas_moe.gmm is ops.gmm and pallas_moe.tgmm is ops.tgmm
+  assert gmm_module.__name__ == "pallas_moe.gmm" and tgmm_module.__name__ == "pallas_moe.tgmm"
+  assert gmm_module.gmm_pallas is gmm_pallas and gmm_module.gmm_rowtile_pallas is gmm_rowtile_pallas
+  assert tgmm_module.tgmm_pallas is tgmm_pallas
+  assert tgmm_module.tgmm_rowtile_pallas is tgmm_rowtile_pallas

@@ -27,7 +27,7 @@ from kernel_testing import (
 
 import pallas_moe
 from pallas_moe import MoEConfig, moe, quant, reference, tiling
-from pallas_moe.gmm_kernel import gmm_pallas
+from pallas_moe.gmm import gmm_pallas
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16

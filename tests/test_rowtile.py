@@ -32,8 +32,8 @@ from kernel_testing import (
 
 import pallas_moe
 from pallas_moe import metadata, ops, reference, tiling
-from pallas_moe.gmm_rowtile_kernel import gmm_rowtile_pallas
-from pallas_moe.tgmm_rowtile_kernel import tgmm_rowtile_pallas
+from pallas_moe.gmm import gmm_rowtile_pallas
+from pallas_moe.tgmm import tgmm_rowtile_pallas
 
 # (m, k, n, tm, tn, sub_m, groups_total, local, in dtype, out dtype, transpose_rhs, existing)
 GMM_CASES = [

@@ -1,0 +1,695 @@
+"""Pallas TPU grouped matmul kernels: out[rows of g] = lhs[rows of g] @ rhs[g].
+
+The raw (non-differentiable) kernels. `pallas_moe.ops.gmm` wraps them with a VJP and picks one per
+call. As in megablox, the package exports the *function* `pallas_moe.gmm`, which shadows this
+module's name as a package attribute: reach the module with `from pallas_moe.gmm import ...` or
+`importlib.import_module("pallas_moe.gmm")`.
+
+Two schedules compute the same thing:
+
+- `gmm_rowtile_pallas` (the default when its blocks fit VMEM): grid (tiles_n, tiles_m), one step
+  per m-tile. The Pallas pipeline fetches the [tm, k] lhs block (the whole k) and writes the
+  [tm, tn] output block of each step. rhs stays in HBM (`pl.ANY`): the step loops over the local
+  groups whose rows meet its tile (`metadata.make_tile_groups`) and multiplies only their MXU-row
+  sub-blocks. Each group's [k, tn] weight block is DMA'd into one of two VMEM slots once per
+  n-tile: a group that spans several m-tiles keeps its slot, and the next group's block is
+  fetched while the current group computes (double buffering across groups and grid steps). So
+  weights are read exactly once per n-tile, lhs once per n-tile, the output written once.
+  With `rows_stationary` each sub-block computes out^T = w^T @ x^T: the rows are the MXU's
+  stationary operand and the tn weight columns stream through it, so a tn that the MXU width does
+  not divide (1408 on v6e's 256-wide MXU) is not padded to it (1.09x fewer MXU passes there).
+- `gmm_pallas` (any tiles, quantized operands): grid (tiles_n, visits, tiles_k). The visit axis
+  walks the schedule of `metadata.make_schedule`; k is innermost so one f32 accumulator block
+  collects a visit's dot products. Every m-tile of the output is visited, so the kernel alone
+  writes the whole output: rows of the local groups get the product, every other row gets
+  `existing_out` or exact zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_moe import common, metadata
+
+# ------------------------------------------------------------------------------------------------
+# Visit schedule: one grid step per (group, m-tile) visit and k-tile.
+# ------------------------------------------------------------------------------------------------
+
+
+def _dot_dims(transpose_rhs: bool):
+  # NOTE: rhs blocks are [tk, tn], or [tn, tk] when transposed; contract lhs's k with rhs's k.
+  return (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+
+
+def _mask_k(x: jax.Array, *, valid_k: int, axis: int) -> jax.Array:
+  """Zeros the columns (along `axis`) past `valid_k` of a ragged last k-tile.
+
+  NOTE: the part of an edge block outside the array holds whatever was in VMEM (NaN under
+  interpret mode's poisoning). Both operands are masked: 0 * NaN would still be NaN.
+  """
+  k_ids = lax.broadcasted_iota(jnp.int32, x.shape, axis)
+  return jnp.where(k_ids < valid_k, x, jnp.zeros_like(x))
+
+
+def gmm_pallas(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  tiling: tuple[int, int, int],
+  out_dtype: Any,
+  group_offset: jax.Array,
+  existing_out: jax.Array | None = None,
+  transpose_rhs: bool = False,
+  rhs_scales: jax.Array | None = None,
+  scales_on_k: bool = False,
+  lhs_scales: jax.Array | None = None,
+  narrow_dot: bool = False,
+  sub_m: int | None = None,
+  vmem_limit_bytes: int | None = None,
+  count_rows: bool = False,
+  interpret: common.Interpret = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Runs the gmm kernel on validated arguments.
+
+  Args:
+    lhs: [m, k].
+    rhs: [num_local_groups, k, n], or [num_local_groups, n, k] with `transpose_rhs`.
+    group_sizes: [num_groups_total] int32.
+    tiling: (tm, tk, tn), already clamped to the dims and aligned.
+    out_dtype: dtype of the result.
+    group_offset: [] int32, the first global group that rhs holds.
+    existing_out: optional [m, n] of `out_dtype`; rows outside the local groups keep its values.
+    transpose_rhs: whether rhs is [G, n, k].
+    rhs_scales: optional f32 dequantization scales of a quantized (int8 / fp8) rhs. The rhs block
+      is upcast to the compute dtype (lhs's) in VMEM, on every TPU generation. Per output column
+      (default): [G, 1, n] in either layout; each partial product is scaled per column before it
+      is accumulated. With `scales_on_k` (per contraction row, the lhs-gradient pass): rhs's shape
+      with the n axis reduced to 1, [G, k, 1] or [G, 1, k] with `transpose_rhs`; the upcast rhs
+      block is scaled before the dot.
+    scales_on_k: see `rhs_scales`.
+    lhs_scales: optional [m, 1] f32 per-row dequantization scales of a quantized (int8 / fp8)
+      lhs. A per-row scale factors out of the k contraction, so it multiplies each partial
+      product (like per-column rhs scales), never the operand.
+    narrow_dot: both operands quantized with the same dtype and per-channel scales: the dot runs
+      on the narrow values (int8 x int8 with int32 results, fp8 x fp8 with f32 results), the
+      MXU's native mode where the generation has one. False: quantized operands are upcast in
+      VMEM (to bf16 when both are quantized: exact for int8 and e4m3 values).
+    sub_m: rows per MXU pass; sub-blocks of the m-tile outside the visit's group are skipped.
+      Must divide tm. None: the whole tile (no skipping).
+    vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    count_rows: instrumentation for interpret mode: also return [tiles_n, max_visits] int32 rows
+      pushed through the MXU per (n-tile, visit) for one sweep over k.
+    interpret: see `common.run_kernel`.
+
+  Returns:
+    [m, n] of `out_dtype` (and the row counts with `count_rows`).
+  """
+  m, k = lhs.shape
+  num_local_groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  tm, tk, tn = tiling
+  sub_m = tm if sub_m is None else sub_m
+  if tm % sub_m:
+    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
+  tiles_n, tiles_k = metadata.cdiv(n, tn), metadata.cdiv(k, tk)
+  k_rem = k % tk
+  quantized = rhs_scales is not None
+  lhs_quantized = lhs_scales is not None
+  compute_dtype, dot_acc_dtype = common.dot_dtypes(
+    lhs.dtype,
+    rhs.dtype,
+    lhs_quantized=lhs_quantized,
+    rhs_quantized=quantized,
+    narrow_dot=narrow_dot,
+    scales_allow_narrow=not scales_on_k,
+    scales_requirement=" and per-output-column rhs scales (not scales_on_k)",
+  )
+
+  schedule = metadata.make_schedule(
+    group_sizes=group_sizes,
+    group_offset=group_offset,
+    num_local_groups=num_local_groups,
+    m=m,
+    tm=tm,
+    fill_uncovered_tiles=True,
+    visit_empty_groups=False,
+  )
+  prefetch = (
+    schedule.group_offsets,
+    schedule.visit_group,
+    schedule.visit_m_tile,
+    schedule.visit_load_tile,
+    schedule.visit_active,
+    group_offset.reshape((1,)),
+  )
+  has_existing = existing_out is not None
+
+  def kernel(offsets_ref, group_ref, m_tile_ref, _load_ref, active_ref, goff_ref, *refs):
+    refs = list(refs)
+    rows_ref = refs.pop(-2) if count_rows else None
+    lhs_ref, rhs_ref = refs[:2]
+    scales_ref = refs.pop(2) if quantized else None
+    lhs_scales_ref = refs.pop(2) if lhs_quantized else None
+    if has_existing:
+      _, _, existing_ref, out_ref, acc_ref = refs
+    else:
+      _, _, out_ref, acc_ref = refs
+      existing_ref = None
+    n_i, visit, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    active = active_ref[visit] == 1
+    group = group_ref[visit] + goff_ref[0]
+    # NOTE: rows of this tile inside [start, end) belong to the visit's group.
+    start, end = offsets_ref[group], offsets_ref[group + 1]
+    row0 = m_tile_ref[visit] * tm
+
+    @pl.when(k_i == 0)
+    def _zero_acc():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+      if rows_ref is not None:
+        rows_ref[n_i, visit] = 0
+
+    # NOTE: the tile is multiplied in sub-blocks of sub_m rows (the MXU's row granularity), and
+    # only the sub-blocks holding rows of the visit's group: first_sub .. last_sub. A tile that
+    # straddles group boundaries costs each group only the sub-blocks it touches.
+    first_sub = jnp.maximum(start - row0, 0) // sub_m
+    last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
+
+    def accumulate(last_k: bool):
+      def body(sub, carry):
+        _, rows = common.sub_block(sub, sub_m, tm)
+        lhs_blk, rhs_blk = lhs_ref[rows, :], rhs_ref[...]
+        if lhs_quantized and not narrow_dot:
+          lhs_blk = lhs_blk.astype(jnp.float32).astype(compute_dtype)
+        if quantized and not narrow_dot:
+          rhs_blk = rhs_blk.astype(jnp.float32)
+          if scales_on_k:
+            # NOTE: scales [tk, 1] (or [1, tk] transposed) broadcast along rhs's k axis. Scaled
+            # before the ragged-k mask, so garbage scales past k are zeroed with the values.
+            rhs_blk = rhs_blk * scales_ref[...]
+          rhs_blk = rhs_blk.astype(compute_dtype)
+        if last_k and k_rem:
+          lhs_blk = _mask_k(lhs_blk, valid_k=k_rem, axis=1)
+          rhs_blk = _mask_k(rhs_blk, valid_k=k_rem, axis=1 if transpose_rhs else 0)
+        prod = lax.dot_general(
+          lhs_blk.astype(compute_dtype),
+          rhs_blk.astype(compute_dtype),
+          dimension_numbers=_dot_dims(transpose_rhs),
+          preferred_element_type=dot_acc_dtype,
+        ).astype(jnp.float32)
+        if quantized and not scales_on_k:
+          # NOTE: one scale per output column: dot(lhs, q) * s[None, :] == dot(lhs, q * s).
+          prod = prod * scales_ref[...]
+        if lhs_quantized:
+          # NOTE: one scale per row [sub_m, 1]: dot(diag(s) q, w) == diag(s) dot(q, w). Rows of a
+          # ragged last m-tile may hold garbage scales; the store keeps only the group's rows.
+          prod = prod * lhs_scales_ref[rows, :]
+        acc_ref[rows, :] += prod
+        return carry
+
+      lax.fori_loop(first_sub, last_sub + 1, body, 0)
+
+    if k_rem:
+      pl.when(active & (k_i == tiles_k - 1))(functools.partial(accumulate, True))
+      pl.when(active & (k_i != tiles_k - 1))(functools.partial(accumulate, False))
+    else:
+      pl.when(active)(functools.partial(accumulate, False))
+    if rows_ref is not None:
+
+      @pl.when(active & (k_i == 0))
+      def _count():
+        rows_ref[n_i, visit] += (last_sub + 1 - first_sub) * sub_m
+
+    @pl.when(k_i == tiles_k - 1)
+    def _store():
+      m_tile = m_tile_ref[visit]
+      # NOTE: visits of an m-tile are consecutive; the first one starts the output block from
+      # existing_out (or zeros), later ones add their group's rows to what is already there.
+      prev_tile = m_tile_ref[jnp.maximum(visit - 1, 0)]
+      first = (visit == 0) | (prev_tile != m_tile)
+      rows = row0 + lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
+      mine = active & (rows >= start) & (rows < end)
+      if existing_ref is None:
+        fresh = jnp.zeros((tm, tn), jnp.float32)
+      else:
+        fresh = existing_ref[...].astype(jnp.float32)
+      base = jnp.where(first, fresh, out_ref[...].astype(jnp.float32))
+      out_ref[...] = jnp.where(mine, acc_ref[...], base).astype(out_ref.dtype)
+
+  # Index maps get (n_i, visit, k_i, *prefetch refs).
+  def lhs_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
+    # NOTE: non-computing visits pin k to 0 and load the first compute visit's tile, so their
+    # block index never changes and they trigger no DMA.
+    return load_tile[visit], k_i * active[visit]
+
+  def rhs_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
+    # NOTE: rhs holds only the local groups; visit_group is already local.
+    k_blk = k_i * active[visit]
+    if transpose_rhs:
+      return group[visit], n_i, k_blk
+    return group[visit], k_blk, n_i
+
+  def scales_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
+    if not scales_on_k:
+      return group[visit], 0, n_i
+    k_blk = k_i * active[visit]
+    return (group[visit], 0, k_blk) if transpose_rhs else (group[visit], k_blk, 0)
+
+  def lhs_scales_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
+    # NOTE: follows lhs's m block (not k: one scale spans the whole row), so it is fetched once
+    # per m-tile and, like lhs, never for non-computing visits.
+    return load_tile[visit], 0
+
+  def out_map(n_i, visit, k_i, offsets, group, m_tile, load_tile, active, goff):
+    return m_tile[visit], n_i
+
+  rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+  in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
+  operands = [lhs, rhs]
+  if quantized:
+    if scales_on_k:
+      scales_block = (None, 1, tk) if transpose_rhs else (None, tk, 1)
+      want = (num_local_groups, 1, k) if transpose_rhs else (num_local_groups, k, 1)
+    else:
+      scales_block, want = (None, 1, tn), (num_local_groups, 1, n)
+    if tuple(rhs_scales.shape) != want:
+      raise ValueError(f"rhs_scales has shape {tuple(rhs_scales.shape)}, expected {want}.")
+    in_specs.append(pl.BlockSpec(scales_block, scales_map))
+    operands.append(rhs_scales.astype(jnp.float32))
+  if lhs_quantized:
+    if tuple(lhs_scales.shape) != (m, 1):
+      raise ValueError(f"lhs_scales has shape {tuple(lhs_scales.shape)}, expected {(m, 1)}.")
+    in_specs.append(pl.BlockSpec((tm, 1), lhs_scales_map))
+    operands.append(lhs_scales.astype(jnp.float32))
+  if has_existing:
+    in_specs.append(pl.BlockSpec((tm, tn), out_map))
+    operands.append(existing_out)
+
+  out_bytes = m * n * jnp.dtype(out_dtype).itemsize
+  cost = pl.CostEstimate(
+    flops=2 * m * k * n,
+    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+    + rhs.size * rhs.dtype.itemsize
+    + (rhs_scales.size * 4 if quantized else 0)
+    + (m * 4 * tiles_n if lhs_quantized else 0)
+    + out_bytes * (2 if has_existing else 1),
+    transcendentals=0,
+  )
+  out_shape = common.out_struct(
+    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out, rhs_scales, lhs_scales
+  )
+
+  out_shapes = [out_shape]
+  out_specs = [pl.BlockSpec((tm, tn), out_map)]
+  if count_rows:
+    out_shapes.append(jax.ShapeDtypeStruct((tiles_n, schedule.max_visits), jnp.int32))
+    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+
+  def build(interpret):
+    return pl.pallas_call(
+      kernel,
+      out_shape=out_shapes if count_rows else out_shape,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        in_specs=in_specs,
+        out_specs=out_specs if count_rows else out_specs[0],
+        grid=(tiles_n, schedule.num_visits, tiles_k),
+        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+      ),
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+        vmem_limit_bytes=vmem_limit_bytes,
+      ),
+      # NOTE: on TPU the output reuses existing_out's HBM buffer. The TPU simulator returns the
+      # padded buffer for an aliased output with a ragged last block (jax 0.10.2), and aliasing
+      # saves nothing there, so interpret mode reads existing_out as a plain input.
+      input_output_aliases={len(prefetch) + len(operands) - 1: 0}
+      if has_existing and not interpret
+      else {},
+      cost_estimate=cost,
+      interpret=interpret,
+      name="pallas_moe_gmm",
+    )
+
+  if count_rows:
+    return common.run_counting_rows(build, interpret, schedule, *prefetch, *operands)
+  return common.run_kernel(build, interpret, *prefetch, *operands)
+
+
+# ------------------------------------------------------------------------------------------------
+# Row-tile schedule: one grid step per m-tile; weights streamed per group by manual DMA.
+# ------------------------------------------------------------------------------------------------
+
+
+def gmm_rowtile_pallas(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  tm: int,
+  tn: int,
+  out_dtype: Any,
+  group_offset: jax.Array,
+  existing_out: jax.Array | None = None,
+  transpose_rhs: bool = False,
+  rhs_scales: jax.Array | None = None,
+  scales_on_k: bool = False,
+  lhs_scales: jax.Array | None = None,
+  narrow_dot: bool = False,
+  sub_m: int | None = None,
+  vmem_limit_bytes: int | None = None,
+  sequential_sweeps: bool = False,
+  rows_stationary: bool = False,
+  count_rows: bool = False,
+  interpret: common.Interpret = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Runs the row-tile gmm kernel on validated arguments.
+
+  Args:
+    lhs: [m, k].
+    rhs: [num_local_groups, k, n], or [num_local_groups, n, k] with `transpose_rhs`.
+    group_sizes: [num_groups_total] int32.
+    tm: m-tile (rows per grid step); a multiple of 8 or m.
+    tn: n-tile; must divide n (manual weight DMAs are not ragged).
+    out_dtype: dtype of the result.
+    group_offset: [] int32, the first global group that rhs holds.
+    existing_out: optional [m, n] of `out_dtype`; rows outside the local groups keep its values.
+    transpose_rhs: whether rhs is [G, n, k].
+    rhs_scales: optional [G, 1, n] f32 per-output-column scales of a quantized (int8 / fp8) rhs.
+      They travel with the group's weights (a [1, tn] DMA into the same slot) and scale each
+      partial product. Unless `narrow_dot`, the weights are upcast once per group, when loaded.
+      With `scales_on_k` (the lhs-gradient pass: scales along the contraction) they are
+      [G, 1, k] ([G, k, 1] without `transpose_rhs`), DMA'd whole per group and folded into the
+      upcast weights.
+    scales_on_k: see `rhs_scales`.
+    lhs_scales: optional [m, 1] f32 per-row scales of a quantized lhs; scale each partial product.
+    narrow_dot: both operands quantized with the same dtype: the dot runs on the 8-bit values
+      (int8 x int8 -> int32, fp8 x fp8 -> f32), the MXU's native mode where the chip has one.
+    sub_m: rows per MXU pass (divides tm); sub-blocks without rows of a group are skipped for
+      that group. None: the whole tile.
+    vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e): the first weights
+      of n-tile j + 1 are prefetched while the last group of n-tile j computes, instead of being
+      loaded (exposed) at the start of n-tile j + 1. Both grid axes are then "arbitrary".
+    rows_stationary: multiply out^T = w^T @ lhs^T: the sub-block's rows are the MXU's
+      stationary operand and the tn weight columns stream through it as rows, so a tn that is a
+      multiple of 128 but not of the MXU width (1408 on a 256-wide MXU) is not padded to it.
+      Costs a transpose of each group's weight block once per load (none with
+      `transpose_rhs`: its [tn, k] blocks are already w^T) and of each [tn, sub_m] f32 result.
+      `tiling.rows_stationary_pays` says when it saves MXU work.
+    count_rows: interpret-mode instrumentation: also return [tiles_n, tiles_m, 2] int32: rows
+      pushed through the MXU and weight blocks loaded, per grid step.
+    interpret: see `common.run_kernel`.
+
+  Returns:
+    [m, n] of `out_dtype` (and the counts with `count_rows`).
+  """
+  m, k = lhs.shape
+  num_local_groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  sub_m = tm if sub_m is None else sub_m
+  if tm % sub_m:
+    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
+  if n % tn:
+    raise ValueError(f"tn={tn} must divide n={n} for the row-tile gmm.")
+  tiles_n, tiles_m = n // tn, metadata.cdiv(m, tm)
+  quantized, lhs_quantized = rhs_scales is not None, lhs_scales is not None
+  compute_dtype, dot_acc_dtype = common.dot_dtypes(
+    lhs.dtype,
+    rhs.dtype,
+    lhs_quantized=lhs_quantized,
+    rhs_quantized=quantized,
+    narrow_dot=narrow_dot,
+    scales_allow_narrow=not scales_on_k,
+    scales_requirement=" and per-output-column rhs scales (not scales_on_k)",
+  )
+  upcast = quantized and not narrow_dot
+  # NOTE: the weights the dot reads, prepared once per group load: upcast (quantized) and/or
+  # transposed to [tn, k] (rows_stationary with [k, tn] blocks). Otherwise it reads the slot.
+  prepare = upcast or (rows_stationary and not transpose_rhs)
+  if scales_on_k:
+    s_block = (1, k) if transpose_rhs else (k, 1)
+  else:
+    s_block = (1, tn)
+  want = (num_local_groups, *s_block) if scales_on_k else (num_local_groups, 1, n)
+  if quantized and tuple(rhs_scales.shape) != want:
+    raise ValueError(f"rhs_scales has shape {tuple(rhs_scales.shape)}, expected {want}.")
+  if lhs_quantized and tuple(lhs_scales.shape) != (m, 1):
+    raise ValueError(f"lhs_scales has shape {tuple(lhs_scales.shape)}, expected {(m, 1)}.")
+  groups = metadata.make_tile_groups(
+    group_sizes=group_sizes,
+    group_offset=group_offset,
+    num_local_groups=num_local_groups,
+    m=m,
+    tm=tm,
+    finalize_empty_groups=False,
+  )
+  prefetch = (
+    groups.group_offsets,
+    groups.tile_first_group,
+    groups.tile_last_group,
+    groups.load_rank,
+    groups.load_group,
+    groups.num_loads,
+    group_offset.reshape((1,)),
+  )
+  has_existing = existing_out is not None
+  w_block = (tn, k) if transpose_rhs else (k, tn)
+  prep_block = (tn, k) if rows_stationary else w_block
+  # NOTE: rhs blocks are [k, tn], or [tn, k] when transposed; contract lhs's k with rhs's k. With
+  # rows_stationary the weights are the dot's lhs as [tn, k] and lhs its transposed rhs.
+  if rows_stationary:
+    dims = (((1,), (1,)), ((), ()))
+  else:
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+
+  def kernel(offsets_ref, first_ref, last_ref, rank_ref, load_ref, nloads_ref, goff_ref, *refs):
+    refs = list(refs)
+    scratch = [refs.pop() for _ in range(2 + quantized + prepare)][::-1]
+    counts_ref = refs.pop() if count_rows else None
+    out_ref = refs.pop()
+    lhs_ref, rhs_hbm = refs[0], refs[1]
+    scales_hbm = refs[2] if quantized else None
+    lhs_scales_ref = refs[2 + quantized] if lhs_quantized else None
+    existing_ref = refs[2 + quantized + lhs_quantized] if has_existing else None
+    w_vmem, sems = scratch[0], scratch[1]
+    s_vmem = scratch[2] if quantized else None
+    w_prep = scratch[-1] if prepare else None
+    n_i, t = pl.program_id(0), pl.program_id(1)
+    row0 = t * tm
+
+    def slot_of(rank, sweep):
+      # NOTE: loads alternate between the two slots in the order they are issued, counted
+      # across n-tiles (sweep * num_loads + rank): with `sequential_sweeps` the next n-tile's
+      # first load lands in the slot the current n-tile's last group does not use.
+      return (sweep * nloads_ref[0] + rank) % 2
+
+    def weight_copies(rank, sweep):
+      # NOTE: load `rank` (the rank-th non-empty local group) of n-tile `sweep`.
+      slot = slot_of(rank, sweep)
+      group = load_ref[rank]
+      col = pl.multiple_of(sweep * tn, tn)
+      src = (
+        rhs_hbm.at[group, common.window(col, tn, n), :]
+        if transpose_rhs
+        else rhs_hbm.at[group, :, common.window(col, tn, n)]
+      )
+      copies = [pltpu.make_async_copy(src, w_vmem.at[slot], sems.at[slot])]
+      if quantized:
+        if scales_on_k:
+          s_src = scales_hbm.at[group]
+        else:
+          s_src = scales_hbm.at[group, :, common.window(col, tn, n)]
+        copies.append(pltpu.make_async_copy(s_src, s_vmem.at[slot], sems.at[2 + slot]))
+      return copies
+
+    def start_load(rank, sweep):
+      for c in weight_copies(rank, sweep):
+        c.start()
+
+    def wait_load(rank, sweep):
+      for c in weight_copies(rank, sweep):
+        c.wait()
+
+    # NOTE: the output block starts as existing_out (or zeros); each group overwrites its rows.
+    # Rows of other shards' groups and rows past sum(group_sizes) keep this value.
+    if existing_ref is None:
+      out_ref[...] = jnp.zeros_like(out_ref)
+    else:
+      out_ref[...] = existing_ref[...]
+    if counts_ref is not None:
+      counts_ref[n_i, t, 0] = 0
+      counts_ref[n_i, t, 1] = 0
+
+    def group_body(g, carry):
+      start = offsets_ref[g + goff_ref[0]]
+      end = offsets_ref[g + goff_ref[0] + 1]
+
+      @pl.when(end > start)
+      def _compute():
+        rank = rank_ref[g]
+
+        # NOTE: a group whose first row is in this tile has not been loaded for this n-tile yet
+        # (one that started in an earlier tile is still in its slot). Its load was started while
+        # the previous group computed; the first load of an n-tile is started here, unless
+        # `sequential_sweeps` prefetched it during the previous n-tile's last group. Then the
+        # next load starts, into the other slot, whose group is finished.
+        @pl.when(start >= row0)
+        def _load():
+          exposed_first = rank == 0
+          if sequential_sweeps:
+            exposed_first = exposed_first & (n_i == 0)
+
+          @pl.when(exposed_first)
+          def _first():
+            start_load(rank, n_i)
+
+          @pl.when(rank + 1 < nloads_ref[0])
+          def _prefetch():
+            start_load(rank + 1, n_i)
+
+          if sequential_sweeps:
+
+            @pl.when((rank + 1 == nloads_ref[0]) & (n_i + 1 < tiles_n))
+            def _prefetch_next_sweep():
+              start_load(0, n_i + 1)
+
+          wait_load(rank, n_i)
+          if prepare:
+            # NOTE: upcast / transpose once per group and n-tile (not per sub-block); the group
+            # keeps it while it spans several m-tiles, since the next group is prepared only
+            # when it starts.
+            w = w_vmem[slot_of(rank, n_i)]
+            if upcast:
+              w = w.astype(jnp.float32)
+              if scales_on_k:
+                # NOTE: scales along the contraction cannot be factored out of the dot; they
+                # scale the weights, once per group, as part of the upcast.
+                w = w * s_vmem[slot_of(rank, n_i)]
+              w = w.astype(compute_dtype)
+            w_prep[...] = w.T if rows_stationary and not transpose_rhs else w
+          if counts_ref is not None:
+            counts_ref[n_i, t, 1] += 1
+
+        slot = slot_of(rank, n_i)
+        # NOTE: only the sub_m-row sub-blocks holding rows of g are multiplied: first_sub ..
+        # last_sub of this tile. A sub-block shared with a neighbouring group is multiplied for
+        # each, and the row mask keeps each group's rows.
+        first_sub = (jnp.maximum(start, row0) - row0) // sub_m
+        last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
+
+        def sub_body(sub, c):
+          r0, rows = common.sub_block(sub, sub_m, tm)
+          lhs_blk = lhs_ref[rows, :]
+          if lhs_quantized and not narrow_dot:
+            lhs_blk = lhs_blk.astype(jnp.float32)
+          w_blk = w_prep[...] if prepare else w_vmem[slot]
+          operands = (w_blk, lhs_blk) if rows_stationary else (lhs_blk, w_blk)
+          prod = lax.dot_general(
+            *(x.astype(compute_dtype) for x in operands),
+            dimension_numbers=dims,
+            preferred_element_type=dot_acc_dtype,
+          ).astype(jnp.float32)
+          if rows_stationary:
+            prod = prod.T  # [tn, sub_m] -> [sub_m, tn]
+          if quantized and not scales_on_k:
+            # NOTE: one scale per output column: dot(x, q) * s[None, :] == dot(x, q * s).
+            prod = prod * s_vmem[slot]
+          if lhs_quantized:
+            # NOTE: one scale per row: rows of a ragged last tile may hold garbage scales; the
+            # row mask below keeps only the group's rows.
+            prod = prod * lhs_scales_ref[rows, :]
+          row_ids = row0 + r0 + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
+          mine = (row_ids >= start) & (row_ids < end)
+          out_ref[rows, :] = jnp.where(mine, prod.astype(out_ref.dtype), out_ref[rows, :])
+          return c
+
+        lax.fori_loop(first_sub, last_sub + 1, sub_body, 0)
+        if counts_ref is not None:
+          counts_ref[n_i, t, 0] += (last_sub + 1 - first_sub) * sub_m
+
+      return carry
+
+    lax.fori_loop(first_ref[t], last_ref[t] + 1, group_body, 0)
+
+  # Index maps get (n_i, t, *prefetch refs).
+  def lhs_map(n_i, t, *_):
+    return t, 0
+
+  def out_map(n_i, t, *_):
+    return t, n_i
+
+  in_specs = [pl.BlockSpec((tm, k), lhs_map), pl.BlockSpec(memory_space=pl.ANY)]
+  operands = [lhs, rhs]
+  if quantized:
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    operands.append(rhs_scales.astype(jnp.float32))
+  if lhs_quantized:
+    in_specs.append(pl.BlockSpec((tm, 1), lhs_map))
+    operands.append(lhs_scales.astype(jnp.float32))
+  if has_existing:
+    in_specs.append(pl.BlockSpec((tm, tn), out_map))
+    operands.append(existing_out)
+  out_bytes = m * n * jnp.dtype(out_dtype).itemsize
+  cost = pl.CostEstimate(
+    flops=2 * m * k * n,
+    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+    + rhs.size * rhs.dtype.itemsize
+    + out_bytes * (2 if has_existing else 1),
+    transcendentals=0,
+  )
+  out_shape = common.out_struct(
+    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out, rhs_scales, lhs_scales
+  )
+  out_shapes = [out_shape]
+  out_specs = [pl.BlockSpec((tm, tn), out_map)]
+  if count_rows:
+    out_shapes.append(jax.ShapeDtypeStruct((tiles_n, tiles_m, 2), jnp.int32))
+    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+
+  def build(interpret):
+    return pl.pallas_call(
+      kernel,
+      out_shape=out_shapes if count_rows else out_shape,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        in_specs=in_specs,
+        out_specs=out_specs if count_rows else out_specs[0],
+        grid=(tiles_n, tiles_m),
+        scratch_shapes=[
+          pltpu.VMEM((2, *w_block), rhs.dtype),
+          pltpu.SemaphoreType.DMA((4 if quantized else 2,)),
+        ]
+        + ([pltpu.VMEM((2, *s_block), jnp.float32)] if quantized else [])
+        + ([pltpu.VMEM(prep_block, compute_dtype if upcast else rhs.dtype)] if prepare else []),
+      ),
+      # NOTE: m-tiles run in order (a group's weights stay in their slot across tiles, and the
+      # next load is started a group ahead). Without `sequential_sweeps` each n-tile restarts
+      # its load sequence, so n-tiles are independent and may be split across TensorCores; with
+      # it a load crosses n-tiles, so they must run in order on one core.
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=("arbitrary", "arbitrary")
+        if sequential_sweeps
+        else ("parallel", "arbitrary"),
+        vmem_limit_bytes=vmem_limit_bytes,
+      ),
+      # NOTE: as in gmm_pallas: alias existing_out only when compiled (simulator padding issue).
+      input_output_aliases={len(prefetch) + len(operands) - 1: 0}
+      if has_existing and not interpret
+      else {},
+      cost_estimate=cost,
+      interpret=interpret,
+      name="pallas_moe_gmm_rowtile",
+    )
+
+  if count_rows:
+    common.check_instrumented(interpret)
+    return build(interpret)(*prefetch, *operands)
+  return common.run_kernel(build, interpret, *prefetch, *operands)

@@ -1,0 +1,578 @@
+"""Pallas TPU transposed grouped matmul kernels: out[g] = lhs[:, rows of g] @ rhs[rows of g].
+
+The weight-gradient kernels: with lhs = x^T [k, m] and rhs = dy [m, n], out[g] is dW of group g.
+`pallas_moe.ops` runs them for gmm's VJP and for the public `tgmm`. As in megablox, the package
+exports the *function* `pallas_moe.tgmm`, which shadows this module's name as a package
+attribute: reach the module with `from pallas_moe.tgmm import ...` or
+`importlib.import_module("pallas_moe.tgmm")`.
+
+Two schedules compute the same thing:
+
+- `tgmm_rowtile_pallas` (the default when its blocks fit VMEM): grid (tiles_k, tiles_n, tiles_m),
+  one step per m-tile. The Pallas pipeline fetches one [tk, tm] lhs block and one [tm, tn] rhs
+  block per step. The output stays in HBM (`pl.ANY`): the step loops over the local groups of
+  its tile (`metadata.make_tile_groups`), reduces each group's MXU-row sub-blocks into one f32
+  accumulator, and when a group is complete (its last row is in this tile; empty groups in the
+  tile of their position) casts it into one of two VMEM staging slots and DMAs it to out[g]
+  while the next groups compute. Each output block is written once, lhs once per n-tile and rhs
+  once per k-tile. With `rows_stationary` the accumulator holds out^T = rhs^T @ lhs^T: the
+  [sub_m, tk] lhs^T rows are the MXU's stationary operand and the tn rhs columns stream through
+  it, so a tn that the MXU width does not divide is not padded to it; the sum is transposed once,
+  when the group is written.
+- `tgmm_pallas` (any tiles, quantized operands): grid (tiles_k, tiles_n, visits). The visit axis
+  is innermost: it reduces over the m-tiles of each local group into one f32 accumulator and
+  writes the group's [tk, tn] block when the group's last visit ends. Every local group is
+  visited, empty ones once, so every output block is written (zeros or `existing_out` for empty
+  groups).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_moe import common, metadata
+
+# ------------------------------------------------------------------------------------------------
+# Visit schedule: one grid step per k-tile, n-tile and (group, m-tile) visit.
+# ------------------------------------------------------------------------------------------------
+
+
+def tgmm_pallas(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  tiling: tuple[int, int, int],
+  out_dtype: Any,
+  group_offset: jax.Array,
+  num_actual_groups: int,
+  existing_out: jax.Array | None = None,
+  lhs_scales: jax.Array | None = None,
+  rhs_scales: jax.Array | None = None,
+  narrow_dot: bool = False,
+  sub_m: int | None = None,
+  vmem_limit_bytes: int | None = None,
+  count_rows: bool = False,
+  interpret: common.Interpret = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Runs the tgmm kernel on validated arguments.
+
+  Args:
+    lhs: [k, m].
+    rhs: [m, n].
+    group_sizes: [num_groups_total] int32.
+    tiling: (tm, tk, tn), already clamped to the dims and aligned.
+    out_dtype: dtype of the result.
+    group_offset: [] int32, the first global group to compute.
+    num_actual_groups: number of local groups to compute (static).
+    existing_out: optional [num_actual_groups, k, n] of `out_dtype`, added to the result.
+    lhs_scales: optional f32 dequantization scales of a quantized (int8 / fp8) lhs: [k, 1] per
+      output row (factors out of the contraction over m: applied to the accumulator when the
+      group's block is stored), or [1, m] per token (does not factor out: multiplies the upcast
+      lhs block in VMEM before the dot). A [1, 1] array is read as [k, 1] (k = 1).
+    rhs_scales: optional f32 scales of a quantized rhs: [1, n] per output column (applied at the
+      store) or [m, 1] per token (before the dot). A [1, 1] array is read as [1, n].
+    narrow_dot: both operands quantized with the same dtype and per-channel scales: the dot runs
+      on the narrow values (int8 x int8 to int32, fp8 x fp8 to f32). False: quantized operands
+      are upcast in VMEM to the float operand's dtype (bf16 when both are quantized).
+    sub_m: rows per MXU pass (a multiple of 128 dividing tm); sub-blocks of the m-tile outside
+      the visit's group are skipped. None: the whole tile.
+    vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    count_rows: instrumentation for interpret mode: also return [tiles_k, tiles_n, max_visits]
+      int32 rows pushed through the MXU per grid step.
+    interpret: see `common.run_kernel`.
+
+  Returns:
+    [num_actual_groups, k, n] of `out_dtype` (and the row counts with `count_rows`).
+  """
+  k, m = lhs.shape
+  n = rhs.shape[1]
+  tm, tk, tn = tiling
+  sub_m = tm if sub_m is None else sub_m
+  if tm % sub_m:
+    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
+  tiles_k, tiles_n = metadata.cdiv(k, tk), metadata.cdiv(n, tn)
+  lhs_q, rhs_q = lhs_scales is not None, rhs_scales is not None
+  # NOTE: a per-channel scale ([k, 1] of lhs, [1, n] of rhs) is constant along the contraction m
+  # and factors out of the sum; a per-token one ([1, m], [m, 1]) varies along m and must scale
+  # the operand before the dot.
+  lhs_token = lhs_q and tuple(lhs_scales.shape) != (k, 1)
+  rhs_token = rhs_q and tuple(rhs_scales.shape) != (1, n)
+  for name, scales, want in (
+    ("lhs_scales", lhs_scales, ((k, 1), (1, m))),
+    ("rhs_scales", rhs_scales, ((1, n), (m, 1))),
+  ):
+    if scales is not None and tuple(scales.shape) not in want:
+      raise ValueError(f"{name} has shape {tuple(scales.shape)}, expected {want[0]} or {want[1]}.")
+  # NOTE: per-token scaled values (two quantized operands) round to bf16 like a bf16 dequantize.
+  compute_dtype, dot_acc_dtype = common.dot_dtypes(
+    lhs.dtype,
+    rhs.dtype,
+    lhs_quantized=lhs_q,
+    rhs_quantized=rhs_q,
+    narrow_dot=narrow_dot,
+    scales_allow_narrow=not (lhs_token or rhs_token),
+    scales_requirement=" and per-channel scales ([k, 1] and [1, n])",
+  )
+
+  schedule = metadata.make_schedule(
+    group_sizes=group_sizes,
+    group_offset=group_offset,
+    num_local_groups=num_actual_groups,
+    m=m,
+    tm=tm,
+    fill_uncovered_tiles=False,
+    visit_empty_groups=True,
+  )
+  prefetch = (
+    schedule.group_offsets,
+    schedule.visit_group,
+    schedule.visit_load_tile,
+    schedule.visit_active,
+    group_offset.reshape((1,)),
+  )
+  has_existing = existing_out is not None
+
+  def kernel(offsets_ref, group_ref, tile_ref, active_ref, goff_ref, *refs):
+    refs = list(refs)
+    rows_ref = refs.pop(-2) if count_rows else None
+    lhs_s_ref = refs.pop(2) if lhs_q else None
+    rhs_s_ref = refs.pop(2) if rhs_q else None
+    if has_existing:
+      lhs_ref, rhs_ref, existing_ref, out_ref, acc_ref = refs
+    else:
+      lhs_ref, rhs_ref, out_ref, acc_ref = refs
+      existing_ref = None
+    k_i, n_i, visit = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_visits = pl.num_programs(2)
+    group = group_ref[visit]
+    prev_group = group_ref[jnp.maximum(visit - 1, 0)]
+    next_group = group_ref[jnp.minimum(visit + 1, num_visits - 1)]
+    # NOTE: a group's visits are consecutive; its first visit starts the accumulator and its last
+    # one writes the output block.
+    first = (visit == 0) | (prev_group != group)
+    last = (visit == num_visits - 1) | (next_group != group)
+    active = active_ref[visit] == 1
+    g = group + goff_ref[0]
+    start, end = offsets_ref[g], offsets_ref[g + 1]
+    row0 = tile_ref[visit] * tm
+    if rows_ref is not None:
+      rows_ref[k_i, n_i, visit] = 0
+
+    @pl.when(first)
+    def _zero_acc():
+      acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    # NOTE: rows are tgmm's contraction dim. The tile is reduced in sub-blocks of sub_m rows (the
+    # MXU granularity), only those holding rows of the group: first_sub .. last_sub. A tile
+    # straddling group boundaries costs each group only the sub-blocks it touches.
+    first_sub = jnp.maximum(start - row0, 0) // sub_m
+    last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
+
+    def body(sub, carry):
+      r0, rows = common.sub_block(sub, sub_m, tm)
+      # NOTE: only the rows of this sub-block that belong to the group contribute. Mask both
+      # operands: rows of a ragged last m-tile are uninitialized (NaN under interpret mode) and
+      # 0 * NaN = NaN.
+      lo = row0 + r0
+      lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, sub_m), 1)
+      rhs_rows = lo + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
+      lhs_blk, rhs_blk = lhs_ref[:, rows], rhs_ref[rows, :]
+      if lhs_q and not narrow_dot:
+        lhs_blk = lhs_blk.astype(jnp.float32)
+        if lhs_token:
+          # NOTE: [1, sub_m] token scales broadcast over the block's k rows; scaled before the
+          # row mask so garbage scales of a ragged last m-tile are masked with the values.
+          lhs_blk = lhs_blk * lhs_s_ref[:, rows]
+      if rhs_q and not narrow_dot:
+        rhs_blk = rhs_blk.astype(jnp.float32)
+        if rhs_token:
+          rhs_blk = rhs_blk * rhs_s_ref[rows, :]
+      lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_blk, 0)
+      rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_blk, 0)
+      acc_ref[...] += jnp.dot(
+        lhs_blk.astype(compute_dtype),
+        rhs_blk.astype(compute_dtype),
+        preferred_element_type=dot_acc_dtype,
+      ).astype(jnp.float32)
+      return carry
+
+    @pl.when(active)
+    def _accumulate():
+      lax.fori_loop(first_sub, last_sub + 1, body, 0)
+      if rows_ref is not None:
+        rows_ref[k_i, n_i, visit] += (last_sub + 1 - first_sub) * sub_m
+
+    @pl.when(last)
+    def _store():
+      acc = acc_ref[...]
+      # NOTE: per-channel scales multiply the group's finished sum once: [tk, 1] rows, [1, tn]
+      # columns. Rows / columns past k / n may see garbage scales; they are never written back.
+      if lhs_q and not lhs_token:
+        acc = acc * lhs_s_ref[...]
+      if rhs_q and not rhs_token:
+        acc = acc * rhs_s_ref[...]
+      if existing_ref is not None:
+        acc = acc + existing_ref[...].astype(jnp.float32)
+      out_ref[...] = acc.astype(out_ref.dtype)
+
+  # Index maps get (k_i, n_i, visit, *prefetch refs).
+  def lhs_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return k_i, tile[visit]
+
+  def rhs_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return tile[visit], n_i
+
+  def out_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    # NOTE: the output holds only the local groups; visit_group is already local.
+    return group[visit], k_i, n_i
+
+  # NOTE: scale blocks follow the operand axis they describe: per-channel ones the output block's
+  # k or n index (fetched once per output block), per-token ones the visit's m-tile, like the
+  # operand itself (no refetch while a non-computing visit repeats the tile).
+  def lhs_chan_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return k_i, 0
+
+  def lhs_token_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return 0, tile[visit]
+
+  def rhs_chan_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return 0, n_i
+
+  def rhs_token_map(k_i, n_i, visit, offsets, group, tile, active, goff):
+    return tile[visit], 0
+
+  in_specs = [pl.BlockSpec((tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map)]
+  operands = [lhs, rhs]
+  if lhs_q:
+    spec = (
+      pl.BlockSpec((1, tm), lhs_token_map) if lhs_token else pl.BlockSpec((tk, 1), lhs_chan_map)
+    )
+    in_specs.append(spec)
+    operands.append(lhs_scales.astype(jnp.float32))
+  if rhs_q:
+    spec = (
+      pl.BlockSpec((tm, 1), rhs_token_map) if rhs_token else pl.BlockSpec((1, tn), rhs_chan_map)
+    )
+    in_specs.append(spec)
+    operands.append(rhs_scales.astype(jnp.float32))
+  if has_existing:
+    in_specs.append(pl.BlockSpec((None, tk, tn), out_map))
+    operands.append(existing_out)
+
+  out_bytes = num_actual_groups * k * n * jnp.dtype(out_dtype).itemsize
+  cost = pl.CostEstimate(
+    flops=2 * m * k * n,
+    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+    + rhs.size * rhs.dtype.itemsize * tiles_k
+    + (lhs_scales.size * 4 * tiles_n if lhs_q else 0)
+    + (rhs_scales.size * 4 * tiles_k if rhs_q else 0)
+    + out_bytes * (2 if has_existing else 1),
+    transcendentals=0,
+  )
+  out_shape = common.out_struct(
+    (num_actual_groups, k, n),
+    out_dtype,
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    lhs_scales,
+    rhs_scales,
+  )
+
+  out_shapes = [out_shape]
+  out_specs = [pl.BlockSpec((None, tk, tn), out_map)]
+  if count_rows:
+    out_shapes.append(jax.ShapeDtypeStruct((tiles_k, tiles_n, schedule.max_visits), jnp.int32))
+    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+
+  def build(interpret):
+    return pl.pallas_call(
+      kernel,
+      out_shape=out_shapes if count_rows else out_shape,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        in_specs=in_specs,
+        out_specs=out_specs if count_rows else out_specs[0],
+        grid=(tiles_k, tiles_n, schedule.num_visits),
+        scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+      ),
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=vmem_limit_bytes,
+      ),
+      cost_estimate=cost,
+      interpret=interpret,
+      name="pallas_moe_tgmm",
+    )
+
+  if count_rows:
+    return common.run_counting_rows(build, interpret, schedule, *prefetch, *operands)
+  return common.run_kernel(build, interpret, *prefetch, *operands)
+
+
+# ------------------------------------------------------------------------------------------------
+# Row-tile schedule: one grid step per m-tile; output blocks streamed out by manual DMA.
+# ------------------------------------------------------------------------------------------------
+
+
+def tgmm_rowtile_pallas(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  group_sizes: jax.Array,
+  *,
+  tiling: tuple[int, int, int],
+  out_dtype: Any,
+  group_offset: jax.Array,
+  num_actual_groups: int,
+  existing_out: jax.Array | None = None,
+  sub_m: int | None = None,
+  vmem_limit_bytes: int | None = None,
+  sequential_sweeps: bool = False,
+  rows_stationary: bool = False,
+  count_rows: bool = False,
+  interpret: common.Interpret = None,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """Runs the row-tile tgmm kernel on validated arguments.
+
+  Args:
+    lhs: [k, m].
+    rhs: [m, n].
+    group_sizes: [num_groups_total] int32.
+    tiling: (tm, tk, tn); tk must divide k and tn divide n (manual output DMAs are not ragged).
+    out_dtype: dtype of the result.
+    group_offset: [] int32, the first global group to compute.
+    num_actual_groups: number of local groups to compute (static).
+    existing_out: optional [num_actual_groups, k, n] of `out_dtype`, added to the result.
+    sub_m: rows per MXU pass (divides tm); sub-blocks without rows of a group are skipped for
+      that group. None: the whole tile.
+    vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e): the output writes
+      still in flight at the end of a (k, n) sweep complete while the next sweep computes, and
+      are drained only after the last grid step, instead of at the end of every sweep. All grid
+      axes are then "arbitrary".
+    rows_stationary: accumulate out^T = rhs^T @ lhs^T: the sub-block's [sub_m, tk] lhs^T is the
+      MXU's stationary operand and the tn rhs columns stream through it as rows, so a tn that is
+      a multiple of 128 but not of the MXU width (1408 on a 256-wide MXU) is not padded to it.
+      Costs a transpose of each [sub_m, tn] rhs sub-block and of the [tn, tk] f32 sum once per
+      group. `tiling.rows_stationary_pays` says when it saves MXU work.
+    count_rows: interpret-mode instrumentation: also return [tiles_k, tiles_n, tiles_m, 2] int32:
+      rows pushed through the MXU and output blocks written, per grid step.
+    interpret: see `common.run_kernel`.
+
+  Returns:
+    [num_actual_groups, k, n] of `out_dtype` (and the counts with `count_rows`).
+  """
+  k, m = lhs.shape
+  n = rhs.shape[1]
+  tm, tk, tn = tiling
+  sub_m = tm if sub_m is None else sub_m
+  if tm % sub_m:
+    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
+  if k % tk or n % tn:
+    raise ValueError(f"tk={tk} must divide k={k} and tn={tn} divide n={n} for the row-tile tgmm.")
+  tiles_k, tiles_n, tiles_m = k // tk, n // tn, metadata.cdiv(m, tm)
+  num_groups = num_actual_groups
+  compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  groups = metadata.make_tile_groups(
+    group_sizes=group_sizes,
+    group_offset=group_offset,
+    num_local_groups=num_groups,
+    m=m,
+    tm=tm,
+    finalize_empty_groups=True,
+  )
+  prefetch = (
+    groups.group_offsets,
+    groups.tile_first_group,
+    groups.tile_last_group,
+    groups.finalize_tile,
+    group_offset.reshape((1,)),
+  )
+  has_existing = existing_out is not None
+
+  def kernel(offsets_ref, first_ref, last_ref, fin_ref, goff_ref, *refs):
+    refs = list(refs)
+    counts_ref = refs.pop(-5) if count_rows else None
+    lhs_ref, rhs_ref = refs[:2]
+    existing_hbm = refs[2] if has_existing else None
+    out_hbm, acc_ref, staging, ex_vmem, sems = refs[-5:]
+    k_i, n_i, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row0 = t * tm
+    k0 = pl.multiple_of(k_i * tk, tk)
+    n0 = pl.multiple_of(n_i * tn, tn)
+
+    sweep = k_i * tiles_n + n_i
+
+    def out_copy(w):
+      # NOTE: writes are numbered in issue order across sweeps, w = sweep * G + g (groups are
+      # finalized in order within a sweep); write w uses staging slot w % 2.
+      w_sweep, g = w // num_groups, w % num_groups
+      w_k0 = pl.multiple_of((w_sweep // tiles_n) * tk, tk)
+      w_n0 = pl.multiple_of((w_sweep % tiles_n) * tn, tn)
+      dst = out_hbm.at[g, common.window(w_k0, tk, k), common.window(w_n0, tn, n)]
+      return pltpu.make_async_copy(staging.at[w % 2], dst, sems.at[w % 2])
+
+    if counts_ref is not None:
+      counts_ref[k_i, n_i, t, 0] = 0
+      counts_ref[k_i, n_i, t, 1] = 0
+
+    def group_body(g, carry):
+      start = offsets_ref[g + goff_ref[0]]
+      end = offsets_ref[g + goff_ref[0] + 1]
+
+      # NOTE: a group that started in an earlier tile (start < row0) carries its partial sum in
+      # acc; one starting here (or empty) starts from zero.
+      @pl.when(start >= row0)
+      def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+      first_sub = (jnp.maximum(start, row0) - row0) // sub_m
+      last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
+
+      def sub_body(sub, c):
+        r0, rows = common.sub_block(sub, sub_m, tm)
+        # NOTE: rows are the contraction dim: only rows of g in this sub-block contribute. Both
+        # operands are masked: rows past m in a ragged last tile are uninitialized (NaN under
+        # interpret mode) and 0 * NaN = NaN.
+        lo = row0 + r0
+        lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, sub_m), 1)
+        rhs_rows = lo + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
+        lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_ref[:, rows], 0)
+        rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_ref[rows, :], 0)
+        if rows_stationary:
+          # NOTE: [sub_m, tn] contracted on its rows with [tk, sub_m] on its columns: [tn, tk].
+          acc_ref[...] += lax.dot_general(
+            rhs_blk.astype(compute_dtype),
+            lhs_blk.astype(compute_dtype),
+            dimension_numbers=(((0,), (1,)), ((), ())),
+            preferred_element_type=jnp.float32,
+          )
+        else:
+          acc_ref[...] += jnp.dot(
+            lhs_blk.astype(compute_dtype),
+            rhs_blk.astype(compute_dtype),
+            preferred_element_type=jnp.float32,
+          )
+        return c
+
+      @pl.when(end > start)
+      def _accumulate():
+        lax.fori_loop(first_sub, last_sub + 1, sub_body, 0)
+        if counts_ref is not None:
+          counts_ref[k_i, n_i, t, 0] += (last_sub + 1 - first_sub) * sub_m
+
+      @pl.when(fin_ref[g] == t)
+      def _finalize():
+        w = sweep * num_groups + g
+        # NOTE: the slot was last used by write w - 2; its DMA must be done before reuse. Without
+        # `sequential_sweeps` every sweep drains its writes, so only g >= 2 has one in flight.
+        in_flight = (w >= 2) if sequential_sweeps else (g >= 2)
+
+        @pl.when(in_flight)
+        def _wait_slot():
+          out_copy(w - 2).wait()
+
+        acc = acc_ref[...].T if rows_stationary else acc_ref[...]
+        if existing_hbm is not None:
+          src = existing_hbm.at[g, common.window(k0, tk, k), common.window(n0, tn, n)]
+          read = pltpu.make_async_copy(src, ex_vmem, sems.at[2])
+          read.start()
+          read.wait()
+          acc = acc + ex_vmem[...].astype(jnp.float32)
+        staging[w % 2] = acc.astype(staging.dtype)
+        out_copy(w).start()
+        if counts_ref is not None:
+          counts_ref[k_i, n_i, t, 1] += 1
+
+      return carry
+
+    lax.fori_loop(first_ref[t], last_ref[t] + 1, group_body, 0)
+
+    # NOTE: every group is finalized by the last tile; drain the (at most two) writes in flight
+    # so that no DMA is pending when the sweep (or, with `sequential_sweeps`, the grid) ends.
+    last = t == tiles_m - 1
+    if sequential_sweeps:
+      last = last & (sweep == tiles_k * tiles_n - 1)
+
+    # NOTE: the writes in flight are the last two issued: of this sweep, or with
+    # `sequential_sweeps` and a single group, of this sweep and the previous one.
+    in_flight = tiles_k * tiles_n * num_groups if sequential_sweeps else num_groups
+
+    @pl.when(last)
+    def _drain():
+      for back in (2, 1):
+        if in_flight - back >= 0:
+          out_copy((sweep + 1) * num_groups - back).wait()
+
+  # Index maps get (k_i, n_i, t, *prefetch refs).
+  def lhs_map(k_i, n_i, t, *_):
+    return k_i, t
+
+  def rhs_map(k_i, n_i, t, *_):
+    return t, n_i
+
+  in_specs = [pl.BlockSpec((tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map)]
+  operands = [lhs, rhs]
+  if has_existing:
+    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
+    operands.append(existing_out)
+  out_bytes = num_groups * k * n * jnp.dtype(out_dtype).itemsize
+  cost = pl.CostEstimate(
+    flops=2 * m * k * n,
+    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+    + rhs.size * rhs.dtype.itemsize * tiles_k
+    + out_bytes * (2 if has_existing else 1),
+    transcendentals=0,
+  )
+  out_shape = common.out_struct(
+    (num_groups, k, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
+  )
+  out_shapes = [out_shape]
+  out_specs = [pl.BlockSpec(memory_space=pl.ANY)]
+  if count_rows:
+    out_shapes.append(jax.ShapeDtypeStruct((tiles_k, tiles_n, tiles_m, 2), jnp.int32))
+    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+
+  def build(interpret):
+    return pl.pallas_call(
+      kernel,
+      out_shape=out_shapes if count_rows else out_shape,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        in_specs=in_specs,
+        out_specs=out_specs if count_rows else out_specs[0],
+        grid=(tiles_k, tiles_n, tiles_m),
+        scratch_shapes=[
+          pltpu.VMEM((tn, tk) if rows_stationary else (tk, tn), jnp.float32),
+          pltpu.VMEM((2, tk, tn), out_dtype),
+          pltpu.VMEM((tk, tn), out_dtype),
+          pltpu.SemaphoreType.DMA((3,)),
+        ],
+      ),
+      # NOTE: m-tiles run in order (a group's partial sum crosses tiles). Without
+      # `sequential_sweeps` writes are drained at each sweep's end, so (k, n) sweeps are
+      # independent and may be split across TensorCores; with it writes cross sweeps.
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=("arbitrary",) * 3
+        if sequential_sweeps
+        else ("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=vmem_limit_bytes,
+      ),
+      cost_estimate=cost,
+      interpret=interpret,
+      name="pallas_moe_tgmm_rowtile",
+    )
+
+  if count_rows:
+    common.check_instrumented(interpret)
+    return build(interpret)(*prefetch, *operands)
+  return common.run_kernel(build, interpret, *prefetch, *operands)
