@@ -1,0 +1,243 @@
+"""TPU generation facts: per-chip VMEM, MXU, peak rates, bandwidth, and which chip is current.
+
+Facts (per chip) come from DESIGN.md, which agrees with jax's own table in
+`jax/_src/pallas/mosaic/tpu_info.py` (jax 0.10.2). The *scoped* VMEM default is what Mosaic lets
+one kernel use when `pltpu.CompilerParams(vmem_limit_bytes=...)` is not set; it is much smaller
+than the physical VMEM. jax does not ship these defaults (libtpu owns them). The figures below
+are the ones publicly reported for the XLA flag `--xla_tpu_scoped_vmem_limit_kib`
+(16 MiB on v4/v5e/v5p, 32 MiB on v6e and tpu7x); tpu7x's is the least certain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+import numpy as np
+
+_MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TpuGeneration:
+  """Per-chip facts of one TPU generation.
+
+  Attributes:
+    name: short name ("v5e", "v6e", ...).
+    vmem_bytes: physical VMEM per TensorCore.
+    scoped_vmem_default_bytes: Mosaic's default per-kernel VMEM limit (no `vmem_limit_bytes`).
+    mxu_size: systolic array edge (rows per MXU pass, and weight tile edge).
+    peak_bf16_flops: chip peak bf16 flop/s.
+    supports_int8: native int8 x int8 MXU matmul (int32 accumulation), faster than bf16.
+    supports_fp8: native float8_e4m3fn x float8_e4m3fn MXU matmul, faster than bf16.
+    peak_int8_ops: chip peak int8 op/s where `supports_int8`, else 0.
+    peak_fp8_ops: chip peak fp8 flop/s where `supports_fp8`, else 0.
+    hbm_bytes_per_s: chip HBM bandwidth.
+    cores_per_chip: TensorCores per chip.
+    aot_topology: topology name for ahead-of-time compilation (`get_topology_desc`).
+    device_kinds: `jax.Device.device_kind` strings of this generation.
+  """
+
+  name: str
+  vmem_bytes: int
+  scoped_vmem_default_bytes: int
+  mxu_size: int
+  peak_bf16_flops: float
+  supports_int8: bool
+  supports_fp8: bool
+  hbm_bytes_per_s: float
+  cores_per_chip: int
+  aot_topology: str
+  device_kinds: tuple[str, ...] = ()
+  peak_int8_ops: float = 0.0
+  peak_fp8_ops: float = 0.0
+
+
+# NOTE on the narrow MXU modes (int8 / fp8). Sources: Cloud TPU docs per chip ("Peak compute per
+# chip (Int8)": v5e 393 TOPs, v5p 918 TOPs, v6e 1836 TOPs; tpu7x "(fp8)": 4614 TFLOPs) and jax
+# 0.10.2's `jax/_src/pallas/mosaic/tpu_info.py`, whose `is_matmul_supported` lists int8 x int8 for
+# generations 5 and 6 but float8_e4m3fn only from generation 7 (v5/v6 list e5m2 and e4m3b11fnuz),
+# gives v6e's fp8 rate as its bf16 rate (9.2e14), and lists no int8 rate for tpu7x or v4.
+# So v6e gets no fp8 credit: Mosaic accepts an e4m3fn dot there (AOT, also on v5e) but gains
+# nothing over bf16; our kernels upcast in VMEM instead. v4 rejects int8 and fp8 dots outright
+# (AOT: CompileTimeMosaicUnsupportedRhsType).
+
+
+GENERATIONS: dict[str, TpuGeneration] = {
+  g.name: g
+  for g in (
+    TpuGeneration(
+      name="v4",
+      vmem_bytes=16 * _MIB,
+      scoped_vmem_default_bytes=16 * _MIB,
+      mxu_size=128,
+      peak_bf16_flops=275e12,
+      supports_int8=False,
+      supports_fp8=False,
+      hbm_bytes_per_s=1200e9,
+      cores_per_chip=2,
+      aot_topology="v4:2x2x1",
+      device_kinds=("TPU v4",),
+    ),
+    TpuGeneration(
+      name="v5e",
+      vmem_bytes=128 * _MIB,
+      scoped_vmem_default_bytes=16 * _MIB,
+      mxu_size=128,
+      peak_bf16_flops=197e12,
+      supports_int8=True,
+      supports_fp8=False,
+      peak_int8_ops=393e12,
+      hbm_bytes_per_s=819e9,
+      cores_per_chip=1,
+      aot_topology="v5e:2x2",
+      device_kinds=("TPU v5e", "TPU v5 lite"),
+    ),
+    TpuGeneration(
+      name="v5p",
+      vmem_bytes=64 * _MIB,
+      scoped_vmem_default_bytes=16 * _MIB,
+      mxu_size=128,
+      peak_bf16_flops=459e12,
+      supports_int8=True,
+      supports_fp8=False,
+      peak_int8_ops=918e12,
+      hbm_bytes_per_s=2765e9,
+      cores_per_chip=2,
+      aot_topology="v5p:2x2x1",
+      device_kinds=("TPU v5", "TPU v5p"),
+    ),
+    TpuGeneration(
+      name="v6e",
+      vmem_bytes=128 * _MIB,
+      scoped_vmem_default_bytes=32 * _MIB,
+      mxu_size=256,
+      peak_bf16_flops=918e12,
+      supports_int8=True,
+      supports_fp8=False,
+      peak_int8_ops=1836e12,
+      hbm_bytes_per_s=1638e9,
+      cores_per_chip=1,
+      aot_topology="v6e:2x2",
+      device_kinds=("TPU v6e", "TPU v6 lite"),
+    ),
+    TpuGeneration(
+      name="tpu7x",
+      vmem_bytes=64 * _MIB,
+      scoped_vmem_default_bytes=32 * _MIB,
+      mxu_size=256,
+      peak_bf16_flops=2307e12,
+      supports_int8=False,
+      supports_fp8=True,
+      peak_fp8_ops=4614e12,
+      hbm_bytes_per_s=7380e9,
+      cores_per_chip=2,
+      aot_topology="tpu7x:2x2x1",
+      device_kinds=("TPU7x",),
+    ),
+  )
+}
+
+
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6": "v6e", "7x": "tpu7x", "v7x": "tpu7x"}
+
+
+def get_generation(name: str | TpuGeneration) -> TpuGeneration:
+  """Looks up a TPU generation by short name.
+
+  Args:
+    name: "v4", "v5e", "v5p", "v6e" or "tpu7x" (a few aliases accepted), or a `TpuGeneration`
+      (returned as is).
+
+  Returns:
+    The `TpuGeneration`.
+  """
+  if isinstance(name, TpuGeneration):
+    return name
+  key = _ALIASES.get(name.lower(), name.lower())
+  if key not in GENERATIONS:
+    raise ValueError(f"Unknown TPU generation {name!r}; known: {sorted(GENERATIONS)}")
+  return GENERATIONS[key]
+
+
+_GENERATION_OVERRIDE: contextvars.ContextVar[TpuGeneration | None] = contextvars.ContextVar(
+  "pallas_moe_tpu_generation", default=None
+)
+
+
+@contextlib.contextmanager
+def use_generation(generation: str | TpuGeneration) -> Iterator[TpuGeneration]:
+  """Makes `current_generation()` return `generation` inside the block.
+
+  For ahead-of-time compilation from a host that is not that TPU (e.g. compiling for a v6e
+  topology from a CPU): the default tiles (`pick_tiling`) and the VMEM check of `pallas_moe.gmm`
+  / `tgmm` then follow the target, not the host. The override applies when the ops are *traced*
+  (e.g. inside `jax.jit(f).lower(...)`), so lower inside the block. Nests; thread- and
+  asyncio-safe (a `contextvars.ContextVar`).
+
+  Args:
+    generation: a generation name ("v5e", "v6e", ...) or a `TpuGeneration`.
+
+  Yields:
+    The `TpuGeneration` in effect.
+  """
+  gen = get_generation(generation)
+  token = _GENERATION_OVERRIDE.set(gen)
+  try:
+    yield gen
+  finally:
+    _GENERATION_OVERRIDE.reset(token)
+
+
+def current_generation() -> TpuGeneration:
+  """The generation set by `use_generation`, else that of `jax.devices()[0]` on TPU, else v5e.
+
+  Returns:
+    The `TpuGeneration`.
+  """
+  override = _GENERATION_OVERRIDE.get()
+  if override is not None:
+    return override
+  import jax
+
+  try:
+    kind = jax.devices()[0].device_kind
+  except RuntimeError:
+    return GENERATIONS["v5e"]
+  for gen in GENERATIONS.values():
+    if kind in gen.device_kinds:
+      return gen
+  return GENERATIONS["v5e"]
+
+
+def narrow_peak(generation: str | TpuGeneration, dtype) -> float:
+  """MXU rate of a dot that multiplies two `dtype` (int8 / fp8) operands natively.
+
+  Raises:
+    ValueError: the generation has no native mode for `dtype` (its dots upcast to bf16).
+  """
+  gen = get_generation(generation)
+  name = np.dtype(dtype).name
+  if name == "int8" and gen.supports_int8:
+    return gen.peak_int8_ops
+  if name.startswith("float8") and gen.supports_fp8:
+    return gen.peak_fp8_ops
+  raise ValueError(f"{gen.name} has no native {name} MXU mode: its {name} dots run upcast.")
+
+
+def sequential_sweeps(generation: str | TpuGeneration) -> bool:
+  """Whether the row-tile kernels run their sweeps in order with DMAs crossing them.
+
+  On a chip with one TensorCore (v5e, v6e) a grid runs in order anyway, so the kernels prefetch
+  across sweeps; with two (megacore: v4, v5p, tpu7x) the sweeps stay independent so that they can
+  be split between the cores.
+  """
+  return get_generation(generation).cores_per_chip == 1
+
+
+def rows_per_pass(tm: int, mxu: int) -> int:
+  """Rows the kernels push through the MXU per sub-block (their `sub_m`): the MXU edge when it
+  divides tm (sub-blocks without rows of a group are skipped), else the whole tile."""
+  return mxu if tm % mxu == 0 else tm

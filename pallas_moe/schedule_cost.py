@@ -1,0 +1,316 @@
+"""Analytic cost of the row-tile kernels' schedules: MXU work per sub-block dot, and the HBM
+bytes of every grid step, including the manual per-group DMAs and which of them are exposed.
+
+The DESIGN.md model (Σ over grid steps of max(MXU, DMA) + exposed DMA + per-step overhead) in
+closed form from the group sizes. `tile_pickers.pick_rowtile_tiling` scores tilings with it,
+`pallas_moe.ops` asks `rows_stationary_pays` which MXU orientation a kernel runs, and
+`bench.costmodel` shares `rowtile_manual_dma` with its hooks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pallas_moe.generations import TpuGeneration, get_generation, rows_per_pass, sequential_sweeps
+
+
+def _dot_macs(*, rows: int, contract: int, cols: int, mxu: int) -> int:
+  """MACs one dot costs on an mxu x mxu systolic array (DESIGN.md, as in `bench.costmodel`):
+  the stationary operand is cut into mxu x mxu tiles (contraction and output columns padded to
+  the MXU), and each tile costs at least mxu row passes (loading it takes as long)."""
+  pad = lambda d: -(-d // mxu) * mxu  # noqa: E731
+  return max(rows, mxu) * pad(contract) * pad(cols)
+
+
+def rows_stationary_pays(
+  *, kind: str, sub_m: int, tk: int, tn: int, generation: str | TpuGeneration
+) -> bool:
+  """Whether a row-tile kernel does less MXU work with its sub-block rows as the stationary
+  operand (the kernels' `rows_stationary`: out^T = w^T @ x^T streams the tn columns as rows).
+
+  The usual orientation streams the sub_m rows through [contraction, tn] weight tiles, so a tn
+  that is not a multiple of the MXU width is padded to it (1408 -> 1536 on a 256-wide MXU:
+  1.09x). Swapped, the rows are padded instead, and a sub_m that is a multiple of the MXU is not.
+  Ties keep the usual orientation, which needs no transposes.
+
+  Args:
+    kind: "gmm" (contraction tk = the whole k; output [sub_m, tn]) or "tgmm" (contraction
+      sub_m; output [tk, tn]).
+    sub_m: rows per MXU pass.
+    tk: gmm: k; tgmm: its k tile.
+    tn: n tile.
+    generation: TPU generation (its MXU edge).
+
+  Returns:
+    True when the swapped orientation costs strictly fewer MACs.
+  """
+  mxu = get_generation(generation).mxu_size
+  if kind == "gmm":
+    usual = _dot_macs(rows=sub_m, contract=tk, cols=tn, mxu=mxu)
+    swapped = _dot_macs(rows=tn, contract=tk, cols=sub_m, mxu=mxu)
+  elif kind == "tgmm":
+    usual = _dot_macs(rows=tk, contract=sub_m, cols=tn, mxu=mxu)
+    swapped = _dot_macs(rows=tn, contract=sub_m, cols=tk, mxu=mxu)
+  else:
+    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+  return swapped < usual
+
+
+def _rowtile_pairs(starts: np.ndarray, ends: np.ndarray, *, tm: int, sub_m: int):
+  """The (group, m-tile) pairs a row-tile kernel multiplies, and the sub-blocks of each.
+
+  Args:
+    starts: [groups] first row of each group (int64).
+    ends: [groups] end row of each group.
+    tm: m tile.
+    sub_m: rows per MXU pass.
+
+  Returns:
+    (pair_group, pair_tile, pair_hits), in group order: every non-empty group with each tile it
+    intersects, and the number of its sub_m-row sub-blocks there.
+  """
+  nonempty = ends > starts
+  first_t = np.where(nonempty, starts // tm, 0)
+  last_t = np.where(nonempty, (np.maximum(ends, 1) - 1) // tm, -1)
+  counts = np.maximum(last_t - first_t + 1, 0)
+  pair_g = np.repeat(np.arange(starts.size), counts)
+  pair_t = np.repeat(first_t, counts) + (
+    np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+  )
+  lo = pair_t * tm
+  s = np.maximum(starts[pair_g], lo) - lo
+  e = np.minimum(ends[pair_g], lo + tm) - lo
+  return pair_g, pair_t, (e - 1) // sub_m - s // sub_m + 1
+
+
+def rowtile_manual_dma(
+  *,
+  starts,
+  ends,
+  m: int,
+  tm: int,
+  sub_m: int,
+  kind: str,
+  sweeps: int,
+  block_bytes: float,
+  sequential_sweeps: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Per grid step: bytes of the row-tile kernels' manual DMAs, split into overlapped and exposed.
+
+  A manual DMA runs from the point the kernel starts it to the point it waits for it, concurrent
+  with the MXU work in between: gmm starts a group's weight load when the previous group starts
+  computing and waits for it before the group computes; tgmm starts a group's output write after
+  its last rows are reduced and waits for it when the write two later needs its staging slot (or
+  at the drain). The bytes are spread over that window's (group, tile) sub-block work in
+  proportion to its MXU rows, and counted in the grid steps doing that work, so a step's time is
+  max(MXU, pipelined + overlapped bytes / bandwidth). A DMA with no MXU work in its window (the
+  first load of a sweep, the last write before a drain) stalls the kernel: its bytes are
+  "exposed", added to the step that waits for it on top of that max.
+
+  Args:
+    starts: [local groups] first row of each local group (numpy, sorted, clipped to m).
+    ends: [local groups] end row of each local group.
+    m: rows.
+    tm: m tile.
+    sub_m: rows per MXU pass.
+    kind: "gmm" (weight loads) or "tgmm" (output writes).
+    sweeps: grid steps over the other axes (gmm: n-tiles; tgmm: k-tiles x n-tiles).
+    block_bytes: bytes of one load / write.
+    sequential_sweeps: the kernels' option: DMAs cross sweeps (see the kernels).
+
+  Returns:
+    (overlapped, exposed), each [sweeps * tiles_m] bytes in grid-step order.
+  """
+  if kind not in ("gmm", "tgmm"):
+    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+  starts = np.asarray(starts, np.int64)
+  ends = np.asarray(ends, np.int64)
+  num_groups = starts.size
+  tiles_m = max(1, -(-m // tm))
+  nonempty = ends > starts
+  # NOTE: the work of one sweep as (tile, group) pairs in kernel order (tiles in order, groups in
+  # order within a tile), each with the MXU rows it pushes; tgmm also has a pair without work
+  # where an empty group is finalized.
+  first_t = np.where(nonempty, starts // tm, 0)
+  pair_g, pair_t, pair_hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub_m)
+  pair_rows = pair_hits * sub_m
+  fin = None
+  if kind == "tgmm":
+    fin = np.clip(np.where(nonempty, (ends - 1) // tm, starts // tm), 0, tiles_m - 1)
+    empty = np.flatnonzero(~nonempty)
+    pair_g = np.concatenate([pair_g, empty])
+    pair_t = np.concatenate([pair_t, fin[empty]])
+    pair_rows = np.concatenate([pair_rows, np.zeros(empty.size, np.int64)])
+  order = np.lexsort((pair_g, pair_t))
+  pair_g, pair_t, pair_rows = pair_g[order], pair_t[order], pair_rows[order]
+  num_pairs = pair_g.size
+  pair_key = pair_t * num_groups + pair_g
+  # Two consecutive sweeps, for DMAs that cross from one into the next.
+  step2 = np.concatenate([pair_t, pair_t + tiles_m])
+  cum2 = np.concatenate([[0], np.cumsum(np.concatenate([pair_rows, pair_rows]))]).astype(np.float64)
+  rows2 = np.concatenate([pair_rows, pair_rows]).astype(np.float64)
+
+  def spread(windows):
+    """windows: (first pair, end pair (exclusive), step that waits) over two sweeps."""
+    over = np.zeros(2 * tiles_m)
+    exposed = np.zeros(2 * tiles_m)
+    for i, j, wait_step in windows:
+      work = cum2[j] - cum2[i]
+      if work > 0:
+        np.add.at(over, step2[i:j], block_bytes * rows2[i:j] / work)
+      else:
+        exposed[wait_step] += block_bytes
+    return over, exposed
+
+  if kind == "gmm":
+    # NOTE: load r is waited at group r's first pair and started at group r - 1's first pair.
+    loaded = np.flatnonzero(nonempty)
+    first_pair = np.searchsorted(pair_key, first_t[loaded] * num_groups + loaded)
+    loads = first_pair.size
+    within = [(first_pair[r - 1], first_pair[r], pair_t[first_pair[r]]) for r in range(1, loads)]
+    # The first load of a sweep, started where it is waited for.
+    head_alone = [(first_pair[0], first_pair[0], pair_t[first_pair[0]])] if loads else []
+    # With sequential sweeps: started at the previous sweep's last group.
+    cross = (
+      [(first_pair[-1], num_pairs + first_pair[0], tiles_m + pair_t[first_pair[0]])]
+      if loads
+      else []
+    )
+    tail_alone = []
+  else:
+    # NOTE: write g is started after its finalize pair and waited at write g + 2's finalize
+    # (after that pair's work), or at the drain after the sweep's (or the grid's) last pair.
+    fin_pair = np.searchsorted(pair_key, fin * num_groups + np.arange(num_groups))
+    within = [
+      (fin_pair[g] + 1, fin_pair[g + 2] + 1, pair_t[fin_pair[g + 2]]) for g in range(num_groups - 2)
+    ]
+    last_two = range(max(num_groups - 2, 0), num_groups)
+    tail_alone = [(fin_pair[g] + 1, num_pairs, tiles_m - 1) for g in last_two]
+    head_alone = []
+    if num_groups >= 2:
+      cross = [
+        (
+          fin_pair[g] + 1,
+          num_pairs + fin_pair[g + 2 - num_groups] + 1,
+          tiles_m + pair_t[fin_pair[g + 2 - num_groups]],
+        )
+        for g in last_two
+      ]
+    else:
+      # NOTE: a single group waits for the write two sweeps back; counted as if one sweep back.
+      cross = [(fin_pair[0] + 1, 2 * num_pairs, 2 * tiles_m - 1)] if num_groups else []
+  w_over, w_exp = spread(within)
+  h_over, h_exp = spread(head_alone)
+  t_over, t_exp = spread(tail_alone)
+  c_over, c_exp = spread(cross)
+  over = np.zeros((sweeps, tiles_m))
+  exposed = np.zeros((sweeps, tiles_m))
+  over += w_over[:tiles_m]
+  exposed += w_exp[:tiles_m]
+  if not sequential_sweeps:
+    over += h_over[:tiles_m] + t_over[:tiles_m]
+    exposed += h_exp[:tiles_m] + t_exp[:tiles_m]
+  else:
+    over[0] += h_over[:tiles_m]
+    exposed[0] += h_exp[:tiles_m]
+    over[-1] += t_over[:tiles_m]
+    exposed[-1] += t_exp[:tiles_m]
+    over[:-1] += c_over[:tiles_m]
+    exposed[:-1] += c_exp[:tiles_m]
+    over[1:] += c_over[tiles_m:]
+    exposed[1:] += c_exp[tiles_m:]
+  return over.reshape(-1), exposed.reshape(-1)
+
+
+def rowtile_step_costs(
+  *,
+  group_sizes,
+  k: int,
+  n: int,
+  tm: int,
+  tk: int,
+  tn: int,
+  kind: str,
+  lhs_itemsize: int,
+  rhs_itemsize: int,
+  out_itemsize: int,
+  generation: str | TpuGeneration,
+  peak_flops: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per-step MXU seconds and HBM bytes of a row-tile kernel's whole grid.
+
+  The same accounting as `bench.costmodel` applies to the real kernel (pipelined blocks, plus the
+  manual per-group DMAs spread over the work they overlap, `rowtile_manual_dma`), in closed form
+  from the group sizes: the picker's model. The kernels' `sequential_sweeps` follows the
+  generation, as in `pallas_moe.ops`.
+
+  Args:
+    group_sizes: rows per local group (numpy).
+    k: gmm's contraction / tgmm's output rows.
+    n: output columns.
+    tm: m tile.
+    tk: tgmm's k tile (gmm: k).
+    tn: n tile.
+    kind: "gmm" or "tgmm".
+    lhs_itemsize: bytes per lhs element.
+    rhs_itemsize: bytes per rhs element.
+    out_itemsize: bytes per output element.
+    generation: TPU generation.
+    peak_flops: the dot's MXU rate (default the bf16 peak; `narrow_peak` for a narrow dot).
+
+  Returns:
+    (mxu_seconds, overlapped_bytes, exposed_bytes), each [sweeps * tiles_m] in grid-step order:
+    a step takes max(mxu, overlapped / bandwidth) + exposed / bandwidth.
+  """
+  gen = get_generation(generation)
+  mxu = gen.mxu_size
+  sub = rows_per_pass(tm, mxu)
+  gs = np.maximum(np.asarray(group_sizes, np.int64), 0)
+  ends = np.cumsum(gs)
+  starts = ends - gs
+  m = int(ends[-1]) if gs.size else 0
+  tiles_m = max(1, -(-m // tm))
+  _, t, hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub)
+  # NOTE: one sub-block dot in the orientation the kernel runs (`rows_stationary_pays`).
+  swap = rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen)
+  if kind == "gmm":
+    shape = dict(rows=tn, contract=k, cols=sub) if swap else dict(rows=sub, contract=k, cols=tn)
+  else:
+    shape = dict(rows=tn, contract=sub, cols=tk) if swap else dict(rows=tk, contract=sub, cols=tn)
+  macs = _dot_macs(**shape, mxu=mxu)
+  peak = gen.peak_bf16_flops if peak_flops is None else peak_flops
+  mxu_s = np.bincount(t, hits * 2.0 * macs, tiles_m) / peak
+  rows = np.minimum(m, (np.arange(tiles_m) + 1) * tm) - np.arange(tiles_m) * tm
+  sweeps = (k // tk) * (n // tn)
+  if kind == "gmm":
+    pipelined = rows * (k * lhs_itemsize + tn * out_itemsize)
+    block = k * tn * rhs_itemsize
+  else:
+    pipelined = rows * (tk * lhs_itemsize + tn * rhs_itemsize)
+    block = tk * tn * out_itemsize
+  over, exposed = rowtile_manual_dma(
+    starts=starts,
+    ends=ends,
+    m=m,
+    tm=tm,
+    sub_m=sub,
+    kind=kind,
+    sweeps=sweeps,
+    block_bytes=block,
+    sequential_sweeps=sequential_sweeps(gen),
+  )
+  return np.tile(mxu_s, sweeps), np.tile(pipelined.astype(np.float64), sweeps) + over, exposed
+
+
+def rowtile_modeled_seconds(*, step_overhead_s: float = 0.35e-6, **step_costs_kwargs: Any) -> float:
+  """Modeled time of a row-tile kernel's whole grid: Σ over steps of max(MXU, overlapped HBM
+  time) + exposed HBM time + per-step overhead (DESIGN.md), from `rowtile_step_costs` (same
+  keyword arguments)."""
+  gen = get_generation(step_costs_kwargs["generation"])
+  mxu_s, over, exposed = rowtile_step_costs(**step_costs_kwargs)
+  bw = gen.hbm_bytes_per_s
+  return float(
+    np.maximum(mxu_s, over / bw).sum() + exposed.sum() / bw + step_overhead_s * mxu_s.size
+  )

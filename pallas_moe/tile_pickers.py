@@ -1,0 +1,240 @@
+"""Tile pickers: the default (tm, tk, tn) of each kernel for the current TPU generation.
+
+`pick_rowtile_tiling` picks for the row-tile kernels (the default schedule) by their modeled
+time (`schedule_cost`); `pick_tiling` for the visit-schedule kernels. Both keep every candidate
+within the VMEM budget (`vmem`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_moe.generations import TpuGeneration, get_generation, narrow_peak, rows_per_pass
+from pallas_moe.schedule_cost import rows_stationary_pays, rowtile_modeled_seconds
+from pallas_moe.vmem import usable_vmem_bytes, vmem_estimate_bytes
+
+_MIB = 1024 * 1024
+
+
+def _itemsize(dtype) -> int:
+  return np.dtype(dtype).itemsize
+
+
+def _dim_candidates(dim: int, mxu: int) -> list[int]:
+  """Tile sizes for a k or n dimension: the full dim, and multiples of the MXU edge up to 4096
+  that divide it (a ragged last tile, or a tile that is not a multiple of the MXU edge, still
+  costs full MXU tiles); failing that 128-multiples that divide it; failing that any."""
+  for step, need_divisor in ((mxu, True), (128, True), (128, False)):
+    cands = [
+      t
+      for t in range(step, min(dim, 4096 + 1), step)
+      if t < dim and (dim % t == 0 or not need_divisor)
+    ]
+    if cands:
+      return sorted({dim, *cands}, reverse=True)
+  return [dim]
+
+
+def _tm_candidates(m: int, mxu: int) -> list[int]:
+  cands = [t for t in (mxu, 2 * mxu, 512, 1024, 2048) if t % mxu == 0 and t < m]
+  return sorted(set(cands)) + [m] if m <= 2048 else sorted(set(cands))
+
+
+def pick_tiling(
+  *,
+  m: int,
+  k: int,
+  n: int,
+  num_groups: int,
+  kind: str,
+  lhs_dtype,
+  rhs_dtype,
+  out_dtype,
+  generation: str | TpuGeneration,
+  vmem_budget_bytes: int | None = None,
+  step_overhead_s: float = 0.35e-6,
+) -> tuple[int, int, int]:
+  """Chooses (tm, tk, tn) for a gmm or tgmm by a small cost model of our kernels.
+
+  Our kernels multiply an m-tile in sub-blocks of the MXU's row count and skip sub-blocks outside
+  the visit's group, so MXU work does not grow with tm; what tm, tk and tn change is HBM traffic
+  and the number of grid steps. Every candidate that fits the VMEM budget is scored by
+  max(MXU time, HBM time) + steps x per-step overhead (of those within 2% of the best, the one
+  needing the least VMEM wins), where:
+
+  - gmm: with tk == k an m-tile's lhs block keeps its block index over the consecutive visits of
+    the groups that share it, and the expert's weight block keeps its index over the group's
+    consecutive visits: lhs is read once per n tile and weights once. With tk < k both are
+    re-fetched on every visit (k is the innermost grid axis): (m/tm + G) x (tm k + k n) per n tile.
+  - tgmm: lhs [k, m] is read once per n tile and dout [m, n] once per k tile.
+  - MXU time counts the ragged last k and n tiles as full tiles.
+
+  Args:
+    m: rows (tokens x top_k on this device).
+    k: contraction dim of gmm (d_model), or tgmm's output rows.
+    n: output columns.
+    num_groups: local experts.
+    kind: "gmm" or "tgmm" (for tgmm, m is the contraction dim; out is [G, k, n]).
+    lhs_dtype: lhs element type.
+    rhs_dtype: rhs element type.
+    out_dtype: output element type.
+    generation: TPU generation (name or `TpuGeneration`).
+    vmem_budget_bytes: VMEM budget; default `usable_vmem_bytes(generation)`. The kernels set
+      `vmem_limit_bytes` (see `vmem_limit_for`) when a tiling needs more than the scoped default.
+    step_overhead_s: per grid step overhead.
+
+  Returns:
+    (tm, tk, tn): tm a multiple of the MXU size (or m), tk and tn multiples of 128 or full dims.
+  """
+  if kind not in ("gmm", "tgmm"):
+    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+  gen = get_generation(generation)
+  budget = vmem_budget_bytes if vmem_budget_bytes is not None else usable_vmem_bytes(gen)
+  li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+  bw, peak = gen.hbm_bytes_per_s, gen.peak_bf16_flops
+  scored = []
+  for tm in _tm_candidates(m, gen.mxu_size):
+    visits = -(-m // tm) + num_groups
+    for tk in _dim_candidates(k, gen.mxu_size):
+      for tn in _dim_candidates(n, gen.mxu_size):
+        est = vmem_estimate_bytes(
+          tm=tm,
+          tk=tk,
+          tn=tn,
+          lhs_dtype=lhs_dtype,
+          rhs_dtype=rhs_dtype,
+          out_dtype=out_dtype,
+          kind=kind,
+        )
+        if est > budget:
+          continue
+        nk, nn = -(-k // tk), -(-n // tn)
+        if kind == "gmm":
+          if nk == 1:
+            traffic = m * k * li * nn + num_groups * k * n * ri
+          else:
+            traffic = visits * (tm * k * li + k * tn * ri) * nn
+          traffic += m * n * oi
+        else:
+          traffic = m * k * li * nn + m * n * ri * nk + num_groups * k * n * oi
+        mxu_s = 2 * m * (nk * tk) * (nn * tn) / peak
+        steps = visits * nk * nn
+        score = max(mxu_s, traffic / bw) + steps * step_overhead_s
+        scored.append((score, est, (tm, tk, tn)))
+  if not scored:
+    raise ValueError(
+      f"no {kind} tiling fits {budget / _MIB:.1f} MiB of VMEM on {gen.name} "
+      f"for (m, k, n)={(m, k, n)}"
+    )
+  # NOTE: among tilings within 2% of the best modeled time, take the one needing the least VMEM:
+  # bigger blocks buy nothing once a kernel is MXU-bound, and they cost Mosaic compile time.
+  best_score = min(score for score, _, _ in scored)
+  return min((est, tiles) for score, est, tiles in scored if score <= 1.02 * best_score)[1]
+
+
+# Row-tile kernels (`gmm_rowtile_pallas`, `tgmm_rowtile_pallas`): one grid step per m-tile.
+_PICKER_SEED = 20261122
+
+
+def _divisor_tiles(dim: int) -> list[int]:
+  """Tiles of a dim the row-tile kernels can use: the dim itself and 128-multiples dividing it
+  (their per-group DMAs move whole blocks, so tiles must divide the dim)."""
+  return sorted({dim, *(t for t in range(128, dim, 128) if dim % t == 0)})
+
+
+def pick_rowtile_tiling(
+  *,
+  m: int,
+  k: int,
+  n: int,
+  num_groups: int,
+  kind: str,
+  lhs_dtype,
+  rhs_dtype,
+  out_dtype,
+  generation: str | TpuGeneration,
+  vmem_budget_bytes: int | None = None,
+  step_overhead_s: float = 0.35e-6,
+  narrow_dot: bool = False,
+) -> tuple[int, int, int] | None:
+  """Chooses (tm, tk, tn) for a row-tile kernel, or None when none fits VMEM.
+
+  Scores every candidate on one uniform-routing draw of group sizes (the kernel does not see the
+  real sizes when it is traced) by the sum over grid steps of max(MXU time, HBM time), plus the
+  exposed DMA time (`rowtile_step_costs`) and
+  the per-step overhead: the DESIGN.md model applied to the row-tile schedule. Candidates: tm in
+  {128 .. 4096} (powers of two; or all of m), tn (and tgmm's tk) dividing the dim; gmm's tk is
+  always k (the whole contraction stays in VMEM). Among tilings within 1% of the best, the one
+  needing the least VMEM wins.
+
+  Args:
+    m: rows.
+    k: gmm's contraction dim / tgmm's output rows.
+    n: output columns.
+    num_groups: local groups.
+    kind: "gmm" or "tgmm".
+    lhs_dtype: lhs element type.
+    rhs_dtype: rhs element type.
+    out_dtype: output element type.
+    generation: TPU generation.
+    vmem_budget_bytes: default `usable_vmem_bytes(generation)`.
+    step_overhead_s: per grid step overhead.
+    narrow_dot: gmm multiplies the 8-bit lhs and rhs natively (both `lhs_dtype`), at the chip's
+      int8 / fp8 rate: less MXU time per step shifts the balance towards fewer, larger steps.
+
+  Returns:
+    (tm, tk, tn), or None.
+  """
+  if kind not in ("gmm", "tgmm"):
+    raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+  gen = get_generation(generation)
+  budget = vmem_budget_bytes if vmem_budget_bytes is not None else usable_vmem_bytes(gen)
+  li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+  peak = narrow_peak(gen, lhs_dtype) if narrow_dot else None
+  # NOTE: group boundaries of a real routing fall anywhere; equal sizes would put them at regular,
+  # often MXU-aligned rows and hide the per-tile imbalance. A fixed-seed uniform multinomial
+  # draw stands in for the routing the kernel will see.
+  sizes = np.random.default_rng(_PICKER_SEED).multinomial(m, np.full(num_groups, 1 / num_groups))
+  # NOTE: tgmm's tm is the lane dim of its [tk, tm] lhs block: a multiple of 128 or all of m.
+  align = 128 if kind == "tgmm" else 8
+  tms = {min(t, -(-m // align) * align) for t in (128, 256, 512, 1024, 2048, 4096)}
+  tms = sorted(t if t < m else m for t in tms)
+  tks = _divisor_tiles(k) if kind == "tgmm" else [k]
+  scored = []
+  for tm in sorted(set(tms)):
+    for tk in tks:
+      for tn in _divisor_tiles(n):
+        sub = rows_per_pass(tm, gen.mxu_size)
+        est = vmem_estimate_bytes(
+          tm=tm,
+          tk=tk,
+          tn=tn,
+          lhs_dtype=lhs_dtype,
+          rhs_dtype=rhs_dtype,
+          out_dtype=out_dtype,
+          kind=f"{kind}_rowtile",
+          generation=gen,
+          rows_stationary=rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen),
+        )
+        if est > budget:
+          continue
+        score = rowtile_modeled_seconds(
+          group_sizes=sizes,
+          k=k,
+          n=n,
+          tm=tm,
+          tk=tk,
+          tn=tn,
+          kind=kind,
+          lhs_itemsize=li,
+          rhs_itemsize=ri,
+          out_itemsize=oi,
+          generation=gen,
+          peak_flops=peak,
+          step_overhead_s=step_overhead_s,
+        )
+        scored.append((score, est, (tm, tk, tn)))
+  if not scored:
+    return None
+  best = min(score for score, _, _ in scored)
+  return min((est, tiles) for score, est, tiles in scored if score <= 1.01 * best)[1]
