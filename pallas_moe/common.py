@@ -227,6 +227,134 @@ def check_instrumented(interpret: Interpret) -> None:
     raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
 
 
+def check_sub_m(sub_m: int | None, tm: int) -> int:
+  """Rows per MXU pass: `sub_m`, which must divide tm, or the whole tile when None."""
+  sub_m = tm if sub_m is None else sub_m
+  if tm % sub_m:
+    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
+  return sub_m
+
+
+def present_operands(*pairs: tuple[Any, Any]) -> tuple[list[Any], list[Any]]:
+  """(operands, in_specs) of the (array, BlockSpec) pairs whose array is not None, in order.
+
+  NOTE: optional inputs (scales, existing_out) are passed only when present; the kernel finds
+  its refs again with `split_refs` and the same presence flags.
+  """
+  kept = [(x, spec) for x, spec in pairs if x is not None]
+  return [x for x, _ in kept], [spec for _, spec in kept]
+
+
+def split_refs(refs, *, inputs: tuple[bool, ...], outputs: int, scratch: int):
+  """A kernel's refs after its prefetch refs, by role.
+
+  Args:
+    refs: the refs Pallas passes the kernel after the scalar-prefetch refs.
+    inputs: for each possible input, in `present_operands` order, whether it was passed.
+    outputs: number of outputs (the result, and the counts with `count_rows`).
+    scratch: number of scratch refs.
+
+  Returns:
+    (inputs, outputs, scratch): a list with one ref per possible input (None where absent), a
+    list of the output refs and a list of the scratch refs.
+  """
+  num_in = sum(inputs)
+  if len(refs) != num_in + outputs + scratch:
+    raise ValueError(f"kernel got {len(refs)} refs, expected {num_in} + {outputs} + {scratch}")
+  given = iter(refs[:num_in])
+  ins = [next(given) if present else None for present in inputs]
+  return ins, list(refs[num_in : num_in + outputs]), list(refs[num_in + outputs :])
+
+
+def call_kernel(
+  kernel: Callable[..., None],
+  *,
+  name: str,
+  grid: tuple[int, ...],
+  prefetch: tuple[jax.Array, ...],
+  operands: list[jax.Array],
+  in_specs: list[Any],
+  out_shape: jax.ShapeDtypeStruct,
+  out_spec: Any,
+  scratch_shapes: list[Any],
+  dimension_semantics: tuple[str, ...],
+  vmem_limit_bytes: int | None,
+  flops: int,
+  bytes_accessed: int,
+  interpret: Interpret,
+  alias_last_operand: bool = False,
+  counts_shape: tuple[int, ...] | None = None,
+  valid_counts: jax.Array | None = None,
+):
+  """Builds one of our kernels' pallas_calls (scalar-prefetch grid) and runs it.
+
+  Args:
+    kernel: the kernel body; it gets the prefetch refs, the operand refs, the output ref, the
+      counts ref (with `counts_shape`) and the scratch refs, in that order.
+    name: the kernel's name (it names the Mosaic program, and the bench finds kernels by it).
+    grid: the grid.
+    prefetch: int32 arrays scalar-prefetched into SMEM (the kernel's metadata).
+    operands: the array operands, in `in_specs` order.
+    in_specs: their BlockSpecs.
+    out_shape: the result (see `out_struct`).
+    out_spec: its BlockSpec.
+    scratch_shapes: VMEM / semaphore scratch.
+    dimension_semantics: per grid axis, "parallel" or "arbitrary".
+    vmem_limit_bytes: Mosaic's scoped VMEM limit (None: Mosaic's default).
+    flops: for XLA's cost estimate.
+    bytes_accessed: for XLA's cost estimate.
+    interpret: see `run_kernel`.
+    alias_last_operand: the output reuses the last operand's buffer (existing_out) when compiled.
+    counts_shape: interpret-mode instrumentation (`count_rows`): the shape of an extra int32
+      output in SMEM that the kernel fills with its counts; returned beside the result.
+    valid_counts: with `counts_shape`, a [counts_shape[-1]] mask of the entries along the last
+      axis that belong to a grid step (the visit kernels' padded visit axis); others are zeroed.
+
+  Returns:
+    The result, and with `counts_shape` the counts too.
+  """
+  counting = counts_shape is not None
+  out_shapes = [out_shape]
+  out_specs = [out_spec]
+  if counting:
+    out_shapes.append(jax.ShapeDtypeStruct(counts_shape, jnp.int32))
+    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+
+  def build(interpret):
+    return pl.pallas_call(
+      kernel,
+      out_shape=out_shapes if counting else out_shape,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(prefetch),
+        in_specs=in_specs,
+        out_specs=out_specs if counting else out_spec,
+        grid=grid,
+        scratch_shapes=scratch_shapes,
+      ),
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=dimension_semantics, vmem_limit_bytes=vmem_limit_bytes
+      ),
+      # NOTE: on TPU the output reuses existing_out's HBM buffer. The TPU simulator returns the
+      # padded buffer for an aliased output with a ragged last block (jax 0.10.2), and aliasing
+      # saves nothing there, so interpret mode reads existing_out as a plain input.
+      input_output_aliases={len(prefetch) + len(operands) - 1: 0}
+      if alias_last_operand and not interpret
+      else {},
+      cost_estimate=pl.CostEstimate(flops=flops, bytes_accessed=bytes_accessed, transcendentals=0),
+      interpret=interpret,
+      name=name,
+    )
+
+  if not counting:
+    return run_kernel(build, interpret, *prefetch, *operands)
+  check_instrumented(interpret)
+  out, counts = build(interpret)(*prefetch, *operands)
+  if valid_counts is not None:
+    # NOTE: entries past the real visits belong to no grid step and were never written.
+    counts = jnp.where(valid_counts, counts, 0)
+  return out, counts
+
+
 def dot_dtypes(
   lhs_dtype,
   rhs_dtype,
@@ -274,22 +402,6 @@ def dot_dtypes(
     )
   acc = jnp.int32 if jnp.dtype(lhs_dtype) == jnp.int8 else jnp.float32
   return jnp.dtype(lhs_dtype), jnp.dtype(acc)
-
-
-def run_counting_rows(build, interpret: Interpret, schedule, *args):
-  """Runs an instrumented kernel (interpret mode only) and returns (out, rows per grid step).
-
-  Args:
-    build: maps an `interpret` value to the pallas_call; its second output counts MXU rows per
-      grid step with the visit axis last.
-    interpret: True or a `pltpu.InterpretParams`.
-    schedule: the kernel's `metadata.Schedule`.
-    *args: the pallas_call operands.
-  """
-  check_instrumented(interpret)
-  out, rows = build(interpret)(*args)
-  # NOTE: entries past num_visits belong to no grid step and were never written.
-  return out, jnp.where(jnp.arange(schedule.max_visits) < schedule.num_visits, rows, 0)
 
 
 def result_dtype(lhs, rhs, preferred_element_type) -> jnp.dtype:

@@ -58,6 +58,70 @@ def _mask_k(x: jax.Array, *, valid_k: int, axis: int) -> jax.Array:
   return jnp.where(k_ids < valid_k, x, jnp.zeros_like(x))
 
 
+def _prepare(
+  lhs, rhs, *, transpose_rhs, rhs_scales, lhs_scales, scales_on_k, narrow_dot, tm, sub_m
+):
+  """Checks what both gmm kernels share and derives their shapes and dot dtypes.
+
+  Returns:
+    (m, k, n, num_local_groups, sub_m, compute_dtype, dot_acc_dtype).
+  """
+  m, k = lhs.shape
+  num_local_groups = rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  sub_m = common.check_sub_m(sub_m, tm)
+  # NOTE: per-output-column scales are [G, 1, n] in either layout; scales along the contraction
+  # (the lhs-gradient pass) keep rhs's shape with its n axis reduced to 1.
+  if rhs_scales is not None:
+    if scales_on_k:
+      want = (num_local_groups, 1, k) if transpose_rhs else (num_local_groups, k, 1)
+    else:
+      want = (num_local_groups, 1, n)
+    if tuple(rhs_scales.shape) != want:
+      raise ValueError(f"rhs_scales has shape {tuple(rhs_scales.shape)}, expected {want}.")
+  if lhs_scales is not None and tuple(lhs_scales.shape) != (m, 1):
+    raise ValueError(f"lhs_scales has shape {tuple(lhs_scales.shape)}, expected {(m, 1)}.")
+  compute_dtype, dot_acc_dtype = common.dot_dtypes(
+    lhs.dtype,
+    rhs.dtype,
+    lhs_quantized=lhs_scales is not None,
+    rhs_quantized=rhs_scales is not None,
+    narrow_dot=narrow_dot,
+    scales_allow_narrow=not scales_on_k,
+    scales_requirement=" and per-output-column rhs scales (not scales_on_k)",
+  )
+  return m, k, n, num_local_groups, sub_m, compute_dtype, dot_acc_dtype
+
+
+def _f32(scales: jax.Array | None) -> jax.Array | None:
+  """Scales as the kernels read them (f32), or None when the operand is not quantized."""
+  return None if scales is None else scales.astype(jnp.float32)
+
+
+def _result_and_cost(
+  lhs, rhs, rhs_scales, lhs_scales, existing_out, others, *, n, out_dtype, tiles_n
+):
+  """`common.call_kernel`'s result and cost arguments, shared by both gmm kernels.
+
+  The result is [m, n] (aliasing existing_out when compiled). XLA's cost estimate counts lhs
+  and its row scales once per n-tile, rhs and its scales once, the output (and existing_out)
+  once. `others` are the remaining operands the result varies with (group sizes, offset).
+  """
+  m, k = lhs.shape
+  has_existing = existing_out is not None
+  operands = (lhs, rhs, *others, existing_out, rhs_scales, lhs_scales)
+  return dict(
+    out_shape=common.out_struct((m, n), out_dtype, *operands),
+    flops=2 * m * k * n,
+    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+    + rhs.size * rhs.dtype.itemsize
+    + (rhs_scales.size * 4 if rhs_scales is not None else 0)
+    + (m * 4 * tiles_n if lhs_scales is not None else 0)
+    + m * n * jnp.dtype(out_dtype).itemsize * (2 if has_existing else 1),
+    alias_last_operand=has_existing,
+  )
+
+
 def gmm_pallas(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -112,26 +176,22 @@ def gmm_pallas(
   Returns:
     [m, n] of `out_dtype` (and the row counts with `count_rows`).
   """
-  m, k = lhs.shape
-  num_local_groups = rhs.shape[0]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tm, tk, tn = tiling
-  sub_m = tm if sub_m is None else sub_m
-  if tm % sub_m:
-    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
+  m, k, n, num_local_groups, sub_m, compute_dtype, dot_acc_dtype = _prepare(
+    lhs,
+    rhs,
+    transpose_rhs=transpose_rhs,
+    rhs_scales=rhs_scales,
+    lhs_scales=lhs_scales,
+    scales_on_k=scales_on_k,
+    narrow_dot=narrow_dot,
+    tm=tm,
+    sub_m=sub_m,
+  )
   tiles_n, tiles_k = metadata.cdiv(n, tn), metadata.cdiv(k, tk)
   k_rem = k % tk
   quantized = rhs_scales is not None
   lhs_quantized = lhs_scales is not None
-  compute_dtype, dot_acc_dtype = common.dot_dtypes(
-    lhs.dtype,
-    rhs.dtype,
-    lhs_quantized=lhs_quantized,
-    rhs_quantized=quantized,
-    narrow_dot=narrow_dot,
-    scales_allow_narrow=not scales_on_k,
-    scales_requirement=" and per-output-column rhs scales (not scales_on_k)",
-  )
 
   schedule = metadata.make_schedule(
     group_sizes=group_sizes,
@@ -151,18 +211,14 @@ def gmm_pallas(
     group_offset.reshape((1,)),
   )
   has_existing = existing_out is not None
+  present = (True, True, quantized, lhs_quantized, has_existing)
 
   def kernel(offsets_ref, group_ref, m_tile_ref, _load_ref, active_ref, goff_ref, *refs):
-    refs = list(refs)
-    rows_ref = refs.pop(-2) if count_rows else None
-    lhs_ref, rhs_ref = refs[:2]
-    scales_ref = refs.pop(2) if quantized else None
-    lhs_scales_ref = refs.pop(2) if lhs_quantized else None
-    if has_existing:
-      _, _, existing_ref, out_ref, acc_ref = refs
-    else:
-      _, _, out_ref, acc_ref = refs
-      existing_ref = None
+    ins, outs, (acc_ref,) = common.split_refs(
+      refs, inputs=present, outputs=1 + count_rows, scratch=1
+    )
+    lhs_ref, rhs_ref, scales_ref, lhs_scales_ref, existing_ref = ins
+    out_ref, rows_ref = outs[0], (outs[1] if count_rows else None)
     n_i, visit, k_i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     active = active_ref[visit] == 1
     group = group_ref[visit] + goff_ref[0]
@@ -271,76 +327,44 @@ def gmm_pallas(
     return m_tile[visit], n_i
 
   rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
-  in_specs = [pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
-  operands = [lhs, rhs]
-  if quantized:
-    if scales_on_k:
-      scales_block = (None, 1, tk) if transpose_rhs else (None, tk, 1)
-      want = (num_local_groups, 1, k) if transpose_rhs else (num_local_groups, k, 1)
-    else:
-      scales_block, want = (None, 1, tn), (num_local_groups, 1, n)
-    if tuple(rhs_scales.shape) != want:
-      raise ValueError(f"rhs_scales has shape {tuple(rhs_scales.shape)}, expected {want}.")
-    in_specs.append(pl.BlockSpec(scales_block, scales_map))
-    operands.append(rhs_scales.astype(jnp.float32))
-  if lhs_quantized:
-    if tuple(lhs_scales.shape) != (m, 1):
-      raise ValueError(f"lhs_scales has shape {tuple(lhs_scales.shape)}, expected {(m, 1)}.")
-    in_specs.append(pl.BlockSpec((tm, 1), lhs_scales_map))
-    operands.append(lhs_scales.astype(jnp.float32))
-  if has_existing:
-    in_specs.append(pl.BlockSpec((tm, tn), out_map))
-    operands.append(existing_out)
-
-  out_bytes = m * n * jnp.dtype(out_dtype).itemsize
-  cost = pl.CostEstimate(
-    flops=2 * m * k * n,
-    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
-    + rhs.size * rhs.dtype.itemsize
-    + (rhs_scales.size * 4 if quantized else 0)
-    + (m * 4 * tiles_n if lhs_quantized else 0)
-    + out_bytes * (2 if has_existing else 1),
-    transcendentals=0,
-  )
-  out_shape = common.out_struct(
-    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out, rhs_scales, lhs_scales
+  if scales_on_k:
+    scales_block = (None, 1, tk) if transpose_rhs else (None, tk, 1)
+  else:
+    scales_block = (None, 1, tn)
+  operands, in_specs = common.present_operands(
+    (lhs, pl.BlockSpec((tm, tk), lhs_map)),
+    (rhs, pl.BlockSpec(rhs_block, rhs_map)),
+    (_f32(rhs_scales), pl.BlockSpec(scales_block, scales_map)),
+    (_f32(lhs_scales), pl.BlockSpec((tm, 1), lhs_scales_map)),
+    (existing_out, pl.BlockSpec((tm, tn), out_map)),
   )
 
-  out_shapes = [out_shape]
-  out_specs = [pl.BlockSpec((tm, tn), out_map)]
-  if count_rows:
-    out_shapes.append(jax.ShapeDtypeStruct((tiles_n, schedule.max_visits), jnp.int32))
-    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-
-  def build(interpret):
-    return pl.pallas_call(
-      kernel,
-      out_shape=out_shapes if count_rows else out_shape,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(prefetch),
-        in_specs=in_specs,
-        out_specs=out_specs if count_rows else out_specs[0],
-        grid=(tiles_n, schedule.num_visits, tiles_k),
-        scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
-      ),
-      compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-        vmem_limit_bytes=vmem_limit_bytes,
-      ),
-      # NOTE: on TPU the output reuses existing_out's HBM buffer. The TPU simulator returns the
-      # padded buffer for an aliased output with a ragged last block (jax 0.10.2), and aliasing
-      # saves nothing there, so interpret mode reads existing_out as a plain input.
-      input_output_aliases={len(prefetch) + len(operands) - 1: 0}
-      if has_existing and not interpret
-      else {},
-      cost_estimate=cost,
-      interpret=interpret,
-      name="pallas_moe_gmm",
-    )
-
-  if count_rows:
-    return common.run_counting_rows(build, interpret, schedule, *prefetch, *operands)
-  return common.run_kernel(build, interpret, *prefetch, *operands)
+  return common.call_kernel(
+    kernel,
+    name="pallas_moe_gmm",
+    grid=(tiles_n, schedule.num_visits, tiles_k),
+    prefetch=prefetch,
+    operands=operands,
+    in_specs=in_specs,
+    out_spec=pl.BlockSpec((tm, tn), out_map),
+    scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+    dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+    vmem_limit_bytes=vmem_limit_bytes,
+    interpret=interpret,
+    **_result_and_cost(
+      lhs,
+      rhs,
+      rhs_scales,
+      lhs_scales,
+      existing_out,
+      (group_sizes, group_offset),
+      n=n,
+      out_dtype=out_dtype,
+      tiles_n=tiles_n,
+    ),
+    counts_shape=(tiles_n, schedule.max_visits) if count_rows else None,
+    valid_counts=jnp.arange(schedule.max_visits) < schedule.num_visits,
+  )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -411,25 +435,21 @@ def gmm_rowtile_pallas(
   Returns:
     [m, n] of `out_dtype` (and the counts with `count_rows`).
   """
-  m, k = lhs.shape
-  num_local_groups = rhs.shape[0]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  sub_m = tm if sub_m is None else sub_m
-  if tm % sub_m:
-    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
+  m, k, n, num_local_groups, sub_m, compute_dtype, dot_acc_dtype = _prepare(
+    lhs,
+    rhs,
+    transpose_rhs=transpose_rhs,
+    rhs_scales=rhs_scales,
+    lhs_scales=lhs_scales,
+    scales_on_k=scales_on_k,
+    narrow_dot=narrow_dot,
+    tm=tm,
+    sub_m=sub_m,
+  )
   if n % tn:
     raise ValueError(f"tn={tn} must divide n={n} for the row-tile gmm.")
   tiles_n, tiles_m = n // tn, metadata.cdiv(m, tm)
   quantized, lhs_quantized = rhs_scales is not None, lhs_scales is not None
-  compute_dtype, dot_acc_dtype = common.dot_dtypes(
-    lhs.dtype,
-    rhs.dtype,
-    lhs_quantized=lhs_quantized,
-    rhs_quantized=quantized,
-    narrow_dot=narrow_dot,
-    scales_allow_narrow=not scales_on_k,
-    scales_requirement=" and per-output-column rhs scales (not scales_on_k)",
-  )
   upcast = quantized and not narrow_dot
   # NOTE: the weights the dot reads, prepared once per group load: upcast (quantized) and/or
   # transposed to [tn, k] (rows_stationary with [k, tn] blocks). Otherwise it reads the slot.
@@ -438,11 +458,6 @@ def gmm_rowtile_pallas(
     s_block = (1, k) if transpose_rhs else (k, 1)
   else:
     s_block = (1, tn)
-  want = (num_local_groups, *s_block) if scales_on_k else (num_local_groups, 1, n)
-  if quantized and tuple(rhs_scales.shape) != want:
-    raise ValueError(f"rhs_scales has shape {tuple(rhs_scales.shape)}, expected {want}.")
-  if lhs_quantized and tuple(lhs_scales.shape) != (m, 1):
-    raise ValueError(f"lhs_scales has shape {tuple(lhs_scales.shape)}, expected {(m, 1)}.")
   groups = metadata.make_tile_groups(
     group_sizes=group_sizes,
     group_offset=group_offset,
@@ -461,6 +476,7 @@ def gmm_rowtile_pallas(
     group_offset.reshape((1,)),
   )
   has_existing = existing_out is not None
+  present = (True, True, quantized, lhs_quantized, has_existing)
   w_block = (tn, k) if transpose_rhs else (k, tn)
   prep_block = (tn, k) if rows_stationary else w_block
   # NOTE: rhs blocks are [k, tn], or [tn, k] when transposed; contract lhs's k with rhs's k. With
@@ -471,14 +487,11 @@ def gmm_rowtile_pallas(
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
 
   def kernel(offsets_ref, first_ref, last_ref, rank_ref, load_ref, nloads_ref, goff_ref, *refs):
-    refs = list(refs)
-    scratch = [refs.pop() for _ in range(2 + quantized + prepare)][::-1]
-    counts_ref = refs.pop() if count_rows else None
-    out_ref = refs.pop()
-    lhs_ref, rhs_hbm = refs[0], refs[1]
-    scales_hbm = refs[2] if quantized else None
-    lhs_scales_ref = refs[2 + quantized] if lhs_quantized else None
-    existing_ref = refs[2 + quantized + lhs_quantized] if has_existing else None
+    ins, outs, scratch = common.split_refs(
+      refs, inputs=present, outputs=1 + count_rows, scratch=2 + quantized + prepare
+    )
+    lhs_ref, rhs_hbm, scales_hbm, lhs_scales_ref, existing_ref = ins
+    out_ref, counts_ref = outs[0], (outs[1] if count_rows else None)
     w_vmem, sems = scratch[0], scratch[1]
     s_vmem = scratch[2] if quantized else None
     w_prep = scratch[-1] if prepare else None
@@ -626,70 +639,47 @@ def gmm_rowtile_pallas(
   def out_map(n_i, t, *_):
     return t, n_i
 
-  in_specs = [pl.BlockSpec((tm, k), lhs_map), pl.BlockSpec(memory_space=pl.ANY)]
-  operands = [lhs, rhs]
-  if quantized:
-    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    operands.append(rhs_scales.astype(jnp.float32))
-  if lhs_quantized:
-    in_specs.append(pl.BlockSpec((tm, 1), lhs_map))
-    operands.append(lhs_scales.astype(jnp.float32))
-  if has_existing:
-    in_specs.append(pl.BlockSpec((tm, tn), out_map))
-    operands.append(existing_out)
-  out_bytes = m * n * jnp.dtype(out_dtype).itemsize
-  cost = pl.CostEstimate(
-    flops=2 * m * k * n,
-    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
-    + rhs.size * rhs.dtype.itemsize
-    + out_bytes * (2 if has_existing else 1),
-    transcendentals=0,
+  # NOTE: rhs and its scales stay in HBM; the kernel DMAs each group's blocks itself.
+  operands, in_specs = common.present_operands(
+    (lhs, pl.BlockSpec((tm, k), lhs_map)),
+    (rhs, pl.BlockSpec(memory_space=pl.ANY)),
+    (_f32(rhs_scales), pl.BlockSpec(memory_space=pl.ANY)),
+    (_f32(lhs_scales), pl.BlockSpec((tm, 1), lhs_map)),
+    (existing_out, pl.BlockSpec((tm, tn), out_map)),
   )
-  out_shape = common.out_struct(
-    (m, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out, rhs_scales, lhs_scales
+  # NOTE: m-tiles run in order (a group's weights stay in their slot across tiles, and the next
+  # load is started a group ahead). Without `sequential_sweeps` each n-tile restarts its load
+  # sequence, so n-tiles are independent and may be split across TensorCores; with it a load
+  # crosses n-tiles, so they must run in order on one core.
+  return common.call_kernel(
+    kernel,
+    name="pallas_moe_gmm_rowtile",
+    grid=(tiles_n, tiles_m),
+    prefetch=prefetch,
+    operands=operands,
+    in_specs=in_specs,
+    out_spec=pl.BlockSpec((tm, tn), out_map),
+    scratch_shapes=[
+      pltpu.VMEM((2, *w_block), rhs.dtype),
+      pltpu.SemaphoreType.DMA((4 if quantized else 2,)),
+    ]
+    + ([pltpu.VMEM((2, *s_block), jnp.float32)] if quantized else [])
+    + ([pltpu.VMEM(prep_block, compute_dtype if upcast else rhs.dtype)] if prepare else []),
+    dimension_semantics=("arbitrary", "arbitrary")
+    if sequential_sweeps
+    else ("parallel", "arbitrary"),
+    vmem_limit_bytes=vmem_limit_bytes,
+    interpret=interpret,
+    **_result_and_cost(
+      lhs,
+      rhs,
+      rhs_scales,
+      lhs_scales,
+      existing_out,
+      (group_sizes, group_offset),
+      n=n,
+      out_dtype=out_dtype,
+      tiles_n=tiles_n,
+    ),
+    counts_shape=(tiles_n, tiles_m, 2) if count_rows else None,
   )
-  out_shapes = [out_shape]
-  out_specs = [pl.BlockSpec((tm, tn), out_map)]
-  if count_rows:
-    out_shapes.append(jax.ShapeDtypeStruct((tiles_n, tiles_m, 2), jnp.int32))
-    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-
-  def build(interpret):
-    return pl.pallas_call(
-      kernel,
-      out_shape=out_shapes if count_rows else out_shape,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(prefetch),
-        in_specs=in_specs,
-        out_specs=out_specs if count_rows else out_specs[0],
-        grid=(tiles_n, tiles_m),
-        scratch_shapes=[
-          pltpu.VMEM((2, *w_block), rhs.dtype),
-          pltpu.SemaphoreType.DMA((4 if quantized else 2,)),
-        ]
-        + ([pltpu.VMEM((2, *s_block), jnp.float32)] if quantized else [])
-        + ([pltpu.VMEM(prep_block, compute_dtype if upcast else rhs.dtype)] if prepare else []),
-      ),
-      # NOTE: m-tiles run in order (a group's weights stay in their slot across tiles, and the
-      # next load is started a group ahead). Without `sequential_sweeps` each n-tile restarts
-      # its load sequence, so n-tiles are independent and may be split across TensorCores; with
-      # it a load crosses n-tiles, so they must run in order on one core.
-      compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("arbitrary", "arbitrary")
-        if sequential_sweeps
-        else ("parallel", "arbitrary"),
-        vmem_limit_bytes=vmem_limit_bytes,
-      ),
-      # NOTE: as in gmm_pallas: alias existing_out only when compiled (simulator padding issue).
-      input_output_aliases={len(prefetch) + len(operands) - 1: 0}
-      if has_existing and not interpret
-      else {},
-      cost_estimate=cost,
-      interpret=interpret,
-      name="pallas_moe_gmm_rowtile",
-    )
-
-  if count_rows:
-    common.check_instrumented(interpret)
-    return build(interpret)(*prefetch, *operands)
-  return common.run_kernel(build, interpret, *prefetch, *operands)

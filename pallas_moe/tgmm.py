@@ -38,6 +38,23 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_moe import common, metadata
 
+
+def _bytes_accessed(
+  lhs, rhs, lhs_scales, rhs_scales, *, num_groups, out_dtype, tiles, has_existing
+):
+  """HBM bytes a tgmm call reads and writes, for XLA's cost estimate: lhs and its scales once per
+  n-tile, rhs and its scales once per k-tile, the output (and existing_out) once."""
+  tiles_k, tiles_n = tiles
+  k, n = lhs.shape[0], rhs.shape[1]
+  return (
+    lhs.size * lhs.dtype.itemsize * tiles_n
+    + rhs.size * rhs.dtype.itemsize * tiles_k
+    + (lhs_scales.size * 4 * tiles_n if lhs_scales is not None else 0)
+    + (rhs_scales.size * 4 * tiles_k if rhs_scales is not None else 0)
+    + num_groups * k * n * jnp.dtype(out_dtype).itemsize * (2 if has_existing else 1)
+  )
+
+
 # ------------------------------------------------------------------------------------------------
 # Visit schedule: one grid step per k-tile, n-tile and (group, m-tile) visit.
 # ------------------------------------------------------------------------------------------------
@@ -94,9 +111,7 @@ def tgmm_pallas(
   k, m = lhs.shape
   n = rhs.shape[1]
   tm, tk, tn = tiling
-  sub_m = tm if sub_m is None else sub_m
-  if tm % sub_m:
-    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
+  sub_m = common.check_sub_m(sub_m, tm)
   tiles_k, tiles_n = metadata.cdiv(k, tk), metadata.cdiv(n, tn)
   lhs_q, rhs_q = lhs_scales is not None, rhs_scales is not None
   # NOTE: a per-channel scale ([k, 1] of lhs, [1, n] of rhs) is constant along the contraction m
@@ -140,15 +155,11 @@ def tgmm_pallas(
   has_existing = existing_out is not None
 
   def kernel(offsets_ref, group_ref, tile_ref, active_ref, goff_ref, *refs):
-    refs = list(refs)
-    rows_ref = refs.pop(-2) if count_rows else None
-    lhs_s_ref = refs.pop(2) if lhs_q else None
-    rhs_s_ref = refs.pop(2) if rhs_q else None
-    if has_existing:
-      lhs_ref, rhs_ref, existing_ref, out_ref, acc_ref = refs
-    else:
-      lhs_ref, rhs_ref, out_ref, acc_ref = refs
-      existing_ref = None
+    ins, outs, (acc_ref,) = common.split_refs(
+      refs, inputs=(True, True, lhs_q, rhs_q, has_existing), outputs=1 + count_rows, scratch=1
+    )
+    lhs_ref, rhs_ref, lhs_s_ref, rhs_s_ref, existing_ref = ins
+    out_ref, rows_ref = outs[0], (outs[1] if count_rows else None)
     k_i, n_i, visit = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_visits = pl.num_programs(2)
     group = group_ref[visit]
@@ -248,75 +259,58 @@ def tgmm_pallas(
   def rhs_token_map(k_i, n_i, visit, offsets, group, tile, active, goff):
     return tile[visit], 0
 
-  in_specs = [pl.BlockSpec((tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map)]
-  operands = [lhs, rhs]
-  if lhs_q:
-    spec = (
-      pl.BlockSpec((1, tm), lhs_token_map) if lhs_token else pl.BlockSpec((tk, 1), lhs_chan_map)
-    )
-    in_specs.append(spec)
-    operands.append(lhs_scales.astype(jnp.float32))
-  if rhs_q:
-    spec = (
-      pl.BlockSpec((tm, 1), rhs_token_map) if rhs_token else pl.BlockSpec((1, tn), rhs_chan_map)
-    )
-    in_specs.append(spec)
-    operands.append(rhs_scales.astype(jnp.float32))
-  if has_existing:
-    in_specs.append(pl.BlockSpec((None, tk, tn), out_map))
-    operands.append(existing_out)
+  f32 = lambda s: None if s is None else s.astype(jnp.float32)  # noqa: E731
+  operands, in_specs = common.present_operands(
+    (lhs, pl.BlockSpec((tk, tm), lhs_map)),
+    (rhs, pl.BlockSpec((tm, tn), rhs_map)),
+    (
+      f32(lhs_scales),
+      pl.BlockSpec((1, tm), lhs_token_map) if lhs_token else pl.BlockSpec((tk, 1), lhs_chan_map),
+    ),
+    (
+      f32(rhs_scales),
+      pl.BlockSpec((tm, 1), rhs_token_map) if rhs_token else pl.BlockSpec((1, tn), rhs_chan_map),
+    ),
+    (existing_out, pl.BlockSpec((None, tk, tn), out_map)),
+  )
 
-  out_bytes = num_actual_groups * k * n * jnp.dtype(out_dtype).itemsize
-  cost = pl.CostEstimate(
+  return common.call_kernel(
+    kernel,
+    name="pallas_moe_tgmm",
+    grid=(tiles_k, tiles_n, schedule.num_visits),
+    prefetch=prefetch,
+    operands=operands,
+    in_specs=in_specs,
+    out_shape=common.out_struct(
+      (num_actual_groups, k, n),
+      out_dtype,
+      lhs,
+      rhs,
+      group_sizes,
+      group_offset,
+      existing_out,
+      lhs_scales,
+      rhs_scales,
+    ),
+    out_spec=pl.BlockSpec((None, tk, tn), out_map),
+    scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+    dimension_semantics=("parallel", "parallel", "arbitrary"),
+    vmem_limit_bytes=vmem_limit_bytes,
     flops=2 * m * k * n,
-    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
-    + rhs.size * rhs.dtype.itemsize * tiles_k
-    + (lhs_scales.size * 4 * tiles_n if lhs_q else 0)
-    + (rhs_scales.size * 4 * tiles_k if rhs_q else 0)
-    + out_bytes * (2 if has_existing else 1),
-    transcendentals=0,
+    bytes_accessed=_bytes_accessed(
+      lhs,
+      rhs,
+      lhs_scales,
+      rhs_scales,
+      num_groups=num_actual_groups,
+      out_dtype=out_dtype,
+      tiles=(tiles_k, tiles_n),
+      has_existing=has_existing,
+    ),
+    interpret=interpret,
+    counts_shape=(tiles_k, tiles_n, schedule.max_visits) if count_rows else None,
+    valid_counts=jnp.arange(schedule.max_visits) < schedule.num_visits,
   )
-  out_shape = common.out_struct(
-    (num_actual_groups, k, n),
-    out_dtype,
-    lhs,
-    rhs,
-    group_sizes,
-    group_offset,
-    existing_out,
-    lhs_scales,
-    rhs_scales,
-  )
-
-  out_shapes = [out_shape]
-  out_specs = [pl.BlockSpec((None, tk, tn), out_map)]
-  if count_rows:
-    out_shapes.append(jax.ShapeDtypeStruct((tiles_k, tiles_n, schedule.max_visits), jnp.int32))
-    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-
-  def build(interpret):
-    return pl.pallas_call(
-      kernel,
-      out_shape=out_shapes if count_rows else out_shape,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(prefetch),
-        in_specs=in_specs,
-        out_specs=out_specs if count_rows else out_specs[0],
-        grid=(tiles_k, tiles_n, schedule.num_visits),
-        scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
-      ),
-      compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=vmem_limit_bytes,
-      ),
-      cost_estimate=cost,
-      interpret=interpret,
-      name="pallas_moe_tgmm",
-    )
-
-  if count_rows:
-    return common.run_counting_rows(build, interpret, schedule, *prefetch, *operands)
-  return common.run_kernel(build, interpret, *prefetch, *operands)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -374,9 +368,7 @@ def tgmm_rowtile_pallas(
   k, m = lhs.shape
   n = rhs.shape[1]
   tm, tk, tn = tiling
-  sub_m = tm if sub_m is None else sub_m
-  if tm % sub_m:
-    raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
+  sub_m = common.check_sub_m(sub_m, tm)
   if k % tk or n % tn:
     raise ValueError(f"tk={tk} must divide k={k} and tn={tn} divide n={n} for the row-tile tgmm.")
   tiles_k, tiles_n, tiles_m = k // tk, n // tn, metadata.cdiv(m, tm)
@@ -400,11 +392,10 @@ def tgmm_rowtile_pallas(
   has_existing = existing_out is not None
 
   def kernel(offsets_ref, first_ref, last_ref, fin_ref, goff_ref, *refs):
-    refs = list(refs)
-    counts_ref = refs.pop(-5) if count_rows else None
-    lhs_ref, rhs_ref = refs[:2]
-    existing_hbm = refs[2] if has_existing else None
-    out_hbm, acc_ref, staging, ex_vmem, sems = refs[-5:]
+    (lhs_ref, rhs_ref, existing_hbm), outs, (acc_ref, staging, ex_vmem, sems) = common.split_refs(
+      refs, inputs=(True, True, has_existing), outputs=1 + count_rows, scratch=4
+    )
+    out_hbm, counts_ref = outs[0], (outs[1] if count_rows else None)
     k_i, n_i, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row0 = t * tm
     k0 = pl.multiple_of(k_i * tk, tk)
@@ -520,59 +511,47 @@ def tgmm_rowtile_pallas(
   def rhs_map(k_i, n_i, t, *_):
     return t, n_i
 
-  in_specs = [pl.BlockSpec((tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map)]
-  operands = [lhs, rhs]
-  if has_existing:
-    in_specs.append(pl.BlockSpec(memory_space=pl.ANY))
-    operands.append(existing_out)
-  out_bytes = num_groups * k * n * jnp.dtype(out_dtype).itemsize
-  cost = pl.CostEstimate(
+  # NOTE: existing_out stays in HBM: a group's block is read only when the group is written.
+  operands, in_specs = common.present_operands(
+    (lhs, pl.BlockSpec((tk, tm), lhs_map)),
+    (rhs, pl.BlockSpec((tm, tn), rhs_map)),
+    (existing_out, pl.BlockSpec(memory_space=pl.ANY)),
+  )
+  # NOTE: m-tiles run in order (a group's partial sum crosses tiles). Without `sequential_sweeps`
+  # writes are drained at each sweep's end, so (k, n) sweeps are independent and may be split
+  # across TensorCores; with it writes cross sweeps.
+  return common.call_kernel(
+    kernel,
+    name="pallas_moe_tgmm_rowtile",
+    grid=(tiles_k, tiles_n, tiles_m),
+    prefetch=prefetch,
+    operands=operands,
+    in_specs=in_specs,
+    out_shape=common.out_struct(
+      (num_groups, k, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
+    ),
+    out_spec=pl.BlockSpec(memory_space=pl.ANY),
+    scratch_shapes=[
+      pltpu.VMEM((tn, tk) if rows_stationary else (tk, tn), jnp.float32),
+      pltpu.VMEM((2, tk, tn), out_dtype),
+      pltpu.VMEM((tk, tn), out_dtype),
+      pltpu.SemaphoreType.DMA((3,)),
+    ],
+    dimension_semantics=("arbitrary",) * 3
+    if sequential_sweeps
+    else ("parallel", "parallel", "arbitrary"),
+    vmem_limit_bytes=vmem_limit_bytes,
     flops=2 * m * k * n,
-    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
-    + rhs.size * rhs.dtype.itemsize * tiles_k
-    + out_bytes * (2 if has_existing else 1),
-    transcendentals=0,
+    bytes_accessed=_bytes_accessed(
+      lhs,
+      rhs,
+      None,
+      None,
+      num_groups=num_groups,
+      out_dtype=out_dtype,
+      tiles=(tiles_k, tiles_n),
+      has_existing=has_existing,
+    ),
+    interpret=interpret,
+    counts_shape=(tiles_k, tiles_n, tiles_m, 2) if count_rows else None,
   )
-  out_shape = common.out_struct(
-    (num_groups, k, n), out_dtype, lhs, rhs, group_sizes, group_offset, existing_out
-  )
-  out_shapes = [out_shape]
-  out_specs = [pl.BlockSpec(memory_space=pl.ANY)]
-  if count_rows:
-    out_shapes.append(jax.ShapeDtypeStruct((tiles_k, tiles_n, tiles_m, 2), jnp.int32))
-    out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
-
-  def build(interpret):
-    return pl.pallas_call(
-      kernel,
-      out_shape=out_shapes if count_rows else out_shape,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=len(prefetch),
-        in_specs=in_specs,
-        out_specs=out_specs if count_rows else out_specs[0],
-        grid=(tiles_k, tiles_n, tiles_m),
-        scratch_shapes=[
-          pltpu.VMEM((tn, tk) if rows_stationary else (tk, tn), jnp.float32),
-          pltpu.VMEM((2, tk, tn), out_dtype),
-          pltpu.VMEM((tk, tn), out_dtype),
-          pltpu.SemaphoreType.DMA((3,)),
-        ],
-      ),
-      # NOTE: m-tiles run in order (a group's partial sum crosses tiles). Without
-      # `sequential_sweeps` writes are drained at each sweep's end, so (k, n) sweeps are
-      # independent and may be split across TensorCores; with it writes cross sweeps.
-      compiler_params=pltpu.CompilerParams(
-        dimension_semantics=("arbitrary",) * 3
-        if sequential_sweeps
-        else ("parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=vmem_limit_bytes,
-      ),
-      cost_estimate=cost,
-      interpret=interpret,
-      name="pallas_moe_tgmm_rowtile",
-    )
-
-  if count_rows:
-    common.check_instrumented(interpret)
-    return build(interpret)(*prefetch, *operands)
-  return common.run_kernel(build, interpret, *prefetch, *operands)
