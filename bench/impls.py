@@ -607,10 +607,16 @@ def _local_groups(ctx: StepContext) -> tuple[np.ndarray, np.ndarray]:
   return offsets[goff : goff + num_local], offsets[goff + 1 : goff + num_local + 1]
 
 
+def _first_active_tile(ctx: StepContext) -> int:
+  """The m-tile of a row-tile kernel's first m step (`metadata.TileGroups.active_tiles`)."""
+  return int(np.asarray(ctx.index_operands[-2]).reshape(-1)[0])
+
+
 def _rowtile_hits(ctx: StepContext, *, tm: int, sub_m: int) -> np.ndarray:
   """Per step: the sub-blocks multiplied."""
   starts, ends = _local_groups(ctx)
-  tile = ctx.program_ids[-1]
+  # NOTE: the grid's m axis walks only the visited tiles, from the first active one.
+  tile = ctx.program_ids[-1] + _first_active_tile(ctx)
   lo = tile[:, None] * tm
   sub_lo = lo[:, :, None] + np.arange(0, tm, sub_m)[None, None, :]  # [steps, 1, subs]
   # NOTE: as in the kernels: group g multiplies each sub-block of the tile meeting [start, end).
@@ -629,6 +635,9 @@ def rowtile_hooks(
   sequential_sweeps: bool,
   itemsize: int = 2,
   block_bytes: int | None = None,
+  rows: int | None = None,
+  out_cols: int | None = None,
+  out_itemsize: int = 2,
 ):
   """Cost-model hooks of the row-tile kernels, from their prefetched schedule.
 
@@ -650,19 +659,36 @@ def rowtile_hooks(
     itemsize: bytes per weight (gmm) / output (tgmm) element.
     block_bytes: bytes of one manual block (default tk * tn * itemsize); quantized weights add
       their [1, tn] f32 scales.
+    rows: gmm: the output's rows (m), for the zero fill of the unvisited tiles.
+    out_cols: gmm: the output's columns, likewise.
+    out_itemsize: gmm: bytes per output element, likewise.
 
   Returns:
-    (step_scale, step_manual_bytes).
+    (step_scale, step_manual_bytes). They also cover the gmm's `pallas_moe_zero_fill` call: no
+    MXU work, and the bytes of the unvisited tiles' rows written once.
   """
 
+  def is_fill(ctx: StepContext) -> bool:
+    return "pallas_moe_zero_fill" in ctx.name
+
   def scale(ctx: StepContext) -> np.ndarray:
+    if is_fill(ctx):
+      return np.zeros(1)
     return _rowtile_hits(ctx, tm=tm, sub_m=sub_m).astype(np.float64)
 
   def manual(ctx: StepContext) -> tuple[np.ndarray, np.ndarray]:
+    if is_fill(ctx):
+      if rows is None or out_cols is None:
+        raise ValueError("rowtile_hooks(rows=, out_cols=) are needed to model the zero fill.")
+      first, num = (int(x) for x in np.asarray(ctx.index_operands[0]).reshape(-1)[:2])
+      zero_rows = first * tm + max(0, rows - (first + num) * tm)
+      return np.full(1, float(zero_rows * out_cols * out_itemsize)), np.zeros(1)
     starts, ends = _local_groups(ctx)
+    # NOTE: in the coordinates of the visited tiles (the grid starts at the first active one).
+    shift = _first_active_tile(ctx) * tm
     return tiling_lib.rowtile_manual_dma(
-      starts=starts,
-      ends=ends,
+      starts=starts - shift,
+      ends=ends - shift,
       m=ctx.grid[-1] * tm,
       tm=tm,
       sub_m=sub_m,
@@ -756,6 +782,8 @@ def _pallas_moe_build(tiling: tuple[int, int, int] | None, schedule: str = "ops"
           tn=til[2],
           sub_m=sub_m,
           sequential_sweeps=kt.sequential_sweeps,
+          rows=m,
+          out_cols=dn,
         )
         # Tiling(fwd=) only: the single-op bench never runs the backward passes.
         tl = ops.Tiling(fwd=til, dlhs=(128, 128, 128), drhs=(128, 128, 128))
@@ -933,6 +961,8 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
         sub_m=kt.sub_m,
         sequential_sweeps=kt.sequential_sweeps,
         block_bytes=dk * tn * jnp.dtype(dtype).itemsize + (dk if dlhs else tn) * 4,
+        rows=m,
+        out_cols=dn,
       )
       return Case(
         fn=_in_generation(rowtile_fn, generation),

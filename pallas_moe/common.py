@@ -283,6 +283,7 @@ def call_kernel(
   bytes_accessed: int,
   interpret: Interpret,
   alias_last_operand: bool = False,
+  alias_when_interpreted: bool = False,
   counts_shape: tuple[int, ...] | None = None,
   valid_counts: jax.Array | None = None,
 ):
@@ -305,6 +306,8 @@ def call_kernel(
     bytes_accessed: for XLA's cost estimate.
     interpret: see `run_kernel`.
     alias_last_operand: the output reuses the last operand's buffer (existing_out) when compiled.
+    alias_when_interpreted: also in interpret mode (a kernel that leaves output blocks unwritten
+      relies on it; see the NOTE below for the simulator's ragged-block restriction).
     counts_shape: interpret-mode instrumentation (`count_rows`): the shape of an extra int32
       output in SMEM that the kernel fills with its counts; returned beside the result.
     valid_counts: with `counts_shape`, a [counts_shape[-1]] mask of the entries along the last
@@ -334,11 +337,11 @@ def call_kernel(
       compiler_params=pltpu.CompilerParams(
         dimension_semantics=dimension_semantics, vmem_limit_bytes=vmem_limit_bytes
       ),
-      # NOTE: on TPU the output reuses existing_out's HBM buffer. The TPU simulator returns the
-      # padded buffer for an aliased output with a ragged last block (jax 0.10.2), and aliasing
-      # saves nothing there, so interpret mode reads existing_out as a plain input.
+      # NOTE: on TPU the output reuses existing_out's HBM buffer. The TPU simulator rejects an
+      # aliased output with a ragged last block (jax 0.10.2), and aliasing saves nothing there,
+      # so the visit kernels read existing_out as a plain input in interpret mode.
       input_output_aliases={len(prefetch) + len(operands) - 1: 0}
-      if alias_last_operand and not interpret
+      if alias_last_operand and (alias_when_interpreted or not interpret)
       else {},
       cost_estimate=pl.CostEstimate(flops=flops, bytes_accessed=bytes_accessed, transcendentals=0),
       interpret=interpret,

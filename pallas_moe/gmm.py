@@ -7,17 +7,25 @@ module's name as a package attribute: reach the module with `from pallas_moe.gmm
 
 Two schedules compute the same thing:
 
-- `gmm_rowtile_pallas` (the default when its blocks fit VMEM): grid (tiles_n, tiles_m), one step
-  per m-tile. The Pallas pipeline fetches the [tm, k] lhs block (the whole k) and writes the
-  [tm, tn] output block of each step. rhs stays in HBM (`pl.ANY`): the step loops over the local
-  groups whose rows meet its tile (`metadata.make_tile_groups`) and multiplies only their MXU-row
-  sub-blocks. Each group's [k, tn] weight block is DMA'd into one of two VMEM slots once per
-  n-tile: a group that spans several m-tiles keeps its slot, and the next group's block is
-  fetched while the current group computes (double buffering across groups and grid steps). So
-  weights are read exactly once per n-tile, lhs once per n-tile, the output written once.
-  With `rows_stationary` each sub-block computes out^T = w^T @ x^T: the rows are the MXU's
-  stationary operand and the tn weight columns stream through it, so a tn that the MXU width does
-  not divide (1408 on v6e's 256-wide MXU) is not padded to it (1.09x fewer MXU passes there).
+- `gmm_rowtile_pallas` (the default when its blocks fit VMEM): grid (tiles_n, visited tiles), one
+  step per m-tile that holds a row of a local group. The Pallas pipeline fetches the [tm, k] lhs
+  block (the whole k) and writes the [tm, tn] output block of each step. rhs stays in HBM
+  (`pl.ANY`): the step loops over the local groups whose rows meet its tile
+  (`metadata.make_tile_groups`) and multiplies only their MXU-row sub-blocks. Each group's [k, tn]
+  weight block is DMA'd into one of two VMEM slots once per n-tile: a group that spans several
+  m-tiles keeps its slot, and the next group's block is fetched while the current group computes
+  (double buffering across groups and grid steps). So weights are read exactly once per n-tile, lhs
+  once per n-tile, the output written once. With `rows_stationary` each sub-block computes out^T =
+  w^T @ x^T: the rows are the MXU's stationary operand and the tn weight columns stream through it,
+  so a tn that the MXU width does not divide (1408 on v6e's 256-wide MXU) is not padded to it (1.09x
+  fewer MXU passes there).
+  Rows outside the visited tiles (other shards' rows; rows past sum(group_sizes), the slack of an
+  expert-parallel receive buffer) cost no grid step, no lhs fetch, no MXU pass and no output
+  write in this kernel: its output aliases a base buffer that already holds their values.
+  With `existing_out` that buffer is existing_out itself (untouched: 0 bytes; the first and
+  last visited tiles read their few foreign rows from it). Without, `_zeros_outside_active`
+  makes it: one grid step that DMAs zeros over exactly those rows, i.e. (m - visited rows) x n
+  x itemsize bytes written once at HBM bandwidth, and nothing else.
 - `gmm_pallas` (any tiles, quantized operands): grid (tiles_n, visits, tiles_k). The visit axis
   walks the schedule of `metadata.make_schedule`; k is innermost so one f32 accumulator block
   collects a visit's dot products. Every m-tile of the output is visited, so the kernel alone
@@ -96,6 +104,109 @@ def _prepare(
 def _f32(scales: jax.Array | None) -> jax.Array | None:
   """Scales as the kernels read them (f32), or None when the operand is not quantized."""
   return None if scales is None else scales.astype(jnp.float32)
+
+
+# NOTE: bytes of the zero block `_zeros_outside_active` DMAs from, and the DMAs it keeps in flight.
+_ZERO_BLOCK_BYTES = 1 << 20
+_ZERO_DMA_DEPTH = 8
+
+
+def _zeros_outside_active(active_tiles, *, rows, n, tm, dtype, interpret, vary_like):
+  """A [rows, n] buffer whose rows outside the visited m-tiles are exact zeros.
+
+  The row-tile gmm visits only the m-tiles holding local rows and writes its result into this
+  buffer (aliased), so this is how the rows of other shards' groups and the rows past
+  sum(group_sizes) (a receive buffer's slack) get their zeros: one grid step that DMAs a zeroed
+  VMEM block over those rows only. It writes exactly their bytes, once, at HBM bandwidth, and
+  leaves the visited tiles' rows unwritten (the gmm writes them).
+
+  Args:
+    active_tiles: [2] int32 (first visited m-tile, number of visited m-tiles).
+    rows: rows of the buffer.
+    n: columns.
+    tm: the gmm's m-tile.
+    dtype: element type.
+    interpret: see `common.run_kernel`.
+    vary_like: operands whose manual mesh axes the buffer varies over (shard_map).
+
+  Returns:
+    [rows, n] of `dtype`.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  # NOTE: the zero block is a divisor of the m-tile (so it never straddles a visited tile) of at
+  # most ~1 MiB, a multiple of 8 rows unless it is the whole tile.
+  chunk = tm
+  while chunk % 16 == 0 and chunk * n * itemsize > _ZERO_BLOCK_BYTES:
+    chunk //= 2
+  tiles_m = metadata.cdiv(rows, tm)
+  per_tile = tm // chunk
+  last_rows = rows - (tiles_m - 1) * tm
+  depth = _ZERO_DMA_DEPTH
+
+  def kernel(active_ref, out_hbm, zeros, sems):
+    zeros[...] = jnp.zeros_like(zeros)
+    first, num = active_ref[0], active_ref[1]
+    after = first + num  # first unvisited tile after the visited ones
+
+    def copy(row, i, size=chunk):
+      return pltpu.make_async_copy(
+        zeros.at[:size], out_hbm.at[pl.ds(row, size)], sems.at[i % depth]
+      )
+
+    # NOTE: whole-tile chunks: those of tiles 0 .. first - 1, then of tiles after .. tiles_m - 2
+    # (the last tile may be ragged: written below with its static row count).
+    num_head = first * per_tile
+    num_chunks = num_head + jnp.maximum(tiles_m - 1 - after, 0) * per_tile
+
+    def row_of(i):
+      return jnp.where(i < num_head, i, after * per_tile + i - num_head) * chunk
+
+    def issue(i, carry):
+      # NOTE: at most `depth` DMAs in flight: before reusing a semaphore, wait for the DMA that
+      # last used it (all chunks have one size, so any chunk's descriptor waits for it).
+      @pl.when(i >= depth)
+      def _wait():
+        copy(0, i - depth).wait()
+
+      copy(row_of(i), i).start()
+      return carry
+
+    def drain(i, carry):
+      copy(0, i).wait()
+      return carry
+
+    # NOTE: with a single (possibly ragged) tile there are no whole-tile chunks.
+    if tiles_m > 1:
+      lax.fori_loop(0, num_chunks, issue, 0)
+      lax.fori_loop(jnp.maximum(num_chunks - depth, 0), num_chunks, drain, 0)
+
+    @pl.when(after <= tiles_m - 1)
+    def _last_tile():
+      row0 = (tiles_m - 1) * tm
+      sizes = [chunk] * (last_rows // chunk) + ([last_rows % chunk] if last_rows % chunk else [])
+      copies = [copy(row0 + j * chunk, j, size) for j, size in enumerate(sizes)]
+      for j in range(0, len(copies), depth):
+        for c in copies[j : j + depth]:
+          c.start()
+        for c in copies[j : j + depth]:
+          c.wait()
+
+  return common.call_kernel(
+    kernel,
+    name="pallas_moe_zero_fill",
+    grid=(1,),
+    prefetch=(active_tiles,),
+    operands=[],
+    in_specs=[],
+    out_shape=common.out_struct((rows, n), dtype, active_tiles, *vary_like),
+    out_spec=pl.BlockSpec(memory_space=pl.ANY),
+    scratch_shapes=[pltpu.VMEM((chunk, n), dtype), pltpu.SemaphoreType.DMA((depth,))],
+    dimension_semantics=("arbitrary",),
+    vmem_limit_bytes=None,
+    flops=0,
+    bytes_accessed=rows * n * itemsize,
+    interpret=interpret,
+  )
 
 
 def _result_and_cost(
@@ -473,10 +584,28 @@ def gmm_rowtile_pallas(
     groups.load_rank,
     groups.load_group,
     groups.num_loads,
+    groups.active_tiles,
     group_offset.reshape((1,)),
   )
   has_existing = existing_out is not None
-  present = (True, True, quantized, lhs_quantized, has_existing)
+  # NOTE: padded only for the TPU simulator, whose aliased outputs must not have a ragged last
+  # block (jax 0.10.2: "Out-of-bounds block index"); the result is sliced back to m rows.
+  out_rows = tiles_m * tm if isinstance(interpret, pltpu.InterpretParams) else m
+  if has_existing:
+    base = existing_out
+    if out_rows != m:
+      base = jnp.pad(existing_out, ((0, out_rows - m), (0, 0)))
+  else:
+    base = _zeros_outside_active(
+      groups.active_tiles,
+      rows=out_rows,
+      n=n,
+      tm=tm,
+      dtype=out_dtype,
+      interpret=interpret,
+      vary_like=(lhs, rhs, group_sizes, group_offset, rhs_scales, lhs_scales),
+    )
+  present = (True, True, quantized, lhs_quantized, True)
   w_block = (tn, k) if transpose_rhs else (k, tn)
   prep_block = (tn, k) if rows_stationary else w_block
   # NOTE: rhs blocks are [k, tn], or [tn, k] when transposed; contract lhs's k with rhs's k. With
@@ -486,16 +615,19 @@ def gmm_rowtile_pallas(
   else:
     dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
 
-  def kernel(offsets_ref, first_ref, last_ref, rank_ref, load_ref, nloads_ref, goff_ref, *refs):
+  def kernel(
+    offsets_ref, first_ref, last_ref, rank_ref, load_ref, nloads_ref, active_ref, goff_ref, *refs
+  ):
     ins, outs, scratch = common.split_refs(
       refs, inputs=present, outputs=1 + count_rows, scratch=2 + quantized + prepare
     )
-    lhs_ref, rhs_hbm, scales_hbm, lhs_scales_ref, existing_ref = ins
+    lhs_ref, rhs_hbm, scales_hbm, lhs_scales_ref, base_hbm = ins
     out_ref, counts_ref = outs[0], (outs[1] if count_rows else None)
     w_vmem, sems = scratch[0], scratch[1]
     s_vmem = scratch[2] if quantized else None
     w_prep = scratch[-1] if prepare else None
-    n_i, t = pl.program_id(0), pl.program_id(1)
+    # NOTE: the grid visits only the tiles holding local rows (`active_tiles`); t is the m-tile.
+    n_i, t = pl.program_id(0), active_ref[0] + pl.program_id(1)
     row0 = t * tm
 
     def slot_of(rank, sweep):
@@ -532,11 +664,32 @@ def gmm_rowtile_pallas(
         c.wait()
 
     # NOTE: the output block starts as existing_out (or zeros); each group overwrites its rows.
-    # Rows of other shards' groups and rows past sum(group_sizes) keep this value.
-    if existing_ref is None:
-      out_ref[...] = jnp.zeros_like(out_ref)
-    else:
-      out_ref[...] = existing_ref[...]
+    # Rows of other shards' groups and rows past sum(group_sizes) keep this value. Only the first
+    # and last visited tiles can hold such rows (the local rows are contiguous); unvisited tiles
+    # keep the aliased base buffer: existing_out, or zeros written by `_zeros_outside_active`.
+    out_ref[...] = jnp.zeros_like(out_ref)
+    if has_existing:
+      rows_start = offsets_ref[goff_ref[0]]
+      rows_end = offsets_ref[goff_ref[0] + num_local_groups]
+      col = pl.multiple_of(n_i * tn, tn)
+
+      def read_base(rows):
+        # NOTE: existing_out's rows of this tile, DMA'd from the aliased buffer before the
+        # pipeline writes the tile back; a ragged last tile reads its static row count.
+        src = base_hbm.at[pl.ds(row0, rows), common.window(col, tn, n)]
+        copy = pltpu.make_async_copy(src, out_ref.at[:rows], sems.at[2 + 2 * quantized])
+        copy.start()
+        copy.wait()
+
+      partial = (row0 < rows_start) | (row0 + tm > rows_end)
+      last_rows = out_rows - (tiles_m - 1) * tm
+      if last_rows == tm:
+        pl.when(partial)(lambda: read_base(tm))
+      else:
+        # NOTE: a single tile larger than m has only the ragged read.
+        if tiles_m > 1:
+          pl.when(partial & (t < tiles_m - 1))(lambda: read_base(tm))
+        pl.when(partial & (t == tiles_m - 1))(lambda: read_base(last_rows))
     if counts_ref is not None:
       counts_ref[n_i, t, 0] = 0
       counts_ref[n_i, t, 1] = 0
@@ -632,36 +785,56 @@ def gmm_rowtile_pallas(
 
     lax.fori_loop(first_ref[t], last_ref[t] + 1, group_body, 0)
 
-  # Index maps get (n_i, t, *prefetch refs).
-  def lhs_map(n_i, t, *_):
-    return t, 0
+  # Index maps get (n_i, step, *prefetch refs).
+  def lhs_map(n_i, step, offsets, first, last, rank, load, nloads, active, goff):
+    # NOTE: step s of an n-tile is m-tile active[0] + s: unvisited tiles are never fetched.
+    return active[0] + step, 0
 
-  def out_map(n_i, t, *_):
-    return t, n_i
+  def out_map(n_i, step, offsets, first, last, rank, load, nloads, active, goff):
+    return active[0] + step, n_i
 
-  # NOTE: rhs and its scales stay in HBM; the kernel DMAs each group's blocks itself.
+  # NOTE: rhs and its scales stay in HBM; the kernel DMAs each group's blocks itself. The base
+  # (last operand) is the output's buffer (aliased); the kernel only reads existing_out from it.
   operands, in_specs = common.present_operands(
     (lhs, pl.BlockSpec((tm, k), lhs_map)),
     (rhs, pl.BlockSpec(memory_space=pl.ANY)),
     (_f32(rhs_scales), pl.BlockSpec(memory_space=pl.ANY)),
     (_f32(lhs_scales), pl.BlockSpec((tm, 1), lhs_map)),
-    (existing_out, pl.BlockSpec((tm, tn), out_map)),
+    (base, pl.BlockSpec(memory_space=pl.ANY)),
   )
   # NOTE: m-tiles run in order (a group's weights stay in their slot across tiles, and the next
   # load is started a group ahead). Without `sequential_sweeps` each n-tile restarts its load
   # sequence, so n-tiles are independent and may be split across TensorCores; with it a load
   # crosses n-tiles, so they must run in order on one core.
-  return common.call_kernel(
+  result_and_cost = _result_and_cost(
+    lhs,
+    rhs,
+    rhs_scales,
+    lhs_scales,
+    existing_out,
+    (group_sizes, group_offset),
+    n=n,
+    out_dtype=out_dtype,
+    tiles_n=tiles_n,
+  )
+  result_and_cost["out_shape"] = common.out_struct(
+    (out_rows, n), out_dtype, lhs, rhs, group_sizes, group_offset, base, rhs_scales, lhs_scales
+  )
+  result_and_cost["alias_last_operand"] = True
+  result_and_cost["alias_when_interpreted"] = True
+  visited = jnp.arange(tiles_m) - groups.active_tiles[0]
+  out = common.call_kernel(
     kernel,
     name="pallas_moe_gmm_rowtile",
-    grid=(tiles_n, tiles_m),
+    grid=(tiles_n, groups.active_tiles[1]),
     prefetch=prefetch,
     operands=operands,
     in_specs=in_specs,
     out_spec=pl.BlockSpec((tm, tn), out_map),
     scratch_shapes=[
       pltpu.VMEM((2, *w_block), rhs.dtype),
-      pltpu.SemaphoreType.DMA((4 if quantized else 2,)),
+      # NOTE: two weight slots (+ two scale slots), and one for reading existing_out.
+      pltpu.SemaphoreType.DMA((5 if quantized else 3,)),
     ]
     + ([pltpu.VMEM((2, *s_block), jnp.float32)] if quantized else [])
     + ([pltpu.VMEM(prep_block, compute_dtype if upcast else rhs.dtype)] if prepare else []),
@@ -670,16 +843,13 @@ def gmm_rowtile_pallas(
     else ("parallel", "arbitrary"),
     vmem_limit_bytes=vmem_limit_bytes,
     interpret=interpret,
-    **_result_and_cost(
-      lhs,
-      rhs,
-      rhs_scales,
-      lhs_scales,
-      existing_out,
-      (group_sizes, group_offset),
-      n=n,
-      out_dtype=out_dtype,
-      tiles_n=tiles_n,
-    ),
+    **result_and_cost,
     counts_shape=(tiles_n, tiles_m, 2) if count_rows else None,
+    # NOTE: counters of unvisited tiles are never written (and those tiles did no work).
+    valid_counts=((visited >= 0) & (visited < groups.active_tiles[1]))[:, None],
   )
+  if out_rows == m:
+    return out
+  if count_rows:
+    return out[0][:m], out[1]
+  return out[:m]

@@ -234,6 +234,8 @@ class TileGroups:
     num_loads: [1] gmm: number of non-empty local groups.
     finalize_tile: [num_local_groups] tgmm: the m-tile in whose step the group's weight gradient
       is complete and written out.
+    active_tiles: [2] (first m-tile, number of m-tiles) the kernel's grid visits: the tiles that
+      hold a row of a local group, or, when the shard has none, the one tile of its position.
   """
 
   group_offsets: jax.Array
@@ -243,6 +245,7 @@ class TileGroups:
   load_group: jax.Array
   num_loads: jax.Array
   finalize_tile: jax.Array
+  active_tiles: jax.Array
 
 
 def make_tile_groups(
@@ -280,20 +283,36 @@ def make_tile_groups(
   nonempty = ends > starts
   tile_lo = jnp.arange(tiles_m, dtype=jnp.int32) * tm
   tile_hi = jnp.minimum(tile_lo + tm, m)
+  # NOTE: the local groups' rows are one contiguous range [starts[0], ends[-1]); only the tiles
+  # meeting it hold work. Tiles before it (other shards' rows) and after it (other shards' rows,
+  # rows past sum(group_sizes): a receive buffer's slack) are not visited at all: no grid step,
+  # no lhs fetch, no MXU pass, no output write.
+  rows_start, rows_end = starts[0], ends[-1]
+  any_rows = rows_end > rows_start
+  first_active = jnp.where(any_rows, rows_start // tm, 0)
+  num_active = jnp.where(any_rows, (rows_end - 1) // tm - first_active + 1, 0)
+  # NOTE: with no rows the kernels still visit one tile, the one holding the shard's (empty)
+  # position, clamped into the grid: tgmm must write its empty groups there, and a grid with no
+  # step at all leaves an aliased output undefined in interpret mode.
+  first_active = jnp.where(any_rows, first_active, jnp.minimum(rows_start // tm, tiles_m - 1))
+  num_active = jnp.maximum(num_active, 1)
+  last_active = first_active + num_active - 1
   # NOTE: local starts and ends are sorted, so "groups with start < hi" and "groups with end <= lo"
   # are prefixes; searchsorted gives their lengths.
   starts_before_hi = jnp.searchsorted(starts, tile_hi, side="left").astype(jnp.int32)
   if finalize_empty_groups:
     # NOTE: a non-empty group is complete in the tile of its last row; an empty one is written in
-    # the tile of its (empty) position, clamped into the grid (a position of m is past the last
-    # tile). Both are non-decreasing in g, so finalization happens in group order.
+    # the tile of its (empty) position, clamped into the visited tiles (a position of m is past
+    # the last tile). Both are non-decreasing in g, so finalization happens in group order.
     finalize_tile = jnp.where(nonempty, (ends - 1) // tm, starts // tm)
-    finalize_tile = jnp.clip(finalize_tile, 0, tiles_m - 1).astype(jnp.int32)
+    # NOTE: empty groups at the range's end (position rows_end, possibly the first row of the
+    # next tile) are written in the last visited tile.
+    finalize_tile = jnp.clip(finalize_tile, first_active, last_active).astype(jnp.int32)
     # NOTE: groups finalized before tile t are a prefix, so the tile's first group is the first
     # one not yet finalized (it may have started in an earlier tile). The last is the last group
-    # starting before the tile's end; the last tile also takes every group left (those at m).
+    # starting before the tile's end; the last visited tile also takes every group left.
     first = jnp.searchsorted(finalize_tile, jnp.arange(tiles_m), side="left").astype(jnp.int32)
-    last = jnp.where(jnp.arange(tiles_m) == tiles_m - 1, num_local_groups - 1, starts_before_hi - 1)
+    last = jnp.where(jnp.arange(tiles_m) == last_active, num_local_groups - 1, starts_before_hi - 1)
   else:
     finalize_tile = jnp.zeros((num_local_groups,), jnp.int32)
     # NOTE: group g intersects [lo, hi) iff end > lo and start < hi; empty groups inside the range
@@ -316,6 +335,7 @@ def make_tile_groups(
     load_group=load_group,
     num_loads=num_loads.reshape((1,)),
     finalize_tile=finalize_tile,
+    active_tiles=jnp.stack([first_active, num_active]).astype(jnp.int32),
   )
 
 

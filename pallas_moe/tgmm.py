@@ -387,16 +387,18 @@ def tgmm_rowtile_pallas(
     groups.tile_first_group,
     groups.tile_last_group,
     groups.finalize_tile,
+    groups.active_tiles,
     group_offset.reshape((1,)),
   )
   has_existing = existing_out is not None
 
-  def kernel(offsets_ref, first_ref, last_ref, fin_ref, goff_ref, *refs):
+  def kernel(offsets_ref, first_ref, last_ref, fin_ref, active_ref, goff_ref, *refs):
     (lhs_ref, rhs_ref, existing_hbm), outs, (acc_ref, staging, ex_vmem, sems) = common.split_refs(
       refs, inputs=(True, True, has_existing), outputs=1 + count_rows, scratch=4
     )
     out_hbm, counts_ref = outs[0], (outs[1] if count_rows else None)
-    k_i, n_i, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # NOTE: the grid visits only the tiles holding local rows (`active_tiles`); t is the m-tile.
+    k_i, n_i, t = pl.program_id(0), pl.program_id(1), active_ref[0] + pl.program_id(2)
     row0 = t * tm
     k0 = pl.multiple_of(k_i * tk, tk)
     n0 = pl.multiple_of(n_i * tn, tn)
@@ -490,7 +492,7 @@ def tgmm_rowtile_pallas(
 
     # NOTE: every group is finalized by the last tile; drain the (at most two) writes in flight
     # so that no DMA is pending when the sweep (or, with `sequential_sweeps`, the grid) ends.
-    last = t == tiles_m - 1
+    last = pl.program_id(2) == pl.num_programs(2) - 1
     if sequential_sweeps:
       last = last & (sweep == tiles_k * tiles_n - 1)
 
@@ -504,12 +506,13 @@ def tgmm_rowtile_pallas(
         if in_flight - back >= 0:
           out_copy((sweep + 1) * num_groups - back).wait()
 
-  # Index maps get (k_i, n_i, t, *prefetch refs).
-  def lhs_map(k_i, n_i, t, *_):
-    return k_i, t
+  # Index maps get (k_i, n_i, step, *prefetch refs).
+  def lhs_map(k_i, n_i, step, offsets, first, last, fin, active, goff):
+    # NOTE: step s of a (k, n) sweep is m-tile active[0] + s: unvisited tiles are never fetched.
+    return k_i, active[0] + step
 
-  def rhs_map(k_i, n_i, t, *_):
-    return t, n_i
+  def rhs_map(k_i, n_i, step, offsets, first, last, fin, active, goff):
+    return active[0] + step, n_i
 
   # NOTE: existing_out stays in HBM: a group's block is read only when the group is written.
   operands, in_specs = common.present_operands(
@@ -517,13 +520,14 @@ def tgmm_rowtile_pallas(
     (rhs, pl.BlockSpec((tm, tn), rhs_map)),
     (existing_out, pl.BlockSpec(memory_space=pl.ANY)),
   )
+  visited = jnp.arange(tiles_m) - groups.active_tiles[0]
   # NOTE: m-tiles run in order (a group's partial sum crosses tiles). Without `sequential_sweeps`
   # writes are drained at each sweep's end, so (k, n) sweeps are independent and may be split
   # across TensorCores; with it writes cross sweeps.
   return common.call_kernel(
     kernel,
     name="pallas_moe_tgmm_rowtile",
-    grid=(tiles_k, tiles_n, tiles_m),
+    grid=(tiles_k, tiles_n, groups.active_tiles[1]),
     prefetch=prefetch,
     operands=operands,
     in_specs=in_specs,
@@ -554,4 +558,6 @@ def tgmm_rowtile_pallas(
     ),
     interpret=interpret,
     counts_shape=(tiles_k, tiles_n, tiles_m, 2) if count_rows else None,
+    # NOTE: counters of unvisited tiles are never written (and those tiles did no work).
+    valid_counts=((visited >= 0) & (visited < groups.active_tiles[1]))[:, None],
   )

@@ -117,20 +117,37 @@ def _pallas_calls(compiled) -> int:
   return compiled.as_text().count('custom_call_target="tpu_custom_call"')
 
 
+def _calls_named(compiled, name: str) -> int:
+  """Kernel launches (custom-call lines) of the kernel `name`: the first kernel name on the line
+  (a gmm's line also names the zero fill whose output it aliases)."""
+  return sum(
+    'custom_call_target="tpu_custom_call"' in line
+    and re.findall(r"pallas_moe_\w+", line)[:1] == [name]
+    for line in compiled.as_text().splitlines()
+  )
+
+
+def _kernels_and_fills(compiled) -> int:
+  """Launches other than zero fills; checks each row-tile gmm has its zero fill."""
+  fills = _calls_named(compiled, "pallas_moe_zero_fill")
+  assert fills == _calls_named(compiled, "pallas_moe_gmm_rowtile")
+  return _pallas_calls(compiled) - fills
+
+
 @pytest.mark.parametrize("gen, shape_name", CASES)
 def test_grad_compiles(gen, shape_name):
   shape = SHAPES[shape_name]
   args = _args(gen, shape, "grad")
   if (gen, shape_name) not in HBM_TOO_SMALL:
     compiled = _compile(gen, _grad, *args)
-    # fwd gmm, dlhs gmm, drhs tgmm.
-    assert _pallas_calls(compiled) == 3
+    # fwd gmm, dlhs gmm (a row-tile gmm with the zero fill of its unvisited tiles), drhs tgmm.
+    assert _kernels_and_fills(compiled) == 3
     return
   with pytest.raises(jax.errors.JaxRuntimeError, match=r"RESOURCE_EXHAUSTED.*on HBM") as e:
     _compile(gen, _grad, *args)
   assert "vmem" not in str(e.value).lower()
   # The backward kernels on their own, with the tiles the grad picks (same dims and dtypes).
-  assert _pallas_calls(_compile(gen, _dlhs, *_args(gen, shape, "dlhs"))) == 1
+  assert _kernels_and_fills(_compile(gen, _dlhs, *_args(gen, shape, "dlhs"))) == 1
   assert _pallas_calls(_compile(gen, _tgmm, *_args(gen, shape, "tgmm"))) == 1
 
 
@@ -157,7 +174,7 @@ def test_grad_compiles_for_odd_shapes(gen, dims, transpose_rhs):
   compiled = _compile(
     gen, jax.grad(loss, argnums=(0, 1)), _sds(gen, m, k), w, _sds(gen, g, dtype=jnp.int32)
   )
-  assert _pallas_calls(compiled) == 3
+  assert _kernels_and_fills(compiled) == 3
 
 
 @pytest.mark.parametrize("gen", ["v5e", "v6e"])
@@ -185,7 +202,8 @@ def test_use_generation_picks_that_generations_tiles(gen):
       jax.ShapeDtypeStruct((g,), jnp.int32),
     )
   assert tiling.current_generation().name == "v5e"  # restored (CPU default)
-  (eqn,) = _find_pallas_calls(jaxpr.jaxpr)
+  fill, eqn = _find_pallas_calls(jaxpr.jaxpr)  # the zero fill of the unvisited tiles, the gmm
+  assert fill.params["name"] == "pallas_moe_zero_fill"
   lhs_block = eqn.params["grid_mapping"].block_mappings[0].block_shape
   out_block = eqn.params["grid_mapping"].block_mappings[-1].block_shape
   got = (_dim(lhs_block[0]), _dim(lhs_block[1]), _dim(out_block[1]))

@@ -279,13 +279,15 @@ def test_rowtile_kernels_have_no_races(capfd, sequential, stationary):
 
   NOTE: without the count_rows instrumentation: its SMEM output is per core in the simulator.
   """
-  sizes = np.array([13, 0, 7, 30, 0, 17], np.int32)
+  # NOTE: a shard (groups 1..4, rows 13..32) in the middle of a receive buffer with slack: the
+  # kernels visit tiles 0..2 only and the zero fill writes tiles 3..4.
+  sizes = np.array([13, 0, 7, 12, 0, 3], np.int32)
   kw = dict(count=False, sequential=sequential, rows_stationary=stationary)
   with no_races_or_oob(capfd):
-    gmm_case = GMM_CASES[0][:6] + (6, 6) + GMM_CASES[0][8:]
-    check_gmm(gmm_case, sizes, 0, 3, RACE_PARAMS, **kw)
-    tgmm_case = TGMM_CASES[0][:7] + (6, 6) + TGMM_CASES[0][9:]
-    check_tgmm(tgmm_case, sizes, 0, 4, RACE_PARAMS, **kw)
+    gmm_case = GMM_CASES[0][:6] + (6, 4) + GMM_CASES[0][8:]
+    check_gmm(gmm_case, sizes, 1, 3, RACE_PARAMS, **kw)
+    tgmm_case = TGMM_CASES[0][:7] + (6, 4) + TGMM_CASES[0][9:]
+    check_tgmm(tgmm_case, sizes, 1, 4, RACE_PARAMS, **kw)
 
 
 def test_rowtile_rows_are_floor_rows():
@@ -319,7 +321,16 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
   tk = k // 2 if op == "drhs" else k
   tn = n // 2
   scale, manual = rowtile_hooks(
-    op=op, tm=tm, tk=tk, tn=tn, sub_m=sub_m, sequential_sweeps=sequential, itemsize=4
+    op=op,
+    tm=tm,
+    tk=tk,
+    tn=tn,
+    sub_m=sub_m,
+    sequential_sweeps=sequential,
+    itemsize=4,
+    rows=m,
+    out_cols=n if op == "fwd" else k,
+    out_itemsize=4,
   )
   if op == "drhs":
     lhs, rhs = jnp.zeros((k, m)), jnp.zeros((m, n))
@@ -352,7 +363,7 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
       count_rows=c,
       interpret=True,
     )
-  (sched,) = cm.analyze(
+  (*fill, sched) = cm.analyze(
     lambda x, w, gs: call(x, w, gs, False),
     lhs,
     rhs,
@@ -360,6 +371,9 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
     step_scale=scale,
     step_manual_bytes=manual,
   )
+  # NOTE: gmm zeroes the rows outside its visited tiles first: here the 42 rows past the sum
+  # fall in the last tile, which is visited, so the fill writes nothing.
+  assert [s.operand_bytes["manual"] for s in fill] == ([] if op == "drhs" else [0])
   _, counts = call(lhs, rhs, jnp.asarray(sizes), True)
   counts = np.asarray(counts).reshape(-1, 2)
   np.testing.assert_array_equal(sched.step_scale * sub_m, counts[:, 0])
@@ -472,6 +486,8 @@ def test_public_gmm_grad_rows_stationary_on_v6e():
     # [256, 256] (n streams as rows: no MXU padding); the lhs gradient's [256, 384] x [384, 256]
     # pads its contraction to 512.
     calls = cm.analyze(grad_fn, x, w)
+  # NOTE: the two gmm calls also launch their zero fills (no dot): not counted here.
+  calls = [c for c in calls if "zero_fill" not in c.name]
   unpadded = sorted(
     padded == true
     for padded, true, _ in (cm.kernel_dot_macs(c.kernel_jaxpr, mxu=256) for c in calls)
@@ -600,3 +616,105 @@ def test_quantized_dlhs_rowtile_scales_on_contraction(transpose_fwd, rows_statio
 )
 def test_rows_stationary_pays(kind, sub_m, tk, tn, gen, want):
   assert tiling.rows_stationary_pays(kind=kind, sub_m=sub_m, tk=tk, tn=tn, generation=gen) is want
+
+
+# ------------------------------------------------------------------------------------------------
+# Receive buffers with slack (expert parallelism): the kernels cost the rows they compute.
+
+# NOTE: m = 203 rows (ragged last tile), at most 6 x 8 = 48 of them real: a buffer with >= 4x
+# slack, and a shard of 3 of the 6 groups that may sit in its middle.
+SLACK_GMM = (203, 40, 48, 16, 16, 8, 6, 3, jnp.float32, jnp.float32, False, False)
+SLACK_TGMM = (203, 32, 48, 16, 16, 48, 16, 6, 3, jnp.float32, jnp.float32, False)
+
+
+@pytest.mark.parametrize("mode, existing", [("hlo", True), ("tpu", False)])
+@examples(0.5)
+@given(data=st.data())
+def test_slack_buffers_match_references(mode, existing, data):
+  """sum(group_sizes) far below m, shards anywhere in m: gmm's rows outside the shard are exact
+  zeros or existing_out's, tgmm's empty groups exact zeros; MXU rows only where rows are."""
+  sizes = np.asarray(data.draw(st.lists(st.integers(0, 8), min_size=6, max_size=6)), np.int32)
+  offset = data.draw(st.integers(0, 3))
+  seed = data.draw(st.integers(0, 2**16))
+  gmm_case = SLACK_GMM[:-1] + (existing,)
+  check_gmm(gmm_case, sizes, offset, seed, INTERPRET_MODES[mode], rows_stationary=existing)
+  tgmm_case = SLACK_TGMM[:-1] + (existing,)
+  check_tgmm(tgmm_case, sizes, offset, seed, INTERPRET_MODES[mode], sequential=existing)
+
+
+def test_slack_rows_are_never_fetched_multiplied_or_written():
+  """The pallas_calls' real grids and index maps (bench.costmodel): with 8x slack the gmm and
+  tgmm kernels step, fetch lhs / rhs and write output blocks only for the tiles holding local
+  rows; the zero fill writes exactly the other rows, once."""
+  from bench import costmodel as cm
+
+  m, k, n, tm, sub_m = 512, 64, 128, 32, 16
+  sizes = np.array([0, 20, 9, 35, 0], np.int32)  # rows 0..63: 2 of 16 tiles
+  offset = 1  # local groups 1..3: rows 0..63
+  lhs, w = jnp.zeros((m, k)), jnp.zeros((3, k, n))
+  gmm_fn = functools.partial(
+    gmm_rowtile_pallas, tm=tm, tn=n, out_dtype=jnp.float32, sub_m=sub_m, interpret=True
+  )
+  fill, main = cm.analyze(
+    lambda x, y, gs, off: gmm_fn(x, y, gs, group_offset=off),
+    lhs,
+    w,
+    jnp.asarray(sizes),
+    jnp.int32(offset),
+    step_manual_bytes=lambda ctx: np.zeros(ctx.program_ids[0].shape),
+  )
+  assert "zero_fill" in fill.name and main.steps == 2
+  assert _bytes_of(main, "in0:") == 2 * tm * k * 4  # lhs: the two visited tiles
+  assert _bytes_of(main, "out0:") == 2 * tm * n * 4  # output blocks written back
+  out = gmm_fn(lhs + 1, w + 1, jnp.asarray(sizes), group_offset=jnp.int32(offset))
+  assert not np.any(np.asarray(out)[64:]) and np.all(np.asarray(out)[:64] == k)
+  (tgmm_sched,) = cm.analyze(
+    lambda x, y, gs, off: tgmm_rowtile_pallas(
+      x,
+      y,
+      gs,
+      tiling=(tm, k, n),
+      out_dtype=jnp.float32,
+      group_offset=off,
+      num_actual_groups=3,
+      sub_m=sub_m,
+      interpret=True,
+    ),
+    lhs.T,
+    jnp.zeros((m, n)),
+    jnp.asarray(sizes),
+    jnp.int32(offset),
+  )
+  assert tgmm_sched.steps == 2
+  assert _bytes_of(tgmm_sched, "in0:") == 2 * tm * k * 4
+  assert _bytes_of(tgmm_sched, "in1:") == 2 * tm * n * 4
+
+
+def _bytes_of(schedule, prefix: str) -> int:
+  """Bytes the pipeline moved for one operand ("in0:" the first array operand, "out0:" ...)."""
+  (label,) = [name for name in schedule.operand_bytes if name.startswith(prefix)]
+  return schedule.operand_bytes[label]
+
+
+def test_zero_fill_writes_only_the_unvisited_rows():
+  """The fill's bytes (bench hook) are the rows outside the visited tiles, and its buffer holds
+  zeros there; the visited rows are left for the gmm (NaN-poisoned by the TPU simulator)."""
+  from pallas_moe.gmm import _zeros_outside_active
+
+  for active, rows in (((0, 1), 67), ((1, 2), 67), ((2, 3), 80), ((0, 5), 67)):
+    buf = np.asarray(
+      _zeros_outside_active(
+        jnp.asarray(active, jnp.int32),
+        rows=rows,
+        n=48,
+        tm=16,
+        dtype=jnp.float32,
+        interpret=INTERPRET_MODES["tpu"],
+        vary_like=(),
+      )
+    )
+    lo, hi = active[0] * 16, min(rows, (active[0] + active[1]) * 16)
+    outside = np.ones(rows, bool)
+    outside[lo:hi] = False
+    assert np.all(buf[outside] == 0), active
+    assert np.all(np.isnan(buf[~outside])), active
