@@ -730,11 +730,15 @@ def _visits_tgmm(x, y, gs, *, zero, num_groups, **kw):
   )
 
 
-def _pallas_moe_build(tiling: tuple[int, int, int] | None, schedule: str = "ops"):
+def _pallas_moe_build(
+  tiling: tuple[int, int, int] | None, schedule: str = "ops", unowned_rows: str = "zero"
+):
   """Our kernels with fixed tiles (clamped to the dims, like MaxText), or None: the heuristic.
 
   schedule "ops": what `pallas_moe.ops` runs (the row-tile kernels when the tiles allow);
   "visits": the visit-schedule kernels with `tiling.pick_tiling`'s tiles (the previous default).
+  unowned_rows: `pallas_moe.gmm`'s option: "zero" writes exact zeros to the rows past
+  sum(group_sizes); "undefined" (what the MoE block runs) leaves them unwritten.
   """
 
   def build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation: TpuGeneration) -> Case:
@@ -791,7 +795,9 @@ def _pallas_moe_build(tiling: tuple[int, int, int] | None, schedule: str = "ops"
           fn = functools.partial(ops.tgmm, tiling=til, **kw)
           row_macs = _tgmm_row_macs(k, n, til[1], til[2], rows_stationary=kt.rows_stationary)
         else:
-          fn = functools.partial(ops.gmm, tiling=tl, transpose_rhs=op == "dlhs", **kw)
+          fn = functools.partial(
+            ops.gmm, tiling=tl, transpose_rhs=op == "dlhs", unowned_rows=unowned_rows, **kw
+          )
           row_macs = _gmm_row_macs(dk, dn, til[1], til[2], rows_stationary=kt.rows_stationary)
         return Case(
           fn=_in_generation(fn, generation),
@@ -848,6 +854,15 @@ register(
   Impl(
     name="pallas_moe",
     build=_pallas_moe_build(None),
+    available=_pallas_moe_available,
+    tiling_depends_on_generation=True,
+    program_depends_on_generation=True,
+  )
+)
+register(
+  Impl(
+    name="pallas_moe-moe",
+    build=_pallas_moe_build(None, unowned_rows="undefined"),
     available=_pallas_moe_available,
     tiling_depends_on_generation=True,
     program_depends_on_generation=True,

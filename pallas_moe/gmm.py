@@ -502,6 +502,7 @@ def gmm_rowtile_pallas(
   vmem_limit_bytes: int | None = None,
   sequential_sweeps: bool = False,
   rows_stationary: bool = False,
+  fill_unowned: bool = True,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -539,6 +540,10 @@ def gmm_rowtile_pallas(
       Costs a transpose of each group's weight block once per load (none with
       `transpose_rhs`: its [tn, k] blocks are already w^T) and of each [tn, sub_m] f32 result.
       `tiling.rows_stationary_pays` says when it saves MXU work.
+    fill_unowned: without `existing_out`, rows outside the local groups' tiles are exact zeros
+      (written by `_zeros_outside_active`). False leaves them undefined, at no cost: for callers
+      that never read them (the MoE block's receive buffer). Rows of the visited tiles that no
+      local group owns are zeros either way.
     count_rows: interpret-mode instrumentation: also return [tiles_n, tiles_m, 2] int32: rows
       pushed through the MXU and weight blocks loaded, per grid step.
     interpret: see `common.run_kernel`.
@@ -588,14 +593,17 @@ def gmm_rowtile_pallas(
     group_offset.reshape((1,)),
   )
   has_existing = existing_out is not None
+  aliased = has_existing or fill_unowned
   # NOTE: padded only for the TPU simulator, whose aliased outputs must not have a ragged last
   # block (jax 0.10.2: "Out-of-bounds block index"); the result is sliced back to m rows.
-  out_rows = tiles_m * tm if isinstance(interpret, pltpu.InterpretParams) else m
+  simulated = isinstance(interpret, pltpu.InterpretParams)
+  out_rows = tiles_m * tm if simulated and aliased else m
+  base = None
   if has_existing:
     base = existing_out
     if out_rows != m:
       base = jnp.pad(existing_out, ((0, out_rows - m), (0, 0)))
-  else:
+  elif fill_unowned:
     base = _zeros_outside_active(
       groups.active_tiles,
       rows=out_rows,
@@ -605,7 +613,7 @@ def gmm_rowtile_pallas(
       interpret=interpret,
       vary_like=(lhs, rhs, group_sizes, group_offset, rhs_scales, lhs_scales),
     )
-  present = (True, True, quantized, lhs_quantized, True)
+  present = (True, True, quantized, lhs_quantized, aliased)
   w_block = (tn, k) if transpose_rhs else (k, tn)
   prep_block = (tn, k) if rows_stationary else w_block
   # NOTE: rhs blocks are [k, tn], or [tn, k] when transposed; contract lhs's k with rhs's k. With
@@ -820,7 +828,7 @@ def gmm_rowtile_pallas(
   result_and_cost["out_shape"] = common.out_struct(
     (out_rows, n), out_dtype, lhs, rhs, group_sizes, group_offset, base, rhs_scales, lhs_scales
   )
-  result_and_cost["alias_last_operand"] = True
+  result_and_cost["alias_last_operand"] = aliased
   result_and_cost["alias_when_interpreted"] = True
   visited = jnp.arange(tiles_m) - groups.active_tiles[0]
   out = common.call_kernel(

@@ -207,6 +207,9 @@ def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig):
     tiling=tiling,
     weight_quantization=config.weight_quantization,
     activation_quantization=config.activation_quantization,
+    # NOTE: the receive buffer's rows past the received ones are never read (combine sends only
+    # the received rows back; their gradients stay in those rows): no zero writes for them.
+    unowned_rows="undefined",
   )
 
 
@@ -214,7 +217,8 @@ def expert_mlp(rows, wi, wo, group_sizes, *, config: MoEConfig) -> jax.Array:
   """SwiGLU experts over rows sorted by (local) expert.
 
   Args:
-    rows: [B, d] rows sorted by expert; rows past `sum(group_sizes)` give exact 0.
+    rows: [B, d] rows sorted by expert; the outputs of rows past `sum(group_sizes)` are
+      undefined (`gmm(..., unowned_rows="undefined")`): callers never read them.
     wi: [G, d, 2f] gate|up weights of the G experts `group_sizes` describes.
     wo: [G, f, d] down weights.
     group_sizes: [G] int32.

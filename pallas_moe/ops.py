@@ -83,6 +83,8 @@ class KernelTiling:
       the generation has one TensorCore per chip, so nothing is gained by splitting sweeps).
     rows_stationary: row-tile kernels only: the sub-block rows are the MXU's stationary operand
       (`tiling.rows_stationary_pays`: tn is not a multiple of the MXU width, e.g. 1408 on v6e).
+    fill_unowned: row-tile gmm only: write exact zeros to the rows outside the local groups'
+      tiles (False: `gmm(..., unowned_rows="undefined")`).
   """
 
   tiles: Tiles
@@ -91,6 +93,7 @@ class KernelTiling:
   rowtile: bool = False
   sequential_sweeps: bool = False
   rows_stationary: bool = False
+  fill_unowned: bool = True
 
   def kwargs(self) -> dict[str, Any]:
     kw = dict(tiling=self.tiles, sub_m=self.sub_m, vmem_limit_bytes=self.vmem_limit_bytes)
@@ -270,6 +273,7 @@ def _run_gmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
       vmem_limit_bytes=kt.vmem_limit_bytes,
       sequential_sweeps=kt.sequential_sweeps,
       rows_stationary=kt.rows_stationary,
+      fill_unowned=kt.fill_unowned,
       **kwargs,
     )
   return gmm_pallas(lhs, rhs, group_sizes, **kt.kwargs(), **kwargs)
@@ -642,6 +646,7 @@ def gmm(
   *,
   weight_quantization: str | None = None,
   activation_quantization: str | None = None,
+  unowned_rows: str = "zero",
 ) -> jax.Array:
   """Grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g - group_offset]. Differentiable.
 
@@ -688,6 +693,12 @@ def gmm(
       fly (see above). Not allowed with a `QuantizedWeights` rhs.
     activation_quantization: None, "int8" or "fp8": quantize lhs per row in the forward (see
       above). Needs quantized weights of the same dtype.
+    unowned_rows: "zero" (the contract above: rows outside the local groups are 0, or keep
+      `existing_out`). "undefined": without `existing_out`, rows outside the m-tiles that hold
+      the local groups' rows are left unwritten (garbage), in the output and in the lhs
+      gradient, saving their zero writes ((m - rows) x n x itemsize bytes): for a caller that
+      never reads them, like an expert-parallel receive buffer's slack. Rows past
+      sum(group_sizes) inside those tiles are still 0.
 
   Returns:
     [m, n] array of `preferred_element_type`.
@@ -709,6 +720,11 @@ def gmm(
     if weight_quantization is not None:
       weight_dtype = quant.canonical_dtype(weight_quantization)
   activation_dtype = _check_activation_quantization(activation_quantization, weight_dtype)
+  if unowned_rows not in ("zero", "undefined"):
+    raise ValueError(
+      f"`unowned_rows`={unowned_rows!r} must be 'zero' (rows outside the local groups are 0) or "
+      "'undefined' (left unwritten, for callers that never read them)."
+    )
   m, k = lhs.shape
   num_local_groups = rhs.shape[0]
   rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
@@ -762,14 +778,21 @@ def gmm(
     if narrow_dot
     else (lhs.dtype, rhs_for_tiles.dtype, out_dtype)
   )
+  fill = unowned_rows == "zero"
   static = _GmmStatic(
     out_dtype=out_dtype,
-    fwd=resolve(tilings.fwd, dims=(m, k, n), kind="gmm", dtypes=fwd_dtypes, narrow_dot=narrow_dot),
-    dlhs=resolve(
-      tilings.dlhs,
-      dims=(m, n, k),
-      kind="gmm",
-      dtypes=(compute_dtype, rhs_for_tiles.dtype, lhs.dtype),
+    fwd=dataclasses.replace(
+      resolve(tilings.fwd, dims=(m, k, n), kind="gmm", dtypes=fwd_dtypes, narrow_dot=narrow_dot),
+      fill_unowned=fill,
+    ),
+    dlhs=dataclasses.replace(
+      resolve(
+        tilings.dlhs,
+        dims=(m, n, k),
+        kind="gmm",
+        dtypes=(compute_dtype, rhs_for_tiles.dtype, lhs.dtype),
+      ),
+      fill_unowned=fill,
     ),
     drhs=resolve(
       drhs_spec,

@@ -276,3 +276,18 @@ def test_training_step_compiles_for_v5e_2x4_ep8():
   temp = aot_step_temp_bytes(topology="v5e:2x4", data=1, ep=8, tokens_per_device=128, config=config)
   print(f"v5e:2x4 EP=8 MoE training step temp bytes: {temp}")
   assert temp > 0
+
+
+def test_undefined_slack_rows_never_reach_the_layer():
+  """The block's gmm calls leave the receive buffer's slack rows undefined
+  (`unowned_rows="undefined"`). With the dropless static bound (ep * T * min(k, E_l) = 64 rows
+  per device, about 16 received: ~4x slack) and those rows NaN-poisoned, nothing reaches the
+  output, the aux loss or any gradient."""
+  data, ep = 2, 4
+  config = MoEConfig(**SMALL, debug_nan_poison=True)
+  params, x = _setup(config, tokens=64)
+  assert moe.buffer_rows_for(config, tokens_per_device=8, expert_parallelism=ep) == 64
+  got = _block_grads(params, x, config, _mesh(data, ep))
+  for leaf in jax.tree.leaves(got):
+    assert np.isfinite(np.asarray(leaf, np.float32)).all()
+  _assert_close(got, _ref_grads(params, x, config), F32_TOL)

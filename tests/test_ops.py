@@ -284,3 +284,34 @@ def test_package_exports_the_functions_and_the_kernel_modules_stay_importable():
   assert gmm_module.gmm_pallas is gmm_pallas and gmm_module.gmm_rowtile_pallas is gmm_rowtile_pallas
   assert tgmm_module.tgmm_pallas is tgmm_pallas
   assert tgmm_module.tgmm_rowtile_pallas is tgmm_rowtile_pallas
+
+
+def test_unowned_rows_undefined_matches_on_owned_rows_and_saves_the_fill():
+  """`unowned_rows="undefined"`: owned rows (and their gradients) as with "zero"; no zero fill is
+  launched; a bad value is refused by name."""
+  from bench import costmodel as cm
+
+  m, k, n = 96, 32, 128
+  sizes = jnp.array([10, 0, 7, 5], jnp.int32)  # 22 rows of 96, the shard holds groups 1..2
+  x = random_array(0, (m, k), jnp.float32)
+  w = random_array(1, (2, k, n), jnp.float32)
+  tiles = pallas_moe.Tiling(fwd=(16, k, n), dlhs=(16, n, k), drhs=(128, k, n))
+
+  def loss(unowned):
+    def f(x, w):
+      y = pallas_moe.gmm(x, w, sizes, tiling=tiles, group_offset=1, interpret=True,
+                         unowned_rows=unowned)  # fmt: skip
+      return jnp.sum(jnp.where(jnp.arange(m)[:, None] < 22, y, 0.0) ** 2), y
+
+    return f
+
+  (_, y0), g0 = jax.value_and_grad(loss("zero"), (0, 1), has_aux=True)(x, w)
+  (_, y1), g1 = jax.value_and_grad(loss("undefined"), (0, 1), has_aux=True)(x, w)
+  owned = slice(10, 17)
+  np.testing.assert_array_equal(np.asarray(y1)[owned], np.asarray(y0)[owned])
+  np.testing.assert_array_equal(np.asarray(g1[0])[owned], np.asarray(g0[0])[owned])
+  np.testing.assert_array_equal(np.asarray(g1[1]), np.asarray(g0[1]))
+  names = [s.name for s in cm.analyze(lambda x, w: loss("undefined")(x, w)[1], x, w)]
+  assert not any("zero_fill" in name for name in names) and len(names) == 1
+  with pytest.raises(ValueError, match="unowned_rows"):
+    pallas_moe.gmm(x, w, sizes, group_offset=1, unowned_rows="garbage")
