@@ -210,6 +210,48 @@ _POLICIES = flags.DEFINE_list("policies", list(POLICIES), "Buffer policies.")
 _ROUTINGS = flags.DEFINE_list("routings", ["uniform", "zipf"], "Routings.")
 _MODELS = flags.DEFINE_list("models", [m for m, _, _ in EP_MODELS], "Models.")
 _JSON = flags.DEFINE_string("json", None, "Write the records here.")
+_MARKDOWN = flags.DEFINE_string(
+  "markdown", None, "Write a summary table (one row per case and chip, uniform routing) here."
+)
+
+
+def markdown(records: list[dict]) -> str:
+  """One row per (model, ep, tokens, policy, chip), uniform routing: slack, and per op the MoE
+  block's gmm (pallas_moe-moe) µs / with exact zeros µs / megablox at MaxText's tiles µs."""
+  rows = {}
+  for r in records:
+    if r["routing"] != "uniform":
+      continue
+    key = (r["model"], r["ep"], r["tokens"], r["policy"], r["chip"])
+    rows.setdefault(key, {})[r["op"]] = r
+  out = [
+    "| model | ep | T | policy | chip | buffer / rows | "
+    + " | ".join(f"{op}: moe / zeros / mb512 µs" for op in ("fwd", "dlhs", "drhs"))
+    + " | targets |",
+    "|---|---:|---:|---|---|---:|" + "---:|" * 3 + "---|",
+  ]
+  for (model, ep, tokens, policy, chip), ops in rows.items():
+    any_op = next(iter(ops.values()))
+    cells = []
+    for op in ("fwd", "dlhs", "drhs"):
+      r = ops.get(op)
+      if r is None:
+        cells.append("")
+        continue
+      moe = r.get("pallas_moe-moe_us", r["pallas_moe_us"])
+      mb = r.get("megablox-maxtext_us", float("nan"))
+      cells.append(f"{moe:,.0f} / {r['pallas_moe_us']:,.0f} / {mb:,.0f}")
+    held = all(r["vs_slack1"] and r["vs_mb"] and r["vs_bound"] for r in ops.values())
+    misses = [
+      f"{op} {k}" for op, r in ops.items() for k in ("vs_slack1", "vs_mb", "vs_bound") if not r[k]
+    ]
+    out.append(
+      f"| {model} | {ep} | {tokens} | {policy} | {chip} | "
+      f"{any_op['buffer_rows']:,} / {any_op['rows']:,} | "
+      + " | ".join(cells)
+      + f" | {'all hold' if held else 'MISS: ' + ', '.join(misses)} |"
+    )
+  return "\n".join(out) + "\n"
 
 
 def main(argv):
@@ -250,6 +292,9 @@ def main(argv):
     held = sum(r[key] for r in records)
     print(f"{key}: holds on {held} of {len(records)}")
   print(f"bench.slack total {time.time() - t0:.0f}s")
+  if _MARKDOWN.value:
+    with open(_MARKDOWN.value, "w") as f:
+      f.write(markdown(records))
   if _JSON.value:
     os.makedirs(os.path.dirname(_JSON.value) or ".", exist_ok=True)
     with open(_JSON.value, "w") as f:
