@@ -200,19 +200,23 @@ def run_case(c: EpCase, *, chip: str, ops, impls) -> list[dict]:
   return out
 
 
-_CHIP = flags.DEFINE_list("chip", ["v5e", "v6e"], "TPU generations to model.")
-_OPS = flags.DEFINE_list("ops", ["fwd", "dlhs", "drhs"], "Ops.")
-_IMPLS = flags.DEFINE_list(
-  "impls", ["pallas_moe", "pallas_moe-moe", "megablox-maxtext"], "Implementations."
-)
-_TOKENS = flags.DEFINE_list("tokens", ["4096", "16384"], "Tokens per device.")
-_POLICIES = flags.DEFINE_list("policies", list(POLICIES), "Buffer policies.")
-_ROUTINGS = flags.DEFINE_list("routings", ["uniform", "zipf"], "Routings.")
-_MODELS = flags.DEFINE_list("models", [m for m, _, _ in EP_MODELS], "Models.")
-_JSON = flags.DEFINE_string("json", None, "Write the records here.")
-_MARKDOWN = flags.DEFINE_string(
-  "markdown", None, "Write a summary table (one row per case and chip, uniform routing) here."
-)
+def _define_flags():
+  """Defines the command-line flags (only when run as a program: `bench.__main__` defines flags
+  of the same names, and tests import both modules into one process)."""
+  global _CHIP, _OPS, _IMPLS, _TOKENS, _POLICIES, _ROUTINGS, _MODELS, _JSON, _MARKDOWN
+  _CHIP = flags.DEFINE_list("chip", ["v5e", "v6e"], "TPU generations to model.")
+  _OPS = flags.DEFINE_list("ops", ["fwd", "dlhs", "drhs"], "Ops.")
+  _IMPLS = flags.DEFINE_list(
+    "impls", ["pallas_moe", "pallas_moe-moe", "megablox-maxtext"], "Implementations."
+  )
+  _TOKENS = flags.DEFINE_list("tokens", ["4096", "16384"], "Tokens per device.")
+  _POLICIES = flags.DEFINE_list("policies", list(POLICIES), "Buffer policies.")
+  _ROUTINGS = flags.DEFINE_list("routings", ["uniform", "zipf"], "Routings.")
+  _MODELS = flags.DEFINE_list("models", [m for m, _, _ in EP_MODELS], "Models.")
+  _JSON = flags.DEFINE_string("json", None, "Write the records here.")
+  _MARKDOWN = flags.DEFINE_string(
+    "markdown", None, "Write a summary table (one row per case and chip, uniform routing) here."
+  )
 
 
 def markdown(records: list[dict]) -> str:
@@ -302,4 +306,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   sys.exit(app.run(main))
