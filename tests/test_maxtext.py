@@ -1,0 +1,498 @@
+"""`pallas_moe.maxtext`: MaxText's megablox call verbatim; its sparse_matmul on a CPU mesh.
+
+Part 1 checks every argument of MaxText's `kernels/megablox/ops.gmm` against the references.
+Part 2 (the seed scenario) re-writes MaxText's `RoutedMoE.sparse_matmul` path with `megablox=True`
+and expert parallelism (`layers/moe.py` at `maxtext.MAXTEXT_COMMIT`: `permute`, `ra2a_and_route`
+with `get_all_to_all_params` and `local_permute`, `gmm_up`, the wo gmm, `unsort_output_and_ra2a`,
+`unpermute`) with its two imports swapped for `pallas_moe.maxtext`, and trains it (forward and
+`jax.grad`) on 8 CPU devices, data 2 x expert 4, with a scaled-down deepseek2-16b config. The same
+program with JAX's own `jax.lax.ragged_all_to_all` does not compile on CPU: asserted too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pallas_moe
+from pallas_moe import maxtext as mblx
+from pallas_moe import reference
+
+F32 = jnp.float32
+HI = jax.lax.Precision.HIGHEST
+
+
+def _close(a, b, *, tol=1e-4):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  scale = max(1.0, float(np.abs(b).max()))
+  np.testing.assert_allclose(a, b, rtol=0, atol=tol * scale)
+
+
+# --- Part 1: the adapter, argument by argument ---------------------------------------------------
+
+M, K, N, G = 40, 64, 256, 4
+GROUP_SIZES = np.array([10, 0, 17, 9], np.int32)  # 36 of 40 rows: 4 rows past the groups
+
+
+def _operands(*, transpose_rhs=False):
+  kx, kw = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (M, K), F32)
+  w = jax.random.normal(kw, (G, N, K) if transpose_rhs else (G, K, N), F32)
+  return x, w, jnp.asarray(GROUP_SIZES)
+
+
+def test_issue_calls_run_and_match_reference():
+  """The three calls of the issue (TypeErrors before), and the ignored arguments."""
+  x, w, gs = _operands()
+  want = reference.gmm(x, w, gs, F32)
+  _close(mblx.gmm(x, w, gs, F32, tiling=(128,) * 9), want)
+  _close(mblx.gmm(x, w, gs, F32, (128,) * 9, use_qwix_quantization=False), want)
+  ignored = mblx.gmm(
+    x,
+    w,
+    gs,
+    tiling=(128,) * 9,
+    use_tokamax_backend=True,
+    use_gmm_v2=True,
+    input_buffer_count=(3, 3, 3),
+    combine_scopes=True,
+    qwix_rule=object(),  # MaxText ignores it too without use_qwix_quantization
+    use_manual_quantization=True,  # no quantization: nothing to do
+    lhs_vma_axes=(),
+    rhs_vma_axes=(),
+  )
+  assert ignored.dtype == F32  # MaxText's default preferred_element_type
+  _close(ignored, want)
+
+
+def test_tiling_nine_ints_map_to_passes():
+  """tiling[3:6] are dlhs tiles over (m, n, k), as MaxText hands them to its transposed gmm."""
+  t = mblx.maxtext_tiling((1, 2, 3, 4, 5, 6, 7, 8, 9))
+  assert t == pallas_moe.Tiling(fwd=(1, 2, 3), dlhs=(4, 5, 6), drhs=(7, 8, 9))
+  assert mblx.maxtext_tiling(None) is None and mblx.maxtext_tiling([8, 128, 128]) == (8, 128, 128)
+  x, w, gs = _operands()
+  # NOTE: dlhs tn = 64 is legal over k = 64 but not over n = 256: read in the wrong coordinates
+  # (m, k, n), this tiling is refused, so running it shows MaxText's order is kept.
+  tiles = (16, 64, 128, 16, 128, 64, 128, 8, 128)
+  with pytest.raises(ValueError, match="tn=64"):
+    pallas_moe.gmm(x, w, gs, F32, pallas_moe.Tiling(fwd=tiles[3:6]))
+
+  # NOTE: test_quantized_forward_and_grads_follow_maxtext runs these tiles, with gradients.
+
+
+def _qwix_dequantized(x, bits: int, channel_axes) -> jax.Array:
+  """qwix absmax (MaxText's AQT-style rule) written out: quantized, then dequantized, in f32.
+
+  NOTE: in jnp, not numpy: an absmax element divided by its scale lands within an ulp of the
+  tie qmax + 0.5, and whether it rounds to -128 or -127 depends on the backend's division (qwix
+  uses jnp.divide too). Ties exactly at the bound are checked in test_quantize_absmax_is_qwix_rule.
+  """
+  axes = tuple(a for a in range(x.ndim) if a not in channel_axes)
+  scale = jnp.max(jnp.abs(x), axis=axes, keepdims=True) / (2 ** (bits - 1) - 0.5)
+  scale = jnp.where(scale == 0, 1.0, scale)
+  values = jnp.clip(jnp.round(x / scale), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+  return values * scale
+
+
+def test_quantize_absmax_is_qwix_rule():
+  """scale = absmax / (qmax + 0.5); round half to even; saturate: -absmax -> -128, +absmax -> 127.
+
+  (Ties exactly at the bound: the scale is 1.)
+  """
+  x = jnp.array([[-127.5, 64.0, 127.5, 0.5], [0.0, 0.0, 0.0, 0.0], [3.0, -0.1, 0.7, -3.0]], F32)
+  values, scales = mblx.quantize_absmax(x, dtype=jnp.int8, channel_axes=(0,))
+  assert values.dtype == jnp.int8 and scales.shape == (3, 1)
+  assert float(scales[0, 0]) == 1.0
+  np.testing.assert_array_equal(values[0], [-128, 64, 127, 0])
+  np.testing.assert_array_equal(values[1], 0)  # an all-zero row: scale 1
+  assert float(scales[1, 0]) == 1.0
+  v4, s4 = mblx.quantize_absmax(x, dtype="int4", channel_axes=(1,))
+  assert s4.shape == (1, 4) and int(v4.min()) >= -8 and int(v4.max()) <= 7
+  np.testing.assert_allclose(v4 * s4, _qwix_dequantized(x, 4, (1,)), rtol=1e-6)
+
+
+QUANT_CASES = {
+  # lhs and rhs int8, an expert shard (group_offset 1, 3 of 4 groups) chained with existing_out
+  "w8a8-shard": dict(lhs_q=jnp.int8, rhs_q=jnp.int8, transpose_rhs=False, shard=True),
+  # int4 weights, transposed layout [G, n, k]: the weight scales are per n, axis 1
+  "w4-transposed": dict(lhs_q=None, rhs_q=jnp.int4, transpose_rhs=True, shard=False),
+  # int4 activations with float weights: the weight gradient sees the quantized lhs
+  "a4": dict(lhs_q=jnp.int4, rhs_q=None, transpose_rhs=False, shard=False),
+}
+
+
+@pytest.mark.parametrize("case", QUANT_CASES)
+def test_quantized_forward_and_grads_follow_maxtext(case):
+  """Forward on dequantized operands; dlhs = dout @ deq(rhs)^T, drhs = deq(lhs)^T @ dout."""
+  lhs_q, rhs_q, transpose_rhs, shard = QUANT_CASES[case].values()
+  x, w, gs = _operands(transpose_rhs=transpose_rhs)
+  offset = 1 if shard else 0
+  w = w[offset:]
+  existing = jax.random.normal(jax.random.key(3), (M, N), F32) if shard else None
+  bits = {None: None, jnp.int8: 8, jnp.int4: 4}
+  x_deq = x if lhs_q is None else _qwix_dequantized(x, bits[lhs_q], (0,))
+  channel = (1,) if transpose_rhs else (2,)
+  w_deq = w if rhs_q is None else _qwix_dequantized(w, bits[rhs_q], channel)
+  cot = jnp.cos(jnp.arange(M * N, dtype=F32)).reshape(M, N)
+
+  def got(x, w, existing):
+    out = mblx.gmm(
+      x, w, gs, F32, (16, 64, 128, 16, 128, 64, 128, 64, 128), offset, existing, transpose_rhs,
+      lhs_quantize_dtype=lhs_q, rhs_quantize_dtype=rhs_q,
+    )  # fmt: skip
+    return jnp.sum(out * cot)
+
+  def want(x, w, existing):
+    out = reference.gmm(x, w, gs, F32, offset, existing, transpose_rhs=transpose_rhs)
+    return jnp.sum(out * cot)
+
+  argnums = (0, 1, 2) if shard else (0, 1)
+  value, grads = jax.jit(jax.value_and_grad(got, argnums=argnums))(x, w, existing)
+  value_ref, grads_ref = jax.value_and_grad(want, argnums=argnums)(x_deq, w_deq, existing)
+  _close(value, value_ref)
+  for a, b in zip(grads, grads_ref, strict=True):
+    _close(a, b)
+  # NOTE: the quantization is real: the float operands give a different value.
+  assert abs(float(want(x, w, existing)) - float(value)) > 1e-3 * abs(float(value))
+
+
+def test_weight_gather_partial_sum_vma_axes_in_shard_map():
+  """weight_gather_axes all-gathers the weights (gradient reduce-scattered back), partial_sum is
+  added, lhs_vma_axes marks the output varying; on a 2-device mesh."""
+  mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+  x, w, gs = _operands()
+  w = w[1:]  # an expert shard: groups 1..3 of 4
+  k1, k2 = jax.random.split(jax.random.key(4))
+  existing = jax.random.normal(k1, (M, N), F32)
+  partial = jax.random.normal(k2, (M, N), F32)
+  cot = jnp.cos(jnp.arange(2 * M * N, dtype=F32)).reshape(2 * M, N)
+  seen = []
+
+  def body(x, w_shard, existing, partial):
+    out = mblx.gmm(
+      x, w_shard, gs, F32, None, 1, existing, weight_gather_axes=[("fsdp", 2)],
+      lhs_vma_axes=("fsdp",), rhs_vma_axes=("fsdp",), partial_sum=partial,
+    )  # fmt: skip
+    seen.append(jax.typeof(out))
+    return out
+
+  sharded = jax.shard_map(
+    body,
+    mesh=mesh,
+    in_specs=(P(), P(None, None, "fsdp"), P(), P()),
+    out_specs=P("fsdp"),
+    check_vma=True,
+  )
+
+  def got(*args):
+    return jnp.sum(sharded(*args) * cot)
+
+  def want(x, w, existing, partial):
+    out = reference.gmm(x, w, gs, F32, 1, existing) + partial
+    return jnp.sum(jnp.concatenate([out, out]) * cot)
+
+  args = (x, w, existing, partial)
+  value, grads = jax.jit(jax.value_and_grad(got, argnums=(0, 1, 2, 3)))(*args)
+  value_ref, grads_ref = jax.value_and_grad(want, argnums=(0, 1, 2, 3))(*args)
+  assert "fsdp" in str(seen[0])  # varying over fsdp: lhs_vma_axes
+  _close(value, value_ref)
+  for a, b in zip(grads, grads_ref, strict=True):
+    _close(a, b)
+
+
+def test_refused_arguments_say_what_to_use():
+  x, w, gs = _operands()
+  with pytest.raises(ValueError, match="use_qwix_quantization.*lhs_quantize_dtype"):
+    mblx.gmm(x, w, gs, use_qwix_quantization=True, qwix_rule=object())
+  with pytest.raises(ValueError, match="rhs_quantize_dtype.*weight_quantization='fp8'"):
+    mblx.gmm(x, w, gs, rhs_quantize_dtype=jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="use_manual_quantization"):
+    mblx.gmm(x, w, gs, lhs_quantize_dtype=jnp.int8, use_manual_quantization=True)
+  with pytest.raises(ValueError, match="9 ints"):
+    mblx.gmm(x, w, gs, tiling=(128,) * 6)
+  with pytest.raises(TypeError, match="must be ints"):
+    mblx.gmm(x, w, gs, tiling=(128,) * 8 + (128.0,))
+  with pytest.raises(ValueError, match="weight_gather_axes.*mesh axis name"):
+    mblx.gmm(x, w, gs, weight_gather_axes=[("fsdp", 3)])
+  with pytest.raises(ValueError, match="lhs_vma_axes"):
+    mblx.gmm(x, w, gs, lhs_vma_axes="expert")
+  with pytest.raises(ValueError, match="partial_sum"):
+    mblx.gmm(x, w, gs, partial_sum=jnp.zeros((M, N + 1), F32))
+  assert mblx.ragged_all_to_all is pallas_moe.ragged_all_to_all
+
+
+@pytest.mark.aot
+def test_aot_int4_weights_compile_for_v6e():
+  """int4 weights on TPU: Mosaic compiles a kernel reading an int4 weight block (so a native int4
+  path is possible); the adapter's int4 path (int4 values held as int8) compiles for v6e too."""
+  from jax.experimental import pallas as pl
+  from jax.experimental import topologies
+
+  from pallas_moe import tiling
+
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  device = topologies.get_topology_desc(topology_name="v6e:2x2", platform="tpu").devices[0]
+  mesh = Mesh(np.array([device]), ("x",))
+
+  def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+  def int4_block(x_ref, w_ref, o_ref):
+    o_ref[...] = jnp.dot(x_ref[...], w_ref[...].astype(x_ref.dtype), preferred_element_type=F32)
+
+  native = pl.pallas_call(int4_block, out_shape=jax.ShapeDtypeStruct((256, 256), F32))
+
+  def adapter(x, w, gs):
+    return mblx.gmm(x, w, gs, F32, rhs_quantize_dtype=jnp.int4)
+
+  with tiling.use_generation("v6e"), jax.default_device(device):
+    jax.jit(native).lower(sds((256, 512), jnp.bfloat16), sds((512, 256), jnp.int4)).compile()
+    compiled = (
+      jax.jit(adapter)
+      .lower(sds((256, 512), jnp.bfloat16), sds((4, 512, 256), jnp.bfloat16), sds((4,), jnp.int32))
+      .compile()
+    )
+  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 1
+
+
+# --- Part 2: the seed scenario, MaxText's sparse_matmul with megablox and EP ---------------------
+
+# deepseek2-16b (MaxText's configs/models/deepseek2-16b.yml) with base.yml's MoE keys, scaled
+# down: emb 2048 -> 64, moe_mlp 1408 -> 32, batch_seq tiles 512 -> 64. 64 experts, top-6,
+# softmax routing, routed_scaling_factor 1.0 and silu x linear are the model's own.
+CONFIG = dict(
+  num_experts=64,
+  num_experts_per_tok=6,
+  emb_dim=64,
+  moe_mlp_dim=32,
+  routed_score_func="softmax",
+  routed_scaling_factor=1.0,
+  mlp_activations=("silu", "linear"),
+  megablox=True,
+  sparse_matmul=True,
+  capacity_factor=-1.0,
+  ragged_buffer_factor=-1.0,
+  use_ring_of_experts=False,
+  float32_weight_sum=True,
+  prefuse_moe_weights=True,
+  **{f"{w}_tile_{p}_batch_seq": 64 for w in ("wi", "wo") for p in ("fwd", "dlhs", "drhs")},
+  **{
+    f"{w}_tile_{p}_{d}": 1024
+    for w in ("wi", "wo")
+    for p in ("fwd", "dlhs", "drhs")
+    for d in ("embed_dim", "mlp_dim")
+  },
+)
+# NOTE: drhs batch_seq is tgmm's lane-dim tm: a multiple of 128 (MaxText's own default is 512).
+CONFIG["wi_tile_drhs_batch_seq"] = CONFIG["wo_tile_drhs_batch_seq"] = 128
+BATCH, SEQ = 8, 8  # global; each of the 8 devices holds one sequence of 8 tokens
+
+
+def _tiles(c, w: str, a: str, b: str):
+  """MaxText's get_wi_gmm_params / get_wo_gmm_params: (a, b) = (embed, mlp) or (mlp, embed)."""
+  return (
+    c[f"{w}_tile_fwd_batch_seq"], c[f"{w}_tile_fwd_{a}"], c[f"{w}_tile_fwd_{b}"],
+    c[f"{w}_tile_dlhs_batch_seq"], c[f"{w}_tile_dlhs_{b}"], c[f"{w}_tile_dlhs_{a}"],
+    c[f"{w}_tile_drhs_batch_seq"], c[f"{w}_tile_drhs_{a}"], c[f"{w}_tile_drhs_{b}"],
+  )  # fmt: skip
+
+
+def _a2a_params(matrix, shard):
+  """MaxText's get_all_to_all_params (batch sharded by expert, no buffer factor).
+
+  `matrix[i, j]`: rows shard i sends to shard j. Offsets into the sender's buffer, and into the
+  receiver's (`output_offsets[j]`: rows that shards before this one send to j).
+  """
+  row = matrix[shard]
+  input_offsets = jnp.concatenate([jnp.zeros((1,), row.dtype), jnp.cumsum(row)[:-1]])
+  with_zero = jnp.concatenate([jnp.zeros((1, matrix.shape[1]), matrix.dtype), matrix])
+  output_offsets = jnp.cumsum(with_zero, axis=0)[shard]
+  return input_offsets, row, output_offsets, matrix[:, shard]
+
+
+def _sparse_matmul(x, gate_scores, w0, w1, wo, *, num_ep, gmm, ragged_all_to_all):
+  """One device's MaxText sparse_matmul (megablox, not ring-of-experts), inside shard_map.
+
+  Args:
+    x: [B, S, D] this device's tokens.
+    gate_scores: [B, S, E] softmax router scores (deepseek2's GateLogit output).
+    w0: [E_local, D, F] gate projection (w1: up projection), wo: [E_local, F, D].
+    num_ep: size of the "expert" mesh axis.
+    gmm: MaxText's `mblx.gmm`.
+    ragged_all_to_all: `jax.lax.ragged_all_to_all` in MaxText.
+  """
+  c = CONFIG
+  b, s, d = x.shape
+  num_experts, top_k = c["num_experts"], c["num_experts_per_tok"]
+  # permute: top-k, then rows sorted by expert (each token repeated top_k times)
+  x2 = x.reshape(b * s, d)
+  weights, selected = jax.lax.top_k(gate_scores, top_k)
+  weights = weights * c["routed_scaling_factor"]  # deepseek_scale_weights for softmax
+  flat = selected.reshape(-1)
+  sorted_selected = jnp.argsort(flat)
+  x = jnp.repeat(x2, top_k, axis=0)[sorted_selected]
+  group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  if num_ep > 1:
+    # ra2a_and_route, batch sharded by expert
+    shard = jax.lax.axis_index("expert")
+    local_experts = num_experts // num_ep
+    per_shard = jnp.sum(group_sizes.reshape(-1, local_experts), axis=1)
+    all_shards = jax.lax.all_gather(per_shard, axis_name="expert")
+    buffer_size = int(x.shape[0] * min(num_ep, num_experts / top_k))  # get_ragged_buffer_size
+    x = ragged_all_to_all(
+      x,
+      jnp.zeros((buffer_size, d), x.dtype),
+      *_a2a_params(all_shards, shard),
+      axis_name="expert",
+    )
+    global_group_sizes = jax.lax.all_gather(group_sizes, axis_name="expert")
+    # local_permute: received chunks (one per sender, each sorted by expert) -> sorted by expert
+    local_sizes = jax.lax.dynamic_slice_in_dim(
+      global_group_sizes, shard * local_experts, local_experts, axis=1
+    )
+    group_sizes = jnp.sum(local_sizes, axis=0)
+    expert_ids = jnp.repeat(
+      jnp.arange(num_ep * local_experts) % local_experts,
+      local_sizes.reshape(-1),
+      total_repeat_length=buffer_size,
+    )
+    local_sorted = jnp.argsort(expert_ids)
+    x = x[local_sorted]
+
+  def call(inputs, kernel, tiling):
+    # sparse_matmul's gmm(): pad rows to a multiple of wi_tile_fwd_batch_seq, then mblx.gmm
+    rows = inputs.shape[0]
+    pad = -rows % c["wi_tile_fwd_batch_seq"]
+    inputs = jnp.pad(inputs, ((0, pad), (0, 0)))
+    out = gmm(
+      lhs=inputs,
+      rhs=kernel,
+      group_sizes=group_sizes,
+      preferred_element_type=x.dtype,
+      tiling=tiling,
+      group_offset=0,
+      lhs_quantize_dtype=None,
+      rhs_quantize_dtype=None,
+      use_qwix_quantization=False,
+      use_tokamax_backend=False,
+      weight_gather_axes=[],
+      use_gmm_v2=False,
+      partial_sum=None,
+    )
+    return out[:rows]
+
+  # gmm_up with prefuse_moe_weights: one gmm over [w0 | w1], split into the two projections
+  layer = call(x, jnp.concatenate([w0, w1], axis=-1), _tiles(c, "wi", "embed_dim", "mlp_dim"))
+  layer_w0, layer_w1 = jnp.split(layer, 2, axis=-1)
+  intermediate = jax.nn.silu(layer_w0) * layer_w1
+  out = call(intermediate, wo, _tiles(c, "wo", "mlp_dim", "embed_dim"))
+  if num_ep > 1:
+    # unsort_output_and_ra2a: back to per-sender chunks, then the reverse exchange
+    out = out[jnp.argsort(local_sorted)]
+    out = ragged_all_to_all(
+      out,
+      jnp.zeros((b * s * top_k, d), out.dtype),
+      *_a2a_params(all_shards.T, shard),
+      axis_name="expert",
+    )
+  # unpermute: original order, weighted sum over the top-k in f32 (float32_weight_sum)
+  out = out[jnp.argsort(sorted_selected)].reshape(b * s, top_k, d)
+  y = jnp.einsum("BKE,BK->BE", out.astype(F32), weights.reshape(b * s, top_k).astype(F32))
+  return y.reshape(b, s, d).astype(x2.dtype)
+
+
+def _mesh(num_ep: int) -> Mesh:
+  devices = np.array(jax.devices()[:8]).reshape(8 // num_ep, num_ep)
+  return Mesh(devices, ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _moe(params, x, *, num_ep, gmm=mblx.gmm, ragged_all_to_all=mblx.ragged_all_to_all):
+  """MaxText's routed MoE: gate outside, sparse_matmul inside shard_map over (data, expert)."""
+  scores = jax.nn.softmax(jnp.einsum("bsd,de->bse", x, params["gate"], precision=HI), axis=-1)
+  batch = P(("data", "expert"))
+  fn = jax.shard_map(
+    lambda *a: _sparse_matmul(*a, num_ep=num_ep, gmm=gmm, ragged_all_to_all=ragged_all_to_all),
+    mesh=_mesh(num_ep),
+    in_specs=(batch, batch, P("expert"), P("expert"), P("expert")),
+    out_specs=batch,
+    check_vma=True,
+  )
+  return fn(x, scores, params["w0"], params["w1"], params["wo"])
+
+
+def _dense(params, x):
+  """Every token through its top-k experts, plain jnp in f32 on the global batch."""
+  c = CONFIG
+  scores = jax.nn.softmax(jnp.einsum("bsd,de->bse", x, params["gate"], precision=HI), axis=-1)
+  weights, selected = jax.lax.top_k(scores, c["num_experts_per_tok"])
+  coef = jnp.sum(
+    jax.nn.one_hot(selected, c["num_experts"], dtype=F32) * weights[..., None], axis=2
+  )  # [B, S, E]
+  h0 = jnp.einsum("bsd,edf->bsef", x, params["w0"], precision=HI)
+  h1 = jnp.einsum("bsd,edf->bsef", x, params["w1"], precision=HI)
+  out = jnp.einsum("bsef,efd->bsed", jax.nn.silu(h0) * h1, params["wo"], precision=HI)
+  return jnp.einsum("bsed,bse->bsd", out, coef, precision=HI)
+
+
+def _params_and_tokens():
+  c = CONFIG
+  e, d, f = c["num_experts"], c["emb_dim"], c["moe_mlp_dim"]
+  k = jax.random.split(jax.random.key(1), 5)
+  params = {
+    "gate": jax.random.normal(k[0], (d, e), F32) / math.sqrt(d),
+    "w0": jax.random.normal(k[1], (e, d, f), F32) / math.sqrt(d),
+    "w1": jax.random.normal(k[2], (e, d, f), F32) / math.sqrt(d),
+    "wo": jax.random.normal(k[3], (e, f, d), F32) / math.sqrt(f),
+  }
+  x = jax.random.normal(k[4], (BATCH, SEQ, d), F32)
+  return params, x
+
+
+def _loss(moe):
+  """Mean squared error against a fixed target, with the layer's output as aux."""
+  target = jnp.sin(jnp.arange(BATCH * SEQ * CONFIG["emb_dim"], dtype=F32)).reshape(BATCH, SEQ, -1)
+
+  def loss(params, x):
+    y = moe(params, x)
+    return jnp.mean((y - target) ** 2), y
+
+  return loss
+
+
+def test_seed_scenario_maxtext_sparse_matmul_ep4_trains_on_cpu():
+  """EP=4 x data=2: forward matches EP=1 (data=8) and the dense reference, jax.grad the dense one.
+
+  NOTE: EP=1 runs the forward only (its gradient program would double the test's time); the
+  gradient is checked against the dense reference, which shares no code with either.
+  """
+  params, x = _params_and_tokens()
+  loss = _loss(lambda p, t: _moe(p, t, num_ep=4))
+  (value4, y4), grads4 = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+  y1 = jax.jit(lambda p, t: _moe(p, t, num_ep=1))(params, x)
+  y_ref = _dense(params, x)
+  (value_ref, _), grads_ref = jax.value_and_grad(_loss(_dense), argnums=(0, 1), has_aux=True)(
+    params, x
+  )
+  _close(y4, y_ref)
+  _close(y1, y_ref)
+  _close(y4, y1)
+  _close(value4, value_ref, tol=1e-5)
+  for name, got, want in zip(("params", "tokens"), grads4, grads_ref, strict=True):
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      assert float(jnp.abs(r).max()) > 0, name
+      _close(g, r)
+
+
+def test_seed_scenario_jax_ragged_all_to_all_fails_on_cpu():
+  """The same program with JAX's own ragged_all_to_all: XLA:CPU has no ragged-all-to-all."""
+  params, x = _params_and_tokens()
+  moe = jax.jit(lambda p, t: _moe(p, t, num_ep=4, ragged_all_to_all=jax.lax.ragged_all_to_all))
+  with pytest.raises(Exception, match="(?s)UNIMPLEMENTED.*ragged-all-to-all"):
+    jax.block_until_ready(moe(params, x))
