@@ -194,7 +194,9 @@ def _grouped_case(draw):
   # tested, not just generic inputs. Softmax scores are > 0, so V2's 0.0 fill never ties them.
   low = 1 if method == "group_limited_greedy" else 0
   scores = rng.integers(low, 5, size=(64, e)) / 4.0
-  bias = rng.integers(-4, 5, size=(e,)) / 8.0 if method == "noaux_tc" else np.zeros(e)
+  # NOTE: biases down to -1.5 make many biased scores negative: a 0.0 fill of masked experts
+  # (Hugging Face's DeepSeek-V3 code) would then pick them; the -inf fill never does.
+  bias = rng.integers(-12, 5, size=(e,)) / 8.0 if method == "noaux_tc" else np.zeros(e)
   return method, n_group, topk_group, top_k, scores, bias
 
 
@@ -221,6 +223,16 @@ def test_grouped_choice_stays_in_kept_groups(case):
   assert np.take_along_axis(keep, group_of_choice, axis=1).all()
   assert all(len(set(row)) == top_k for row in ids.tolist())
   np.testing.assert_array_equal(ids, want)
+
+
+def test_masked_experts_never_beat_negative_biased_scores():
+  """Kept experts whose biased scores are negative still win over masked ones (-inf fill)."""
+  scores = jnp.array([[0.1, 0.2, 0.0, 0.05]])
+  bias = jnp.array([-1.0, -1.0, -2.0, -2.0])  # choice: [-0.9, -0.8 | -2.0, -1.95]
+  ids = routing.select_experts(
+    scores, top_k=2, topk_method="noaux_tc", n_group=2, topk_group=1, bias=bias
+  )
+  assert np.asarray(ids).tolist() == [[1, 0]]
 
 
 # ---------------------------------------------------------------------------------------------
