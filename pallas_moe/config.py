@@ -30,7 +30,9 @@ __all__ = ["IGNORED_KEYS", "MoEConfig"]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
 _ACTIVATIONS = ("swiglu",)
-_TOPK_METHODS = ("greedy",)
+_TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# NOTE: the score function each DeepSeek method is defined with (their code raises otherwise).
+_METHOD_SCORE_FUNC = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 _GMM_IMPLS = ("pallas", "ragged_dot")
 _WEIGHT_QUANTIZATIONS = (None, "int8", "fp8")
 
@@ -51,7 +53,17 @@ class MoEConfig:
     score_func: router scores, "softmax" or "sigmoid" over the expert logits.
     norm_topk_prob: divide the top-k scores by their sum.
     routed_scaling_factor: multiplies the routed experts' combined output.
-    topk_method: "greedy" (plain top-k). Grouped methods are not implemented.
+    topk_method: "greedy" (plain top-k), "group_limited_greedy" (DeepSeek-V2: softmax, group
+      score = its best expert's score) or "noaux_tc" (DeepSeek-V3: sigmoid plus a correction
+      bias used only for the choice, group score = sum of its two best biased scores). See
+      `pallas_moe.routing`. "noaux_tc" makes `init_params` create the bias (MaxText
+      `routed_bias: true`).
+    n_group: expert groups for the grouped methods (HF `n_group`, MaxText `n_routing_groups`);
+      must divide num_experts; 1 with "greedy".
+    topk_group: groups each token may use (HF `topk_group`, MaxText `topk_routing_group`).
+    routed_bias_update_rate: speed of the aux-loss-free bias update
+      (`routing.update_routed_bias`); needs "noaux_tc". 0 leaves the bias fixed.
+    float32_gate_logits: router matmul in f32 (default); False: in `dtype` (MaxText's flag).
     buffer_factor: None (default): dropless, see `moe.buffer_rows_for`. A float `f`: each
       device's receive buffer has `ceil(f * tokens_per_device * top_k)` rows; overflowing rows
       are dropped and counted.
@@ -86,6 +98,10 @@ class MoEConfig:
   norm_topk_prob: bool = False
   routed_scaling_factor: float = 1.0
   topk_method: str = "greedy"
+  n_group: int = 1
+  topk_group: int = 1
+  routed_bias_update_rate: float = 0.0
+  float32_gate_logits: bool = True
   buffer_factor: float | None = None
   gmm_impl: str = "pallas"
   wi_tiling: Tiling | None = None
@@ -116,6 +132,7 @@ class MoEConfig:
     _check_choice("activation", self.activation, _ACTIVATIONS)
     _check_choice("score_func", self.score_func, _SCORE_FUNCS)
     _check_choice("topk_method", self.topk_method, _TOPK_METHODS)
+    self._check_routing()
     _check_choice("gmm_impl", self.gmm_impl, _GMM_IMPLS)
     _check_choice("weight_quantization", self.weight_quantization, _WEIGHT_QUANTIZATIONS)
     if self.weight_quantization is not None and self.gmm_impl != "pallas":
@@ -146,6 +163,80 @@ class MoEConfig:
         raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r} is not a dtype.") from None
     if self.data_axis == self.expert_axis:
       raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}.")
+
+  def _check_routing(self) -> None:
+    """Grouped-routing values that neither DeepSeek model defines raise, naming key and fix."""
+    method, e = self.topk_method, self.num_experts
+    for name in ("n_group", "topk_group"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(
+          f"MoEConfig.{name} must be a positive int, got {v!r} (MaxText writes -1 for 'no "
+          "groups': leave the key out or use 1)."
+        )
+    if not self.routed_bias_update_rate >= 0:
+      raise ValueError(
+        f"MoEConfig.routed_bias_update_rate must be >= 0, got {self.routed_bias_update_rate!r}."
+      )
+    if method == "greedy":
+      if (self.n_group, self.topk_group) != (1, 1):
+        raise ValueError(
+          f"MoEConfig.n_group={self.n_group}, topk_group={self.topk_group} (MaxText "
+          "n_routing_groups / topk_routing_group) need a grouped topk_method: "
+          "'group_limited_greedy' (DeepSeek-V2) or 'noaux_tc' (DeepSeek-V3; MaxText "
+          "routed_bias: true). Plain greedy ignores groups: set both to 1 (MaxText -1)."
+        )
+      if self.routed_bias_update_rate:
+        raise ValueError(
+          f"MoEConfig.routed_bias_update_rate={self.routed_bias_update_rate} needs a correction "
+          "bias: set topk_method='noaux_tc' (MaxText routed_bias: true) or the rate to 0."
+        )
+      return
+    want = _METHOD_SCORE_FUNC[method]
+    if self.score_func != want:
+      raise ValueError(
+        f"MoEConfig.score_func={self.score_func!r} (HF scoring_func, MaxText routed_score_func) "
+        f"is not defined for topk_method={method!r}: DeepSeek's {method} uses {want!r}. "
+        f"Set score_func={want!r}."
+      )
+    if method != "noaux_tc" and self.routed_bias_update_rate:
+      raise ValueError(
+        f"MoEConfig.routed_bias_update_rate={self.routed_bias_update_rate} needs "
+        f"topk_method='noaux_tc' (got {method!r}); set the rate to 0."
+      )
+    if e % self.n_group:
+      raise ValueError(
+        f"MoEConfig.n_group={self.n_group} (HF n_group, MaxText n_routing_groups) must divide "
+        f"num_experts={e}; pick a divisor of {e}."
+      )
+    if self.topk_group > self.n_group:
+      raise ValueError(
+        f"MoEConfig.topk_group={self.topk_group} (HF topk_group, MaxText topk_routing_group) "
+        f"must be <= n_group={self.n_group}."
+      )
+    kept = self.topk_group * (e // self.n_group)
+    if self.top_k > kept:
+      raise ValueError(
+        f"MoEConfig.top_k={self.top_k} is more than the {kept} experts that topk_group="
+        f"{self.topk_group} groups of {e // self.n_group} hold; raise topk_group or lower top_k."
+      )
+    if method == "noaux_tc" and self.n_group > 1 and e // self.n_group < 2:
+      raise ValueError(
+        f"MoEConfig.n_group={self.n_group}: noaux_tc scores a group by its two best experts, "
+        f"so groups need >= 2 of the {e} experts; use n_group <= {e // 2}."
+      )
+    if method == "group_limited_greedy" and self.norm_topk_prob and self.routed_scaling_factor != 1:
+      # NOTE: DeepSeek-V2's gate applies routed_scaling_factor only when it does not normalise.
+      raise ValueError(
+        f"MoEConfig.routed_scaling_factor={self.routed_scaling_factor} with norm_topk_prob=True: "
+        "DeepSeek-V2's group_limited_greedy ignores the factor when it normalises; set "
+        "routed_scaling_factor=1.0 or norm_topk_prob=False."
+      )
+
+  @property
+  def has_routed_bias(self) -> bool:
+    """Whether the router uses a correction bias (`init_params` creates it)."""
+    return self.topk_method == "noaux_tc"
 
   @property
   def shared_width(self) -> int:
@@ -210,6 +301,18 @@ class MoEConfig:
           f"{values['activation_quantization']!r}; drop one of them."
         )
       values["activation_quantization"] = act
+    if "routed_bias" in d and not d["routed_bias"] and values.get("topk_method") == "noaux_tc":
+      raise ValueError(
+        f"MoEConfig.from_dict: 'routed_bias'=False but {source['topk_method']!r}='noaux_tc' "
+        "(which needs the correction bias); drop one of them."
+      )
+    if "routed_score_func" in d:
+      # NOTE: MaxText's DeepSeek gate normalises the chosen weights iff the scores are sigmoid
+      # (its deepseek_scale_weights; it has no norm_topk_prob of its own for DeepSeek), so a
+      # MaxText DeepSeek-V3 config means norm_topk_prob=True, as HF's config.json says.
+      values["norm_topk_prob"] = bool(values.get("norm_topk_prob")) or (
+        values.get("score_func") == "sigmoid"
+      )
     for proj in ("wi", "wo"):
       tiling = _tiling_from_maxtext(tiles, proj=proj)
       if tiling is not None:
@@ -248,15 +351,6 @@ def _activation(v) -> str:
   raise ValueError(f"activation {v!r}: only silu-gated (SwiGLU) experts are supported.")
 
 
-def _false_only(name: str) -> Callable[[Any], Any]:
-  def check(v):
-    if v:
-      raise ValueError(f"{name}={v!r} is not supported by this MoE layer.")
-    return None
-
-  return check
-
-
 def _true_only(name: str) -> Callable[[Any], Any]:
   def check(v):
     if not v:
@@ -266,6 +360,16 @@ def _true_only(name: str) -> Callable[[Any], Any]:
     return None
 
   return check
+
+
+def _routed_bias(v):
+  """MaxText `routed_bias`: True is DeepSeek-V3's noaux_tc; False sets nothing (checked later)."""
+  return "noaux_tc" if v else None
+
+
+def _groups(v):
+  """MaxText's `n_routing_groups` / `topk_routing_group`: -1 (<= 0) means no groups (unset)."""
+  return None if v is None or int(v) <= 0 else int(v)
 
 
 def _shared(v) -> int:
@@ -302,7 +406,7 @@ def _dtype_name(v) -> str:
 _FIELDS = frozenset(f.name for f in dataclasses.fields(MoEConfig))
 
 # alias -> (field, value conversion). A conversion returning None means "not set" (MaxText's -1
-# values) or marks a check-only key (`sparse_matmul`, `routed_bias`): nothing is recorded.
+# values) or marks a check-only key (`sparse_matmul`, `routed_bias=False`): nothing is recorded.
 _ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
   # MaxText
   "num_experts_per_tok": ("top_k", int),
@@ -312,7 +416,9 @@ _ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
   "moe_mlp_dim": ("expert_ffn_dim", int),
   "shared_experts": ("num_shared_experts", _shared),
   "routed_score_func": ("score_func", str),
-  "routed_bias": ("num_experts", _false_only("routed_bias")),
+  "routed_bias": ("topk_method", _routed_bias),
+  "n_routing_groups": ("n_group", _groups),
+  "topk_routing_group": ("topk_group", _groups),
   "mlp_activations": ("activation", _activation),
   "capacity_factor": ("buffer_factor", _dropless_if_nonpositive),
   "ragged_buffer_factor": ("buffer_factor", _dropless_if_nonpositive),
@@ -397,8 +503,6 @@ IGNORED_KEYS = frozenset(
     "tie_word_embeddings",
     "use_cache",
     "seq_aux",  # NOTE: the aux loss here is always over the whole (global) batch.
-    "n_group",  # NOTE: only used by grouped top-k methods, which topk_method rejects.
-    "topk_group",
   }
 )
 

@@ -1,13 +1,17 @@
 """Demo: train a scaled-down DeepSeek-V2-Lite-shaped MoE layer on 8 CPU devices (data=2 x expert=4).
 
-  python -m pallas_moe.demo [--steps 30]
+  python -m pallas_moe.demo [--steps 30] [--routing noaux_tc]
 
-64 routed experts, top-6, 2 shared experts, small widths. A synthetic regression: a fixed random
-"teacher" (a dense tanh MLP) maps fresh random tokens to targets; the MoE layer learns them with
-Adam on the mean squared error plus the weighted load-balancing loss. Buffers are
-dropless and exact: before each step the router runs on the batch (`moe.dropless_buffer_rows`) and
-the step is compiled once per buffer bucket. Prints the loss every step, then tokens/s (steps that
-did not compile) and dropped rows.
+64 routed experts, top-6, 2 shared experts, small widths. `--routing noaux_tc` routes as
+DeepSeek-V3 does instead (sigmoid scores, 8 groups of 8 experts, best 4 groups, a correction bias
+for the choice) and updates the bias inside the jitted step from the step's global per-expert load
+(`update_routed_bias`, aux-loss-free balancing); the bias is state, not trained by Adam.
+
+A synthetic regression: a fixed random "teacher" (a dense tanh MLP) maps fresh random tokens to
+targets; the MoE layer learns them with Adam on the mean squared error plus the weighted
+load-balancing loss. Buffers are dropless and exact: before each step the router runs on the batch
+(`moe.dropless_buffer_rows`) and the step is compiled once per buffer bucket. Prints the loss every
+step, then tokens/s (steps that did not compile) and dropped rows.
 """
 
 from __future__ import annotations
@@ -30,19 +34,27 @@ def _cpu_setup() -> None:
   jax.config.update("jax_disable_most_optimizations", True)
 
 
-def demo_config():
-  """The scaled-down DeepSeek-V2-Lite (DeepSeekV2-16B) MoE layer."""
+def demo_config(routing: str = "greedy"):
+  """The scaled-down DeepSeek-V2-Lite (DeepSeekV2-16B) MoE layer.
+
+  Args:
+    routing: "greedy" (DeepSeek-V2-Lite's) or "noaux_tc" (DeepSeek-V3's, with its bias update).
+  """
   from pallas_moe.config import MoEConfig
 
-  return MoEConfig(
-    num_experts=64,
-    top_k=6,
-    d_model=32,
-    expert_ffn_dim=16,
-    num_shared_experts=2,
-    score_func="softmax",
-    aux_loss_coef=1e-3,
-  )
+  base = dict(num_experts=64, top_k=6, d_model=32, expert_ffn_dim=16, num_shared_experts=2)
+  if routing == "noaux_tc":
+    return MoEConfig(
+      **base,
+      score_func="sigmoid",
+      topk_method="noaux_tc",
+      n_group=8,
+      topk_group=4,
+      norm_topk_prob=True,
+      routed_scaling_factor=2.5,
+      routed_bias_update_rate=1e-3,
+    )
+  return MoEConfig(**base, score_func="softmax", aux_loss_coef=1e-3)
 
 
 def _adam(grads, state, params, *, lr: float, b1=0.9, b2=0.999, eps=1e-8):
@@ -59,7 +71,14 @@ def _adam(grads, state, params, *, lr: float, b1=0.9, b2=0.999, eps=1e-8):
   return params, (step, mu, nu)
 
 
-def main(*, steps: int = 30, tokens: int = 256, lr: float = 1e-2, log: bool = True) -> dict:
+def main(
+  *,
+  steps: int = 30,
+  tokens: int = 256,
+  lr: float = 1e-2,
+  log: bool = True,
+  routing: str = "greedy",
+) -> dict:
   """Trains the student for `steps` steps.
 
   Args:
@@ -67,10 +86,11 @@ def main(*, steps: int = 30, tokens: int = 256, lr: float = 1e-2, log: bool = Tr
     tokens: global tokens per step (split over the 8 devices).
     lr: Adam learning rate.
     log: print per-step losses and the summary.
+    routing: see `demo_config`.
 
   Returns:
     dict with `losses` (per step MSE), `tokens_per_s`, `dropped_rows` (total), `buffer_rows`
-    (per compiled bucket).
+    (per compiled bucket), `max_over_mean_load` (per step, busiest expert's rows / mean).
   """
   import functools
 
@@ -80,7 +100,7 @@ def main(*, steps: int = 30, tokens: int = 256, lr: float = 1e-2, log: bool = Tr
 
   from pallas_moe import moe
 
-  config = demo_config()
+  config = demo_config(routing)
   mesh = jax.make_mesh(
     (DATA, EXPERT),
     (config.data_axis, config.expert_axis),
@@ -95,7 +115,8 @@ def main(*, steps: int = 30, tokens: int = 256, lr: float = 1e-2, log: bool = Tr
   params = moe.init_params(jax.random.key(1), config)
   p_shard, x_shard = moe.shardings(config, mesh, params)
   params = jax.device_put(params, p_shard)
-  zeros = lambda: jax.tree.map(jnp.zeros_like, params)
+  # NOTE: Adam sees only the weights; the correction bias (noaux_tc) is state (moe.trainable).
+  zeros = lambda: jax.tree.map(jnp.zeros_like, moe.trainable(params)[0])
   state = (jnp.zeros(()), zeros(), zeros())  # NOTE: distinct buffers (the step donates them)
 
   @jax.jit
@@ -106,19 +127,27 @@ def main(*, steps: int = 30, tokens: int = 256, lr: float = 1e-2, log: bool = Tr
 
   @functools.partial(jax.jit, static_argnames="buffer_rows", donate_argnums=(0, 1))
   def step(params, state, x, target, *, buffer_rows):
-    def loss_fn(p):
-      y, aux = moe.moe_layer(p, x, config, mesh, buffer_rows=buffer_rows)
+    weights, bias_state = moe.trainable(params)
+
+    def loss_fn(w):
+      y, aux = moe.moe_layer({**w, **bias_state}, x, config, mesh, buffer_rows=buffer_rows)
       mse = jnp.mean((y - target) ** 2)
       return mse + config.aux_loss_coef * aux["aux_loss"], (mse, aux)
 
-    (_, (mse, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    params, state = _adam(grads, state, params, lr=lr)
-    return params, state, mse, aux
+    (_, (mse, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights)
+    weights, state = _adam(grads, state, weights, lr=lr)
+    # NOTE: DeepSeek-V3's aux-loss-free balancing: after the step, move the bias against the
+    # step's global per-expert load (aux["expert_load"], already summed over the mesh).
+    bias_state = {
+      k: moe.update_routed_bias(b, aux["expert_load"], rate=config.routed_bias_update_rate)
+      for k, b in bias_state.items()
+    }
+    return {**weights, **bias_state}, state, mse, aux
 
   # NOTE: round the exact need up to a quarter of the balanced per-device load (T * k), so
   # routing noise rarely changes the bucket (each new bucket is a compile).
   bucket = max(8, tokens // (DATA * EXPERT) * config.top_k // 4)
-  losses, dropped, compiled, timed, timed_tokens = [], 0, [], 0.0, 0
+  losses, dropped, compiled, timed, timed_tokens, balance = [], 0, [], 0.0, 0, []
   for i in range(steps):
     x, target = batch(jax.random.key(100 + i))
     rows = moe.dropless_buffer_rows(params, x, config, mesh, multiple_of=bucket)
@@ -134,9 +163,12 @@ def main(*, steps: int = 30, tokens: int = 256, lr: float = 1e-2, log: bool = Tr
       timed_tokens += tokens
     dropped += int(aux["dropped_rows"])
     losses.append(mse)
+    load = np.asarray(aux["expert_load"])
+    balance.append(float(load.max() / load.mean()))
     if log:
       print(
-        f"step {i:3d}  loss {mse:.5f}  aux {float(aux['aux_loss']):.3f}  buffer_rows {rows}"
+        f"step {i:3d}  loss {mse:.5f}  aux {float(aux['aux_loss']):.3f}  max/mean load "
+        f"{balance[-1]:.2f}  buffer_rows {rows}"
         f"  needed {int(aux['needed_rows'])}  dropped {int(aux['dropped_rows'])}"
         + ("  (compiled)" if fresh else "")
       )
@@ -151,6 +183,7 @@ def main(*, steps: int = 30, tokens: int = 256, lr: float = 1e-2, log: bool = Tr
     "tokens_per_s": tps,
     "dropped_rows": dropped,
     "buffer_rows": compiled,
+    "max_over_mean_load": np.asarray(balance),
   }
 
 
@@ -160,6 +193,7 @@ if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--tokens", type=int, default=256)
+  parser.add_argument("--routing", choices=("greedy", "noaux_tc"), default="greedy")
   args = parser.parse_args()
   _cpu_setup()
-  main(steps=args.steps, tokens=args.tokens)
+  main(steps=args.steps, tokens=args.tokens, routing=args.routing)

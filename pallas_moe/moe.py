@@ -3,7 +3,8 @@
 Data flow on one device (inside `jax.shard_map` over a mesh with a data axis and an expert axis;
 `T` local tokens, `k = top_k`, `E` experts, `ep` = expert-axis size, `E_l = E / ep`):
 
-  route        logits = x @ router (f32) -> scores -> top-k ids [T, k] and weights [T, k]
+  route        `routing.route`: logits = x @ router (f32) -> scores -> expert choice (greedy, or
+               DeepSeek's group-limited methods) -> ids [T, k] and weights [T, k]
   sort         flat row r = t * k + j; `order` = stable argsort of the flat ids; sorted rows are
                x[order // k] (a gather; its VJP is a scatter-add into [T, d]), grouped by expert
   dispatch     ep > 1: `collectives.dispatch` sends expert e's rows to device e // E_l; received
@@ -31,7 +32,6 @@ Receive-buffer rows (a static shape). See `buffer_rows_for`:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_moe import collectives
 from pallas_moe.config import MoEConfig
 from pallas_moe.ops import gmm
+from pallas_moe.routing import BIAS_KEY, Routing, route, update_routed_bias
 
 __all__ = [
   "Routing",
@@ -57,6 +58,8 @@ __all__ = [
   "route",
   "sort_by_expert",
   "swiglu",
+  "trainable",
+  "update_routed_bias",
 ]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -78,7 +81,10 @@ def init_params(key: jax.Array, config: MoEConfig) -> dict[str, jax.Array]:
 
   Returns:
     A dict: `router` [d, E]; `wi` [E, d, 2f] (gate columns then up columns); `wo` [E, f, d];
-    with shared experts also `shared_wi` [d, 2s] and `shared_wo` [s, d], `s = config.shared_width`.
+    with shared experts also `shared_wi` [d, 2s] and `shared_wo` [s, d], `s = config.shared_width`;
+    with `topk_method="noaux_tc"` also the correction bias `e_score_correction_bias` [E] f32,
+    zeros (`routing.BIAS_KEY`): state, not a weight (its gradient is exactly 0; update it with
+    `update_routed_bias`, leave it out of the optimizer with `trainable`).
   """
   d, e, f, s = config.d_model, config.num_experts, config.expert_ffn_dim, config.shared_width
   keys = jax.random.split(key, 5)
@@ -95,7 +101,23 @@ def init_params(key: jax.Array, config: MoEConfig) -> dict[str, jax.Array]:
   if s:
     params["shared_wi"] = normal(keys[3], (d, 2 * s), d)
     params["shared_wo"] = normal(keys[4], (s, d), s)
+  if config.has_routed_bias:
+    # NOTE: f32 whatever weight_dtype is: updates of rate 1e-3 would vanish in bf16.
+    params[BIAS_KEY] = jnp.zeros((e,), jnp.float32)
   return params
+
+
+def trainable(params: dict) -> tuple[dict, dict]:
+  """Splits params into `(weights, state)`: the state is the correction bias, if any.
+
+  Args:
+    params: see `init_params`.
+
+  Returns:
+    Two dicts whose union is `params`; give only the first to the optimizer.
+  """
+  state = {k: v for k, v in params.items() if k == BIAS_KEY}
+  return {k: v for k, v in params.items() if k != BIAS_KEY}, state
 
 
 def param_specs(config: MoEConfig, params: dict | None = None) -> dict[str, P]:
@@ -115,58 +137,13 @@ def param_specs(config: MoEConfig, params: dict | None = None) -> dict[str, P]:
 
 def _param_keys(config: MoEConfig) -> tuple[str, ...]:
   keys = ("router", "wi", "wo")
-  return keys + (("shared_wi", "shared_wo") if config.shared_width else ())
+  keys += ("shared_wi", "shared_wo") if config.shared_width else ()
+  return keys + ((BIAS_KEY,) if config.has_routed_bias else ())
 
 
 # ---------------------------------------------------------------------------------------------
 # Routing, sorting, experts.
 # ---------------------------------------------------------------------------------------------
-
-
-@functools.partial(
-  jax.tree_util.register_dataclass,
-  data_fields=["expert_ids", "weights", "probs"],
-  meta_fields=[],
-)
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Routing:
-  """The router's decision for a block of tokens.
-
-  Attributes:
-    expert_ids: [T, k] int32 chosen experts (distinct per token), in score order.
-    weights: [T, k] f32 combine weights (normalised if `norm_topk_prob`, times
-      `routed_scaling_factor`).
-    probs: [T, E] f32 scores normalised to sum to 1 per token (for the load-balancing loss).
-  """
-
-  expert_ids: jax.Array
-  weights: jax.Array
-  probs: jax.Array
-
-
-def route(x: jax.Array, router: jax.Array, *, config: MoEConfig) -> Routing:
-  """Router: f32 logits, softmax or sigmoid scores, greedy top-k.
-
-  Args:
-    x: [T, d] tokens.
-    router: [d, E] router weights.
-    config: the layer config (score_func, top_k, norm_topk_prob, routed_scaling_factor).
-
-  Returns:
-    A `Routing`.
-  """
-  logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32), precision=_HIGHEST)  # [T, E]
-  if config.score_func == "softmax":
-    scores = jax.nn.softmax(logits, axis=-1)
-    probs = scores
-  else:
-    scores = jax.nn.sigmoid(logits)
-    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
-  weights, ids = jax.lax.top_k(scores, config.top_k)
-  if config.norm_topk_prob:
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  weights = weights * config.routed_scaling_factor
-  return Routing(expert_ids=ids.astype(jnp.int32), weights=weights, probs=probs)
 
 
 def sort_by_expert(expert_ids: jax.Array, *, num_experts: int):
@@ -333,7 +310,8 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     `(y, aux)`: y [T, d] in `config.dtype`; aux a dict of scalars: `aux_loss` (unweighted
     load-balancing loss), `dropped_rows` (global count of (token, choice) rows that did not fit),
     `needed_rows` (the largest receive count of any device: the exact dropless buffer),
-    `buffer_rows` (the static buffer used).
+    `buffer_rows` (the static buffer used); and `expert_load` [E] int32, the rows routed to
+    each expert over the global batch (for `update_routed_bias`).
   """
   dt = config.compute_dtype
   k, num_experts = config.top_k, config.num_experts
@@ -349,7 +327,7 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     )
   t = x.shape[0]
   x = x.astype(dt)
-  routing = route(x, params["router"], config=config)
+  routing = route(x, params["router"], config=config, bias=params.get(BIAS_KEY))
   order, inverse, group_sizes = sort_by_expert(routing.expert_ids, num_experts=num_experts)
   # NOTE: sorted row i is flat row order[i] = t * k + j, i.e. token order[i] // k.
   rows = x[order // k]
@@ -377,6 +355,7 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     "dropped_rows": _global(dropped, axes, jax.lax.psum),
     "needed_rows": _global(needed, axes, jax.lax.pmax),
     "buffer_rows": jnp.asarray(rows_b, jnp.int32),
+    "expert_load": _global(group_sizes, axes, jax.lax.psum),
   }
   return y.astype(dt), aux
 
@@ -453,7 +432,8 @@ def moe_layer(
   _check_mesh(mesh, config)
   tok = P((config.data_axis, config.expert_axis))
   fn = functools.partial(moe_block, config=config, buffer_rows=buffer_rows)
-  aux_spec = {k: P() for k in ("aux_loss", "dropped_rows", "needed_rows", "buffer_rows")}
+  aux_keys = ("aux_loss", "dropped_rows", "needed_rows", "buffer_rows", "expert_load")
+  aux_spec = {k: P() for k in aux_keys}
   return jax.shard_map(
     fn,
     mesh=mesh,
@@ -490,7 +470,7 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
   """
   ep = _check_mesh(mesh, config)
   data = mesh.shape[config.data_axis]
-  ids = np.asarray(_router_ids(config, mesh)(params["router"], x))
+  ids = np.asarray(_router_ids(config, mesh)(params["router"], params.get(BIAS_KEY), x))
   need = int(_receive_counts(ids, num_experts=config.num_experts, data=data, ep=ep).max())
   return max(1, -(-need // multiple_of) * multiple_of)
 
@@ -499,10 +479,10 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
 def _router_ids(config: MoEConfig, mesh):
   tok = P((config.data_axis, config.expert_axis))
 
-  def ids(router, x):
-    return route(x.astype(config.compute_dtype), router, config=config).expert_ids
+  def ids(router, bias, x):
+    return route(x.astype(config.compute_dtype), router, config=config, bias=bias).expert_ids
 
-  return jax.jit(jax.shard_map(ids, mesh=mesh, in_specs=(P(), tok), out_specs=tok))
+  return jax.jit(jax.shard_map(ids, mesh=mesh, in_specs=(P(), P(), tok), out_specs=tok))
 
 
 def shardings(config: MoEConfig, mesh, params: dict | None = None):

@@ -168,8 +168,7 @@ def test_values_and_aliases():
     ({"emb_dim": 1024}, r"'base_emb_dim'=2048 and 'emb_dim'=1024 both set 'd_model'"),
     ({"ragged_buffer_factor": 2.0, "capacity_factor": 1.5}, r"'buffer_factor'"),
     ({"sparse_matmul": False}, r"sparse_matmul=False"),
-    ({"routed_bias": True}, r"routed_bias=True is not supported"),
-    ({"topk_method": "noaux_tc"}, r"topk_method must be one of"),
+    ({"topk_method": "aux_tc"}, r"topk_method must be one of"),
     ({"mlp_activations": ["gelu"]}, r"only \['silu', 'linear'\]"),
   ],
 )
@@ -200,3 +199,201 @@ def test_direct_validation():
     MoEConfig(8, 2, 16, 8)  # keyword-only
   with pytest.raises(dataclasses.FrozenInstanceError):
     MoEConfig(**base).top_k = 3
+
+
+# --- DeepSeek routing (issue 17): published MoE fields of the HF config.json files and of
+# MaxText's model configs (src/maxtext/configs/models/*.yml), as dicts. -------------------------
+
+HF_DEEPSEEK_V2_LITE_MOE = {
+  "hidden_size": 2048,
+  "moe_intermediate_size": 1408,
+  "n_routed_experts": 64,
+  "n_shared_experts": 2,
+  "num_experts_per_tok": 6,
+  "topk_method": "greedy",
+  "n_group": 1,
+  "topk_group": 1,
+  "scoring_func": "softmax",
+  "norm_topk_prob": False,
+  "routed_scaling_factor": 1.0,
+  "aux_loss_alpha": 0.001,
+  "seq_aux": True,
+}
+HF_DEEPSEEK_V2_MOE = {
+  "hidden_size": 5120,
+  "moe_intermediate_size": 1536,
+  "n_routed_experts": 160,
+  "n_shared_experts": 2,
+  "num_experts_per_tok": 6,
+  "topk_method": "group_limited_greedy",
+  "n_group": 8,
+  "topk_group": 3,
+  "scoring_func": "softmax",
+  "norm_topk_prob": False,
+  "routed_scaling_factor": 16.0,
+  "aux_loss_alpha": 0.003,
+  "seq_aux": True,
+}
+HF_DEEPSEEK_V3_MOE = {
+  "hidden_size": 7168,
+  "moe_intermediate_size": 2048,
+  "n_routed_experts": 256,
+  "n_shared_experts": 1,
+  "num_experts_per_tok": 8,
+  "topk_method": "noaux_tc",
+  "n_group": 8,
+  "topk_group": 4,
+  "scoring_func": "sigmoid",
+  "norm_topk_prob": True,
+  "routed_scaling_factor": 2.5,
+  "aux_loss_alpha": 0.001,
+  "seq_aux": True,
+}
+_MAXTEXT_MOE_KEYS = (
+  "base_emb_dim",
+  "base_moe_mlp_dim",
+  "num_experts",
+  "num_experts_per_tok",
+  "shared_experts",
+  "routed_scaling_factor",
+  "routed_score_func",
+  "routed_bias",
+)
+MAXTEXT_DEEPSEEK2_16B_MOE = {k: MAXTEXT_DEEPSEEK2_16B[k] for k in _MAXTEXT_MOE_KEYS}
+MAXTEXT_DEEPSEEK2_236B_MOE = {
+  "base_emb_dim": 5120,
+  "base_moe_mlp_dim": 1536,
+  "num_experts": 160,
+  "num_experts_per_tok": 6,
+  "shared_experts": 2,
+  "routed_scaling_factor": 16.0,
+  "routed_score_func": "softmax",
+  "routed_bias": False,
+}
+MAXTEXT_DEEPSEEK3_671B_MOE = {
+  "base_emb_dim": 7168,
+  "base_moe_mlp_dim": 2048,
+  "num_experts": 256,
+  "num_experts_per_tok": 8,
+  "shared_experts": 1,
+  "routed_scaling_factor": 2.5,
+  "routed_score_func": "sigmoid",
+  "routed_bias": True,
+}
+# MaxText base.yml's values of the routing keys the model files leave out.
+MAXTEXT_BASE_ROUTING = {
+  "n_routing_groups": -1,
+  "topk_routing_group": -1,
+  "routed_bias_update_rate": 0.0,
+  "load_balance_loss_weight": 0.0,
+}
+
+
+def _routing(c: MoEConfig):
+  return (
+    c.topk_method,
+    c.n_group,
+    c.topk_group,
+    c.score_func,
+    c.norm_topk_prob,
+    c.routed_scaling_factor,
+    c.has_routed_bias,
+  )
+
+
+@pytest.mark.parametrize(
+  "d, want",
+  [
+    (HF_DEEPSEEK_V2_LITE_MOE, ("greedy", 1, 1, "softmax", False, 1.0, False)),
+    (HF_DEEPSEEK_V2_MOE, ("group_limited_greedy", 8, 3, "softmax", False, 16.0, False)),
+    (HF_DEEPSEEK_V3_MOE, ("noaux_tc", 8, 4, "sigmoid", True, 2.5, True)),
+    (MAXTEXT_DEEPSEEK2_16B_MOE, ("greedy", 1, 1, "softmax", False, 1.0, False)),
+    # NOTE: MaxText routes DeepSeek-V2-236B greedily (its yml: "not fully supported"); with HF's
+    # keys added it is V2's group-limited routing (next test).
+    (MAXTEXT_DEEPSEEK2_236B_MOE, ("greedy", 1, 1, "softmax", False, 16.0, False)),
+    # NOTE: without groups (MaxText's -1) noaux_tc is greedy on the biased scores; normalised
+    # because MaxText's DeepSeek gate normalises sigmoid scores.
+    (MAXTEXT_DEEPSEEK3_671B_MOE, ("noaux_tc", 1, 1, "sigmoid", True, 2.5, True)),
+  ],
+  ids=[
+    "hf-v2-lite",
+    "hf-v2",
+    "hf-v3",
+    "mt-deepseek2-16b",
+    "mt-deepseek2-236b",
+    "mt-deepseek3-671b",
+  ],
+)
+def test_deepseek_configs_yield_their_routing(d, want):
+  c = MoEConfig.from_dict(d)
+  assert _routing(c) == want
+  if "routed_score_func" in d:  # MaxText: base.yml's "unset" values change nothing
+    assert MoEConfig.from_dict({**d, **MAXTEXT_BASE_ROUTING}) == c
+
+
+def test_maxtext_and_hf_deepseek_routing_agree():
+  """MaxText's V3 file with its documented flags (n_routing_groups=8, topk_routing_group=4) is
+  HF's V3; MaxText's V2-236B file plus HF's routing keys is HF's V2; the V2-Lite pair agrees."""
+  hf_v3 = MoEConfig.from_dict(HF_DEEPSEEK_V3_MOE)
+  mt_v3 = MoEConfig.from_dict(
+    {**MAXTEXT_DEEPSEEK3_671B_MOE, "n_routing_groups": 8, "topk_routing_group": 4}
+  )
+  assert mt_v3 == dataclasses.replace(hf_v3, aux_loss_coef=0.0)
+  hf_v2 = MoEConfig.from_dict(HF_DEEPSEEK_V2_MOE)
+  keys = {k: HF_DEEPSEEK_V2_MOE[k] for k in ("topk_method", "n_group", "topk_group")}
+  mt_v2 = MoEConfig.from_dict({**MAXTEXT_DEEPSEEK2_236B_MOE, **keys})
+  assert mt_v2 == dataclasses.replace(hf_v2, aux_loss_coef=0.0)
+  mt_v2 = MoEConfig.from_dict(
+    {**MAXTEXT_DEEPSEEK2_236B_MOE, "n_routing_groups": 8, "topk_routing_group": 3, **keys}
+  )
+  assert mt_v2.n_group == 8 and mt_v2.topk_group == 3
+  lite = MoEConfig.from_dict(HF_DEEPSEEK_V2_LITE_MOE)
+  assert dataclasses.replace(lite, aux_loss_coef=0.0) == MoEConfig.from_dict(
+    MAXTEXT_DEEPSEEK2_16B_MOE
+  )
+  # Bias update rate and f32 gate logits: MaxText's names are our field names.
+  c = MoEConfig.from_dict(
+    {**MAXTEXT_DEEPSEEK3_671B_MOE, "routed_bias_update_rate": 1e-3, "float32_gate_logits": False}
+  )
+  assert c.routed_bias_update_rate == 1e-3 and not c.float32_gate_logits
+
+
+@pytest.mark.parametrize(
+  "d, match",
+  [
+    (
+      {**HF_DEEPSEEK_V3_MOE, "scoring_func": "softmax"},
+      r"score_func='softmax'.*noaux_tc.*'sigmoid'",
+    ),
+    ({**HF_DEEPSEEK_V2_MOE, "scoring_func": "sigmoid"}, r"score_func='sigmoid'.*Set score_func="),
+    ({**HF_DEEPSEEK_V3_MOE, "scoring_func": "sqrtsoftplus"}, r"score_func must be one of"),
+    ({**HF_DEEPSEEK_V3_MOE, "n_group": 7}, r"n_group=7 .*must divide num_experts=256"),
+    ({**HF_DEEPSEEK_V3_MOE, "topk_group": 9}, r"topk_group=9 .*must be <= n_group=8"),
+    ({**HF_DEEPSEEK_V3_MOE, "topk_group": 0}, r"topk_group must be a positive int"),
+    ({**HF_DEEPSEEK_V2_MOE, "n_group": 32, "topk_group": 1}, r"top_k=6 is more than the 5 "),
+    (
+      {**HF_DEEPSEEK_V3_MOE, "n_routed_experts": 8, "num_experts_per_tok": 2},
+      r"n_group=8: noaux_tc scores a group by its two best experts, so groups need >= 2",
+    ),
+    ({**HF_DEEPSEEK_V2_MOE, "norm_topk_prob": True}, r"routed_scaling_factor=16.0 with norm"),
+    ({**HF_DEEPSEEK_V2_LITE_MOE, "n_group": 8}, r"n_group=8, topk_group=1 .*grouped topk_method"),
+    (
+      {**MAXTEXT_DEEPSEEK2_236B_MOE, "n_routing_groups": 8, "topk_routing_group": 3},
+      r"n_routing_groups.*'group_limited_greedy'.*routed_bias: true",
+    ),
+    (
+      {**MAXTEXT_DEEPSEEK2_16B_MOE, "routed_bias_update_rate": 1e-3},
+      r"routed_bias_update_rate=0.001 needs a correction bias",
+    ),
+    (
+      {**HF_DEEPSEEK_V2_MOE, "routed_bias_update_rate": 1e-3},
+      r"routed_bias_update_rate=0.001 needs topk_method='noaux_tc'",
+    ),
+    ({**HF_DEEPSEEK_V3_MOE, "routed_bias": False}, r"'routed_bias'=False but 'topk_method'"),
+    ({**HF_DEEPSEEK_V2_MOE, "routed_bias": True}, r"'topk_method'='group_limited_greedy' and "),
+    ({**HF_DEEPSEEK_V3_MOE, "routed_bias_update_rate": -1.0}, r"must be >= 0"),
+  ],
+)
+def test_bad_deepseek_routing_raises_naming_key_and_fix(d, match):
+  with pytest.raises(ValueError, match=match):
+    MoEConfig.from_dict(d)
