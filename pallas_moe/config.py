@@ -64,6 +64,9 @@ class MoEConfig:
     routed_bias_update_rate: speed of the aux-loss-free bias update
       (`routing.update_routed_bias`); needs "noaux_tc". 0 leaves the bias fixed.
     float32_gate_logits: router matmul in f32 (default); False: in `dtype` (MaxText's flag).
+      NOTE: MaxText's base.yml defaults it to false; ours is true because DeepSeek's published
+      gate (HF `MoEGate`) computes its logits in f32, and bf16 logits flip top-k choices on
+      near ties. A MaxText config that sets the key keeps its value.
     buffer_factor: None (default): dropless, see `moe.buffer_rows_for`. A float `f`: each
       device's receive buffer has `ceil(f * tokens_per_device * top_k)` rows; overflowing rows
       are dropped and counted.
