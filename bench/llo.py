@@ -20,7 +20,9 @@ libtpu writes Mosaic's scheduled VLIW bundles for a deviceless AOT compile when
 MXU-busy cycles, the derivation. A `vmatmul` streams one vreg of lhs rows into its MXU: 8
 sublanes of 32-bit values, i.e. `rows = 8 * 4 / itemsize` rows (16 for bf16, 32 for 8-bit
 operands) against the MXU's stationary mxu x mxu weights. A systolic array takes one row per
-cycle, so the instruction keeps its MXU busy `rows` cycles and does rows * mxu^2 MACs. With
+cycle at the bf16 rate, so the instruction keeps its MXU busy `rows` cycles and does
+rows * mxu^2 MACs; a narrow (int8 / fp8) mode with k times the bf16 peak takes k rows per cycle
+(`cycles_per_row`: the 32-row int8 vmatmul of v5e / v6e takes 16 cycles). With
 `num_mxus` MXUs (the `mxuN` ids in the dump: v5e 4, v6e 2, tpu7x 2, as jax's `tpu_info` lists
 them) at clock f, the peak is 2 * num_mxus * mxu^2 * f, so the clock the peak implies is
 f = peak / (2 * num_mxus * mxu^2) (per TensorCore: tpu7x's chip peak is split over its two
@@ -63,12 +65,15 @@ __all__ = [
   "loop_tree",
   "find_dump",
   "implied_clock_hz",
+  "matmul_kind",
   "matmul_rows",
+  "cycles_per_row",
   "trip_counts",
   "LloReport",
   "report",
   "compile_dump",
   "analyze_case",
+  "markdown_table",
 ]
 
 # Instruction classes, in report order.
@@ -236,13 +241,32 @@ def classify(op: str) -> str:
   return "scalar"
 
 
-def matmul_rows(op: str) -> int:
-  """Rows a `vmatmul` streams (one vreg: 8 sublanes of 32-bit words)."""
-  if re.search(r"\.(s8|u8|i8|f8|e4m3|e5m2|s4)\b|\.(s8|u8|f8)\.", op):
-    return 32
+def matmul_kind(op: str) -> str:
+  """The operand type of a `vmatmul`: "int8", "fp8", "f32" or "bf16"."""
+  if re.search(r"\.(s8|u8)\b", op):
+    return "int8"
+  if re.search(r"\.(f8|e4m3\w*|e5m2\w*)\b", op):
+    return "fp8"
   if ".f32" in op:
-    return 8
-  return 16
+    return "f32"
+  return "bf16"
+
+
+def matmul_rows(op: str) -> int:
+  """Rows a `vmatmul` streams: one vreg, 8 sublanes of 32-bit words (16 bf16, 32 8-bit rows)."""
+  return {"int8": 32, "fp8": 32, "f32": 8, "bf16": 16}[matmul_kind(op)]
+
+
+def cycles_per_row(kind: str, generation) -> float:
+  """MXU cycles per streamed row: 1 at the bf16 rate; the narrow modes stream rows faster by
+  their peak's ratio (int8 on v5e / v6e: 2 rows per cycle). f32 is counted as bf16 (our
+  kernels' dots have no f32 operands)."""
+  gen = generation
+  if kind == "int8" and gen.supports_int8:
+    return gen.peak_bf16_flops / gen.peak_int8_ops
+  if kind == "fp8" and gen.supports_fp8:
+    return gen.peak_bf16_flops / gen.peak_fp8_ops
+  return 1.0
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -257,7 +281,7 @@ class Node:
     exit_bound: a loop's static trip count (its compiled exit test), or None (dynamic).
     own_bundles: bundles not in a child.
     own_counts: instructions per class, not in a child.
-    own_matmul_rows: per MXU id, rows streamed by `vmatmul`s not in a child.
+    own_matmul: rows streamed by `vmatmul`s not in a child, per (MXU id, `matmul_kind`).
     dma_out: a DMA to HBM is among its own instructions.
   """
 
@@ -268,8 +292,23 @@ class Node:
   exit_bound: int | None = None
   own_bundles: int = 0
   own_counts: dict[str, int] = dataclasses.field(default_factory=dict)
-  own_matmul_rows: dict[int, int] = dataclasses.field(default_factory=dict)
+  own_matmul: dict[tuple[int, str], int] = dataclasses.field(default_factory=dict)
   dma_out: bool = False
+
+  @property
+  def own_matmul_rows(self) -> dict[int, int]:
+    """Rows streamed per MXU id (all operand types)."""
+    out: dict[int, int] = {}
+    for (unit, _), rows in self.own_matmul.items():
+      out[unit] = out.get(unit, 0) + rows
+    return out
+
+  def own_mxu_cycles(self, generation) -> dict[int, float]:
+    """MXU-busy cycles per MXU id (`cycles_per_row`)."""
+    out: dict[int, float] = {}
+    for (unit, kind), rows in self.own_matmul.items():
+      out[unit] = out.get(unit, 0.0) + rows * cycles_per_row(kind, generation)
+    return out
 
   @property
   def bundles(self) -> int:
@@ -358,7 +397,8 @@ def loop_tree(bundles: Sequence[Bundle]) -> Node:
       if op.startswith("vmatmul"):
         mxu = _MXU_ID.search(op)
         unit = int(mxu.group(1)) if mxu else 0
-        node.own_matmul_rows[unit] = node.own_matmul_rows.get(unit, 0) + matmul_rows(op)
+        key = (unit, matmul_kind(op))
+        node.own_matmul[key] = node.own_matmul.get(key, 0) + matmul_rows(op)
       if op.startswith("dma.vmem_to_hbm"):
         node.dma_out = True
   return root
@@ -579,6 +619,10 @@ class LloReport:
     program_bundles: bundles in the compiled program.
     issue_cycles: Σ over nodes of bundles x executions (one bundle issues per cycle).
     mxu_cycles: max over MXUs of Σ vmatmul rows x executions.
+    bound_cycles: Σ over nodes of max(own bundles, own MXU-busy cycles) x executions: each
+      loop body or region as long as the longer of its issue and its MXU work, regions one
+      after another (the compiled schedule does not overlap a group's weight transpose, say,
+      with the sub-block loop's MXU work).
     class_counts: instructions executed per class.
     mxu_loop_bundles: bundles of one iteration of the innermost loop holding vmatmuls.
     mxu_loop_mxu_cycles: MXU-busy cycles of that iteration (max over MXUs).
@@ -586,6 +630,11 @@ class LloReport:
     model_mxu_us: the analytic cost model's MXU time of the call (`bench.costmodel`).
     model_us: the analytic model's time of the call.
     tree: text outline of the loop tree with executions.
+    tiling: the case's (tm, tk, tn), if known.
+    form: the case's kernel form (`bench.impls.Case.kernel`), if known.
+    achievable_us: the case's achievable bound (as the bench computes it), if known.
+    restated_us: the call's modeled µs with the compiled excess added
+      (`costmodel.cost_with_compiled_schedule`), if known.
   """
 
   kernel: str
@@ -596,13 +645,18 @@ class LloReport:
   program_bundles: int
   issue_cycles: float
   mxu_cycles: float
+  bound_cycles: float
   class_counts: dict[str, float]
   mxu_loop_bundles: int
-  mxu_loop_mxu_cycles: int
+  mxu_loop_mxu_cycles: float
   mxu_loop_iterations: float
   model_mxu_us: float
   model_us: float
   tree: str
+  tiling: tuple[int, ...] = ()
+  form: str = ""
+  achievable_us: float = float("nan")
+  restated_us: float = float("nan")
 
   @property
   def issue_us(self) -> float:
@@ -611,6 +665,10 @@ class LloReport:
   @property
   def mxu_us(self) -> float:
     return self.mxu_cycles / self.clock_hz / self.cores * 1e6
+
+  @property
+  def bound_us(self) -> float:
+    return self.bound_cycles / self.clock_hz / self.cores * 1e6
 
   @property
   def ratio(self) -> float:
@@ -636,6 +694,7 @@ class LloReport:
     d.update(
       issue_us=self.issue_us,
       mxu_us=self.mxu_us,
+      bound_us=self.bound_us,
       ratio=self.ratio,
       mxu_loop_ratio=self.mxu_loop_ratio,
       issue_cycles_per_step=self.issue_cycles_per_step,
@@ -672,14 +731,16 @@ def report(
   bundles = parse_bundles(text)
   root = loop_tree(bundles)
   execs = trip_counts(root, counts)
-  issue = 0.0
+  issue = bound = 0.0
   mxu_rows: dict[int, float] = collections.defaultdict(float)
   classes = {c: 0.0 for c in CLASSES}
   for node in root.walk():
     e = execs[id(node)]
     issue += node.own_bundles * e
-    for unit, rows in node.own_matmul_rows.items():
-      mxu_rows[unit] += rows * e
+    cycles = node.own_mxu_cycles(gen)
+    bound += max(node.own_bundles, *cycles.values(), 0) * e
+    for unit, c in cycles.items():
+      mxu_rows[unit] += c * e
     for c, v in node.own_counts.items():
       classes[c] += v * e
   mxu_nodes = [n for n in root.walk() if n.own_matmul_rows]
@@ -706,9 +767,10 @@ def report(
     program_bundles=len(bundles),
     issue_cycles=issue,
     mxu_cycles=max(mxu_rows.values(), default=0.0),
+    bound_cycles=bound,
     class_counts=classes,
     mxu_loop_bundles=inner.own_bundles if inner else 0,
-    mxu_loop_mxu_cycles=max(inner.own_matmul_rows.values()) if inner else 0,
+    mxu_loop_mxu_cycles=max(inner.own_mxu_cycles(gen).values()) if inner else 0,
     mxu_loop_iterations=execs[id(inner)] if inner else 0.0,
     model_mxu_us=model_mxu_us,
     model_us=model_us,
@@ -736,6 +798,16 @@ def _build_case(*, impl: str, op: str, shape, tokens: int | None, generation: st
   gen = tiling_lib.get_generation(generation)
   case = impls.IMPLS[impl].build(op=op, shape=shp, group_sizes=gs, generation=gen)
   return case, gen
+
+
+def _shape_and_sizes(shape, tokens):
+  from bench import shapes
+
+  if isinstance(shape, str):
+    shp = shapes.get_shape(shape, tokens=tokens)
+  else:
+    shp = shape.with_tokens(tokens) if tokens else shape
+  return shp, shapes.group_sizes(shp)
 
 
 def _compile_in_this_process(spec: dict[str, Any]) -> None:
@@ -850,7 +922,17 @@ def analyze_case(
   scheds = costmodel.analyze(
     case.fn, *case.args, step_scale=capture, step_manual_bytes=case.step_manual_bytes
   )
-  costs = costmodel.cost(scheds, generation=gen).calls
+  shp, gs = _shape_and_sizes(shape, tokens)
+  # NOTE: as the bench's `cost` call (bench/__main__.py), for the achievable bound.
+  cost_kw = dict(
+    generation=gen,
+    mxu_rows_useful=int(gs.sum()),
+    useful_row_macs=shp.k * shp.n,
+    floor_rows_count=costmodel.floor_rows(gs, gen.mxu_size),
+    min_hbm_bytes=2 * (shp.m * shp.k + shp.m * shp.n + shp.num_groups * shp.k * shp.n),
+  )
+  base = costmodel.cost(scheds, **cost_kw)
+  costs = base.calls
   tmp = None
   if cache_dir is None:
     tmp = tempfile.TemporaryDirectory(prefix="llo-")
@@ -870,19 +952,23 @@ def analyze_case(
     name = sched.name.split("@")[0]
     with open(find_dump(dump_dir, name)) as f:
       text = f.read()
-    out.append(
-      report(
-        kernel=name,
-        text=text,
-        counts=kernel_counts(kernel=name, ctx=ctx, case=case),
-        generation=gen,
-        model_mxu_us=cc.mxu_us,
-        model_us=cc.modeled_us,
-      )
+    rep = report(
+      kernel=name,
+      text=text,
+      counts=kernel_counts(kernel=name, ctx=ctx, case=case),
+      generation=gen,
+      model_mxu_us=cc.mxu_us,
+      model_us=cc.modeled_us,
     )
+    out.append(dataclasses.replace(rep, tiling=tuple(case.tiling), form=case.kernel))
   if tmp is not None:
     tmp.cleanup()
-  return out
+  excess = [costmodel.compiled_excess_us(bound_us=r.bound_us, mxu_us=r.mxu_us) for r in out]
+  restated = costmodel.cost_with_compiled_schedule(scheds, excess_us=excess, **cost_kw)
+  return [
+    dataclasses.replace(r, achievable_us=base.achievable_us, restated_us=c.modeled_us)
+    for r, c in zip(out, restated.calls, strict=True)
+  ]
 
 
 def _print(rep: LloReport, *, label: str, tree: bool) -> None:
@@ -895,6 +981,10 @@ def _print(rep: LloReport, *, label: str, tree: bool) -> None:
     f" issue/MXU {rep.ratio:.3f}"
   )
   print(
+    f"  per region max(issue, MXU), in sequence: {rep.bound_cycles:,.0f} cycles ="
+    f" {rep.bound_us:,.1f} us ({rep.bound_us / rep.model_mxu_us - 1:+.1%} vs the model's MXU)"
+  )
+  print(
     f"  innermost MXU loop: {rep.mxu_loop_bundles} bundles / {rep.mxu_loop_mxu_cycles} MXU"
     f" cycles per iteration = {rep.mxu_loop_ratio:.3f}, x{rep.mxu_loop_iterations:,.0f}"
   )
@@ -904,6 +994,12 @@ def _print(rep: LloReport, *, label: str, tree: bool) -> None:
     f" ({rep.issue_us / rep.model_mxu_us - 1:+.1%})"
   )
   print(f"  top non-MXU classes: {top}")
+  if rep.restated_us == rep.restated_us:
+    print(
+      f"  modeled with the compiled excess: {rep.restated_us:,.1f} us ="
+      f" {rep.restated_us / rep.achievable_us:.3f} x the achievable bound"
+      f" (was {rep.model_us / rep.achievable_us:.3f})"
+    )
   if tree:
     print(rep.tree)
 
@@ -918,30 +1014,64 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("--cache_dir", default=None, help="keep dumps here (reused when present)")
   p.add_argument("--tree", action="store_true", help="print the loop tree")
   p.add_argument("--json", default=None, help="append the reports as JSON lines to this file")
+  p.add_argument("--table", default=None, help="print a markdown table of a --json file, exit")
   p.add_argument("--_compile", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args._compile:
     _compile_in_this_process(json.loads(args._compile))
     return
+  if args.table:
+    with open(args.table) as f:
+      print(markdown_table([json.loads(line) for line in f if line.strip()]))
+    return
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  for impl in args.impl.split(","):
-    for op in args.op.split(","):
-      for chip in args.chip.split(","):
-        reps = analyze_case(
-          impl=impl,
-          op=op,
-          shape=args.shape,
-          generation=chip,
-          tokens=args.tokens,
-          cache_dir=args.cache_dir,
-        )
-        label = f"{impl} {args.shape}@{args.tokens or 'native'} {op}"
-        for rep in reps:
-          _print(rep, label=label, tree=args.tree)
-          if args.json:
-            with open(args.json, "a") as f:
-              rec = dict(impl=impl, shape=args.shape, tokens=args.tokens, op=op, **rep.as_dict())
-              f.write(json.dumps(rec) + "\n")
+  for shape in args.shape.split(","):
+    for impl in args.impl.split(","):
+      for op in args.op.split(","):
+        for chip in args.chip.split(","):
+          reps = analyze_case(
+            impl=impl,
+            op=op,
+            shape=shape,
+            generation=chip,
+            tokens=args.tokens,
+            cache_dir=args.cache_dir,
+          )
+          label = f"{impl} {shape}@{args.tokens or 'native'} {op}"
+          for rep in reps:
+            _print(rep, label=label, tree=args.tree)
+            if args.json:
+              with open(args.json, "a") as f:
+                rec = dict(impl=impl, shape=shape, tokens=args.tokens, op=op, **rep.as_dict())
+                f.write(json.dumps(rec) + "\n")
+
+
+def markdown_table(records: Sequence[dict[str, Any]]) -> str:
+  """The RESULTS.md table of `--json` records.
+
+  Args:
+    records: `LloReport.as_dict()` plus impl, shape, tokens, op.
+
+  Returns:
+    Markdown.
+  """
+  cols = (
+    "shape | op | chip | impl | tiling | model MXU µs | compiled MXU µs | issue µs | "
+    "bound µs | bound − model MXU | issue/MXU | inner loop issue/MXU | top non-MXU classes"
+  )
+  out = ["| " + cols + " |", "|" + "---|" * len(cols.split(" | "))]
+  for r in records:
+    form = {"rowtile": "", "rowtile-rows-stationary": " (rs)"}.get(r.get("form") or "", "")
+    tiling = "x".join(str(t) for t in r.get("tiling") or ()) + form
+    top = ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in r["top_non_mxu"])
+    diff = r["bound_us"] - r["model_mxu_us"]
+    out.append(
+      f"| {r['shape']} | {r['op']} | {r['generation']} | {r['impl']} | {tiling} |"
+      f" {r['model_mxu_us']:,.0f} | {r['mxu_us']:,.0f} | {r['issue_us']:,.0f} |"
+      f" {r['bound_us']:,.0f} | {diff:+,.0f} ({diff / r['model_mxu_us']:+.1%}) |"
+      f" {r['ratio']:.2f} | {r['mxu_loop_ratio']:.2f} | {top} |"
+    )
+  return "\n".join(out)
 
 
 if __name__ == "__main__":

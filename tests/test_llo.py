@@ -12,8 +12,9 @@ import os
 
 import pytest
 
-from bench import llo
+from bench import costmodel, impls, llo, shapes
 from bench.shapes import Shape
+from pallas_moe import tiling
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "gmm_rowtile_v5e_final_bundles.txt")
 TINY = Shape(name="tiny", tokens=1024, top_k=2, num_groups=4, k=256, n=256)
@@ -69,6 +70,8 @@ def test_report_combines_tree_with_trip_counts():
   assert rep.issue_cycles == sum(b * e for b, e in zip(own, (1, 6, 4, 7, 7, 19), strict=True))
   assert rep.mxu_cycles == 19 * 128
   assert rep.mxu_loop_bundles == 188 and rep.mxu_loop_mxu_cycles == 128
+  # NOTE: only the sub-block loop has MXU work, and it is issue-bound here (188 > 128 cycles).
+  assert rep.bound_cycles == rep.issue_cycles
   assert rep.ratio == pytest.approx(rep.issue_cycles / (19 * 128))
   assert rep.mxu_us == pytest.approx(19 * 128 / llo.implied_clock_hz("v5e") * 1e6)
   assert [k for k, _ in rep.top_non_mxu()] == ["vpu", "load"]
@@ -168,6 +171,36 @@ def test_implied_clock():
   assert llo.implied_clock_hz("v5p") == pytest.approx(1.75e9, rel=0.01)
   assert llo.implied_clock_hz("v6e") == pytest.approx(3.50e9, rel=0.01)
   assert llo.matmul_rows("vmatmul.mubr.bf16.gmra.mxu0") == 16
+  # NOTE: an int8 vmatmul streams 32 rows at twice the bf16 rate on v5e / v6e: 16 cycles.
+  assert llo.matmul_kind("vmatmul.s8.vlgmr.msra.gmra.mxu2") == "int8"
+  assert llo.matmul_rows("vmatmul.mubr.s8.gmra.mxu0") == 32
+  v5e = tiling.get_generation("v5e")
+  assert llo.cycles_per_row("int8", v5e) == pytest.approx(0.5, rel=0.01)
+  assert llo.cycles_per_row("fp8", v5e) == 1.0
+
+
+def test_cost_with_compiled_schedule_adds_the_excess():
+  case = impls.IMPLS["pallas_moe-maxtext"].build(
+    op="fwd",
+    shape=TINY,
+    group_sizes=shapes.group_sizes(TINY),
+    generation=tiling.get_generation("v5e"),
+  )
+  scheds = costmodel.analyze(
+    case.fn, *case.args, step_scale=case.step_scale, step_manual_bytes=case.step_manual_bytes
+  )
+  base = costmodel.cost(scheds, generation="v5e")
+  same = costmodel.cost_with_compiled_schedule(scheds, generation="v5e", excess_us=[0.0])
+  assert same.modeled_us == base.modeled_us
+  assert costmodel.compiled_excess_us(bound_us=3.0, mxu_us=2.0) == 1.0
+  assert costmodel.compiled_excess_us(bound_us=1.0, mxu_us=2.0) == 0.0
+  big = costmodel.cost_with_compiled_schedule(scheds, generation="v5e", excess_us=[1e3])
+  (call,) = big.calls
+  # NOTE: an excess far above the DMA time makes every step compute-bound: MXU + excess (plus
+  # the overhead and the exposed first weight load, < 0.1%).
+  assert call.compute_excess_us == 1e3
+  assert big.modeled_us == pytest.approx(call.mxu_us + 1e3 + call.overhead_us, rel=1e-3)
+  assert call.mxu_us == base.calls[0].mxu_us
 
 
 @pytest.mark.aot
