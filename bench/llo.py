@@ -17,21 +17,23 @@ libtpu writes Mosaic's scheduled VLIW bundles for a deviceless AOT compile when
 4. reports static issue cycles (one bundle issues per cycle), MXU-busy cycles and their ratio
    (`report`).
 
-MXU-busy cycles, the derivation. A `vmatmul` streams one vreg of lhs rows into its MXU: 8
-sublanes of 32-bit values, i.e. `rows = 8 * 4 / itemsize` rows (16 for bf16, 32 for 8-bit
-operands) against the MXU's stationary mxu x mxu weights. A systolic array takes one row per
-cycle at the bf16 rate, so the instruction keeps its MXU busy `rows` cycles and does
-rows * mxu^2 MACs; a narrow (int8 / fp8) mode with k times the bf16 peak takes k rows per cycle
-(`cycles_per_row`: the 32-row int8 vmatmul of v5e / v6e takes 16 cycles). With
-`num_mxus` MXUs (the `mxuN` ids in the dump: v5e 4, v6e 2, tpu7x 2, as jax's `tpu_info` lists
-them) at clock f, the peak is 2 * num_mxus * mxu^2 * f, so the clock the peak implies is
+MXU-busy cycles, the derivation. A `vmatmul` streams a block of lhs rows into its MXU (16 bf16
+rows on v5e / v6e, 8 on tpu7x, twice as many 8-bit rows: `matmul_rows`, measured from the
+instruction counts of known dots) against the MXU's stationary mxu x mxu weights. A systolic
+array takes one row per cycle at the bf16 rate, so the instruction keeps its MXU busy `rows`
+cycles and does rows * mxu^2 MACs; a narrow (int8 / fp8) mode with k times the bf16 peak takes
+k rows per cycle (`cycles_per_row`: the 32-row int8 vmatmul of v5e / v6e takes 16 cycles).
+With `num_mxus` MXUs (the `mxuN` ids in the dump: v5e 4, v6e 2, tpu7x 2, as jax's `tpu_info`
+lists them) at clock f, the peak is 2 * num_mxus * mxu^2 * f, so the clock the peak implies is
 f = peak / (2 * num_mxus * mxu^2) (per TensorCore: tpu7x's chip peak is split over its two
 cores): v5e 197e12 / (2 * 4 * 128^2) = 1.50 GHz, v6e 918e12 / (2 * 2 * 256^2) = 3.50 GHz, tpu7x
 (2307e12 / 2) / (2 * 2 * 256^2) = 4.40 GHz. (v4 and v5p give their published 1.05 and 1.75
 GHz; v6e's and tpu7x's exceed any published TPU clock, so there a vmatmul may take fewer cycles
 than its rows. Then MXU-busy cycles are fewer and issue/MXU larger than reported here: the ratio
 is a lower bound on those two chips.) MXU-busy cycles of a loop = max over MXUs of Σ its
-vmatmul rows; issue cycles = bundles; both are converted to µs at f.
+vmatmuls' cycles; issue cycles = bundles; both are converted to µs at f. Check: on every case
+of bench/RESULTS.md (issue 16) the compiled MXU-busy time equals the analytic model's MXU time
+(except megablox's ragged-k branch, which the model charges at its full tile).
 
 What this is not: a simulation. It counts bundles as if each issued in one cycle with no stall
 (no DMA waits, no MXU result latency beyond what the scheduler already placed), and predicated
@@ -88,9 +90,9 @@ CLASSES = (
   "dma",
   "scalar",
 )
-# NOTE: a branch has this many delay slots after it (every `sbr.rel` in the v5e, v6e and tpu7x
-# dumps is followed by 4 bundles before its target or the loop's fallthrough).
-DELAY_SLOTS = 4
+# NOTE: a branch's delay slots: 4 bundles on v5e and v6e; on tpu7x fewer or more, filled with
+# the region's own (predicated) instructions. At most this many follow a loop's back edge.
+MAX_DELAY_SLOTS = 8
 _LABELS = ("LB", "LH", "LE", "PB", "PF", "CT")
 _LINE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:([A-Z]{2}))?\s*:\s*(>*)\s*\{(.*)\}(.*)$", re.S)
 _START = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?\s*:")
@@ -252,9 +254,24 @@ def matmul_kind(op: str) -> str:
   return "bf16"
 
 
-def matmul_rows(op: str) -> int:
-  """Rows a `vmatmul` streams: one vreg, 8 sublanes of 32-bit words (16 bf16, 32 8-bit rows)."""
-  return {"int8": 32, "fp8": 32, "f32": 8, "bf16": 16}[matmul_kind(op)]
+def matmul_rows(kind: str, generation) -> int:
+  """Rows one `vmatmul` streams through its MXU.
+
+  bf16: 16 on v4 / v5e / v5p / v6e (a vreg of packed bf16 rows), 8 on tpu7x. These are
+  measured, not documented: the vmatmuls Mosaic emits for a known dot, e.g. [256 x 2048] x
+  [2048 x 1408] on v6e (2 MXUs, 256 x 256 weight tiles): 352 per MXU = 1408 * 2048 * 256 /
+  (2 * 256^2 * 16); on tpu7x the same dot takes 704 per MXU. 8-bit operands pack twice the rows,
+  f32 half.
+
+  Args:
+    kind: `matmul_kind` of the instruction.
+    generation: a `TpuGeneration`.
+
+  Returns:
+    Rows.
+  """
+  bf16 = 8 if generation.name.startswith("tpu7") else 16
+  return {"int8": 2 * bf16, "fp8": 2 * bf16, "f32": bf16 // 2, "bf16": bf16}[kind]
 
 
 def cycles_per_row(kind: str, generation) -> float:
@@ -281,7 +298,7 @@ class Node:
     exit_bound: a loop's static trip count (its compiled exit test), or None (dynamic).
     own_bundles: bundles not in a child.
     own_counts: instructions per class, not in a child.
-    own_matmul: rows streamed by `vmatmul`s not in a child, per (MXU id, `matmul_kind`).
+    own_matmul: `vmatmul`s not in a child, per (MXU id, `matmul_kind`).
     dma_out: a DMA to HBM is among its own instructions.
   """
 
@@ -296,18 +313,19 @@ class Node:
   dma_out: bool = False
 
   @property
-  def own_matmul_rows(self) -> dict[int, int]:
-    """Rows streamed per MXU id (all operand types)."""
+  def own_matmuls(self) -> dict[int, int]:
+    """`vmatmul`s per MXU id (all operand types)."""
     out: dict[int, int] = {}
-    for (unit, _), rows in self.own_matmul.items():
-      out[unit] = out.get(unit, 0) + rows
+    for (unit, _), count in self.own_matmul.items():
+      out[unit] = out.get(unit, 0) + count
     return out
 
   def own_mxu_cycles(self, generation) -> dict[int, float]:
-    """MXU-busy cycles per MXU id (`cycles_per_row`)."""
+    """MXU-busy cycles per MXU id: vmatmuls x `matmul_rows` x `cycles_per_row`."""
     out: dict[int, float] = {}
-    for (unit, kind), rows in self.own_matmul.items():
-      out[unit] = out.get(unit, 0.0) + rows * cycles_per_row(kind, generation)
+    for (unit, kind), count in self.own_matmul.items():
+      rows = count * matmul_rows(kind, generation) * cycles_per_row(kind, generation)
+      out[unit] = out.get(unit, 0.0) + rows
     return out
 
   @property
@@ -341,8 +359,8 @@ def loop_tree(bundles: Sequence[Bundle]) -> Node:
 
   A loop runs from its `LB:` bundle to its back edge (the `sbr.rel` whose target region starts
   at the `LB:`) plus the branch's delay slots. A predicated region is what a forward `sbr.rel`
-  skips: from after its delay slots up to the bundle where its target region starts. Regions
-  that would cross a loop boundary are dropped.
+  skips, up to the bundle where its target region starts. Regions that would cross another's
+  boundary are dropped.
 
   Args:
     bundles: from `parse_bundles`.
@@ -363,14 +381,33 @@ def loop_tree(bundles: Sequence[Bundle]) -> Node:
       exit_bound = next(
         (x.exit_bound for x in bundles[j : i + 1] if x.exit_bound is not None), None
       )
-      end = min(i + DELAY_SLOTS, len(bundles) - 1)
+      # NOTE: the back edge's delay slots still belong to the loop: bundles up to the next
+      # label, or to the first non-empty bundle outside the loop's nesting level.
+      end, depth = i, bundles[j].depth
+      while (
+        end + 1 < len(bundles)
+        and end - i < MAX_DELAY_SLOTS
+        and not bundles[end + 1].label
+        and (not bundles[end + 1].ops or bundles[end + 1].depth >= depth)
+      ):
+        end += 1
       spans.append(Node(kind="loop", start=j, end=end, exit_bound=exit_bound))
-    elif j > i + DELAY_SLOTS + 1:
-      spans.append(Node(kind="cond", start=i + DELAY_SLOTS + 1, end=j - 1))
-  # NOTE: a forward branch that skips exactly a loop is the loop's zero-trip guard: the loop's
-  # own count covers it.
-  loops = {(s.start, s.end) for s in spans if s.kind == "loop"}
-  spans = [s for s in spans if s.kind == "loop" or (s.start, s.end) not in loops]
+    elif j > i + 1:
+      # NOTE: the delay slots of a forward branch run whether or not it is taken; they are few
+      # (and empty, or the region's predicated instructions) and counted with the region.
+      spans.append(Node(kind="cond", start=i + 1, end=j - 1))
+  # NOTE: a forward branch that skips a loop and little else is the loop's zero-trip guard:
+  # the loop's own count covers it.
+  loops = [s for s in spans if s.kind == "loop"]
+  spans = [
+    s
+    for s in spans
+    if s.kind == "loop"
+    or not any(
+      s.start <= lp.start and lp.end <= s.end and s.bundles - lp.bundles <= MAX_DELAY_SLOTS
+      for lp in loops
+    )
+  ]
   root = Node(kind="root", start=0, end=len(bundles) - 1)
   # NOTE: outer spans first (a loop before a region of the same extent); a span that crosses
   # the current innermost open span is not nested and is dropped.
@@ -398,7 +435,7 @@ def loop_tree(bundles: Sequence[Bundle]) -> Node:
         mxu = _MXU_ID.search(op)
         unit = int(mxu.group(1)) if mxu else 0
         key = (unit, matmul_kind(op))
-        node.own_matmul[key] = node.own_matmul.get(key, 0) + matmul_rows(op)
+        node.own_matmul[key] = node.own_matmul.get(key, 0) + 1
       if op.startswith("dma.vmem_to_hbm"):
         node.dma_out = True
   return root
@@ -560,6 +597,13 @@ def trip_counts(root: Node, counts: KernelCounts) -> dict[int, float]:
       f"{len(levels)} levels of dynamic loops in the schedule, the kernel's metadata "
       f"counts {len(counts.loop_levels)}"
     )
+  # NOTE: where a level also holds loops without MXU work (tpu7x's fp8 kernel copies its scales
+  # in a 5-bundle loop beside the sub-block loop), the level's count goes to the loops with
+  # MXU work; the others are counted once per execution of their parent.
+  for lv, loops in list(levels.items()):
+    mxu = [n for n in loops if any(x.own_matmuls for x in n.walk())]
+    if mxu:
+      levels[lv] = mxu
   level_of = {id(n): lv for lv, loops in levels.items() for n in loops}
   execs = {id(root): 1.0}
 
@@ -568,7 +612,7 @@ def trip_counts(root: Node, counts: KernelCounts) -> dict[int, float]:
     body = max(conds, key=lambda x: x.bundles) if conds else None
     # NOTE: sibling regions that each hold a dot are the branches of one `lax.cond` (megablox's
     # last-k-tile branch, our visit kernels' ragged-k branch): one of them runs.
-    dots = [x for x in conds if any(n.own_matmul_rows for n in x.walk())]
+    dots = [x for x in conds if any(n.own_matmuls for n in x.walk())]
     branches = {id(x) for x in dots} if len(dots) > 1 else set()
     for c in node.children:
       inner = in_group_loop
@@ -579,7 +623,7 @@ def trip_counts(root: Node, counts: KernelCounts) -> dict[int, float]:
         e = counts.loop_levels[lv] / len(levels[lv])
         inner = lv == 0
       elif c.kind == "loop":
-        e = execs[id(node)] * c.exit_bound
+        e = execs[id(node)] * (c.exit_bound or 1)
         inner = False
       elif node is grid_loop and c is body:
         e = float(counts.steps)
@@ -743,7 +787,7 @@ def report(
       mxu_rows[unit] += c * e
     for c, v in node.own_counts.items():
       classes[c] += v * e
-  mxu_nodes = [n for n in root.walk() if n.own_matmul_rows]
+  mxu_nodes = [n for n in root.walk() if n.own_matmuls]
   inner = max(mxu_nodes, key=lambda n: execs[id(n)], default=None)
   lines = []
 

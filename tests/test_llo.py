@@ -52,10 +52,11 @@ def test_loop_tree_fixture(bundles):
     [("loop", 6, [("cond", None, [("loop", None, [("cond", None, [sub])])])])],
   )
   assert sum(n.own_bundles for n in root.walk()) == len(bundles)
-  inner = [n for n in root.walk() if n.own_matmul_rows]
+  inner = [n for n in root.walk() if n.own_matmuls]
   assert len(inner) == 1
   assert inner[0].own_bundles == 188
-  assert inner[0].own_matmul_rows == {0: 128, 1: 128, 2: 128, 3: 128}
+  assert inner[0].own_matmuls == {0: 8, 1: 8, 2: 8, 3: 8}
+  assert inner[0].own_mxu_cycles(tiling.get_generation("v5e")) == {0: 128, 1: 128, 2: 128, 3: 128}
   assert inner[0].own_counts["mxu_matmul"] == 32
 
 
@@ -96,7 +97,7 @@ def test_branches_guards_and_per_group_regions():
     a += 1
 
   def delay(depth):
-    for _ in range(llo.DELAY_SLOTS):
+    for _ in range(4):  # as on v5e and v6e
       add("", depth=depth)
 
   add("smov")
@@ -138,7 +139,7 @@ def test_branches_guards_and_per_group_regions():
   assert execs[id(prep)] == 4  # once per group
   assert execs[id(br1)] == execs[id(br2)] == 5  # one branch of the two runs
   assert prep.own_counts["xlu"] == llo.PER_GROUP_MIN_BUNDLES
-  assert br2.own_matmul_rows == {0: 16, 1: 16}
+  assert br2.own_matmuls == {0: 1, 1: 1}
 
 
 @pytest.mark.parametrize(
@@ -170,11 +171,12 @@ def test_implied_clock():
   assert llo.implied_clock_hz("v5e") == pytest.approx(1.50e9, rel=0.01)
   assert llo.implied_clock_hz("v5p") == pytest.approx(1.75e9, rel=0.01)
   assert llo.implied_clock_hz("v6e") == pytest.approx(3.50e9, rel=0.01)
-  assert llo.matmul_rows("vmatmul.mubr.bf16.gmra.mxu0") == 16
+  v5e, tpu7x = tiling.get_generation("v5e"), tiling.get_generation("tpu7x")
+  assert llo.matmul_kind("vmatmul.mubr.bf16.gmra.mrb[4].mxu1") == "bf16"
+  assert llo.matmul_rows("bf16", v5e) == 16 and llo.matmul_rows("bf16", tpu7x) == 8
   # NOTE: an int8 vmatmul streams 32 rows at twice the bf16 rate on v5e / v6e: 16 cycles.
   assert llo.matmul_kind("vmatmul.s8.vlgmr.msra.gmra.mxu2") == "int8"
-  assert llo.matmul_rows("vmatmul.mubr.s8.gmra.mxu0") == 32
-  v5e = tiling.get_generation("v5e")
+  assert llo.matmul_rows("int8", v5e) == 32
   assert llo.cycles_per_row("int8", v5e) == pytest.approx(0.5, rel=0.01)
   assert llo.cycles_per_row("fp8", v5e) == 1.0
 
