@@ -66,6 +66,8 @@ __all__ = [
   "model",
   "floor_rows",
   "kernel_dot_macs",
+  "compiled_excess_us",
+  "cost_with_compiled_schedule",
   "DEFAULT_STEP_OVERHEAD_S",
 ]
 
@@ -175,6 +177,7 @@ class CallCost:
   dot_flops: float
   operand_bytes: dict[str, int]
   notes: tuple[str, ...]
+  compute_excess_us: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -598,6 +601,7 @@ def cost(
   floor_rows_count: int | None = None,
   min_hbm_bytes: int | None = None,
   step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+  compute_excess_us: Sequence[float] | None = None,
 ) -> CostReport:
   """Modeled time of schedules on one TPU generation.
 
@@ -610,6 +614,8 @@ def cost(
     floor_rows_count: `floor_rows(group_sizes, mxu)` for the achievable bound.
     min_hbm_bytes: minimum traffic; default Σ of the pipelined operands' sizes.
     step_overhead_s: per-step overhead.
+    compute_excess_us: per call, compute time beyond its MXU time (see
+      `cost_with_compiled_schedule`); None: none.
 
   Returns:
     The `CostReport`.
@@ -617,7 +623,7 @@ def cost(
   gen = get_generation(generation)
   calls = []
   padded_total = 0.0
-  for s in schedules:
+  for i, s in enumerate(schedules):
     padded, true, dot_notes = kernel_dot_macs(s.kernel_jaxpr, mxu=gen.mxu_size)
     peak = _peak_flops(gen, s.kernel_jaxpr)
     scale = s.step_scale if s.step_scale is not None else np.ones(s.steps)
@@ -626,7 +632,13 @@ def cost(
     stall_t = 0.0
     if s.step_exposed_bytes is not None:
       stall_t = float(s.step_exposed_bytes.sum()) / gen.hbm_bytes_per_s
-    total = float(np.maximum(mxu_t, dma_t).sum() + stall_t + s.steps * step_overhead_s)
+    excess = float(compute_excess_us[i]) if compute_excess_us is not None else 0.0
+    compute_t = mxu_t
+    if excess > 0 and mxu_t.sum() > 0:
+      # NOTE: spread over the steps in proportion to their MXU work (the excess is vector /
+      # XLU / issue work around the dots: per sub-block, per group of the step).
+      compute_t = mxu_t * (1 + excess * 1e-6 / mxu_t.sum())
+    total = float(np.maximum(compute_t, dma_t).sum() + stall_t + s.steps * step_overhead_s)
     padded_exec = float(scale.sum() * padded)
     padded_total += padded_exec
     calls.append(
@@ -644,6 +656,7 @@ def cost(
         dot_flops=float(scale.sum() * true * 2),
         operand_bytes=dict(s.operand_bytes),
         notes=s.notes + dot_notes,
+        compute_excess_us=excess,
       )
     )
   min_bytes = min_hbm_bytes if min_hbm_bytes is not None else sum(c.min_hbm_bytes for c in calls)
@@ -666,6 +679,54 @@ def cost(
     roofline_us=roof,
     achievable_us=ach,
   )
+
+
+def compiled_excess_us(*, bound_us: float, mxu_us: float) -> float:
+  """The compute time a compiled VLIW schedule adds to the analytic MXU time (issue 16).
+
+  `bench.llo` measures, from Mosaic's final bundles of the compiled kernel and the case's trip
+  counts, `bound_us`: Σ over loop bodies and predicated regions of max(bundles, MXU-busy
+  cycles) x executions, at the clock the peak implies. The regions run one after another, so
+  what exceeds the MXU-busy time is compute the analytic model does not charge: regions with no
+  MXU work (a group's weight transpose with `rows_stationary`, a tgmm accumulator's zeroing and
+  write-out, the output block's initialization) and loop bodies whose issue exceeds their MXU
+  work (vector accumulation of the contraction, masks, casts).
+
+  Args:
+    bound_us: `bench.llo.LloReport.bound_us`.
+    mxu_us: `bench.llo.LloReport.mxu_us` (equal to the model's MXU µs for our kernels).
+
+  Returns:
+    max(0, bound_us - mxu_us).
+  """
+  return max(0.0, bound_us - mxu_us)
+
+
+def cost_with_compiled_schedule(
+  schedules: Sequence[CallSchedule],
+  *,
+  generation: str | TpuGeneration,
+  excess_us: Sequence[float],
+  **kwargs,
+) -> CostReport:
+  """`cost` with each call's compute time raised by its compiled schedule's excess.
+
+  Each step costs max(MXU + excess share, DMA) + overhead; the call's excess
+  (`compiled_excess_us`, from `bench.llo`) is shared by its steps in proportion to their MXU
+  work. The MXU, DMA and row figures are unchanged; `CallCost.compute_excess_us` records it.
+
+  Args:
+    schedules: from `analyze`.
+    generation: TPU generation.
+    excess_us: one figure per call, in program order.
+    **kwargs: the other arguments of `cost`.
+
+  Returns:
+    The `CostReport`.
+  """
+  if len(excess_us) != len(schedules):
+    raise ValueError(f"{len(excess_us)} excess figures for {len(schedules)} calls")
+  return cost(schedules, generation=generation, compute_excess_us=excess_us, **kwargs)
 
 
 def model(
