@@ -192,17 +192,23 @@ def test_cost_with_compiled_schedule_adds_the_excess():
     case.fn, *case.args, step_scale=case.step_scale, step_manual_bytes=case.step_manual_bytes
   )
   base = costmodel.cost(scheds, generation="v5e")
-  same = costmodel.cost_with_compiled_schedule(scheds, generation="v5e", excess_us=[0.0])
+  # NOTE: two calls: the row-tile gmm and its zero fill of the unvisited rows.
+  assert [s.name.split("@")[0] for s in scheds] == [
+    "pallas_moe_zero_fill",
+    "pallas_moe_gmm_rowtile",
+  ]
+  same = costmodel.cost_with_compiled_schedule(scheds, generation="v5e", excess_us=[0.0, 0.0])
   assert same.modeled_us == base.modeled_us
   assert costmodel.compiled_excess_us(bound_us=3.0, mxu_us=2.0) == 1.0
   assert costmodel.compiled_excess_us(bound_us=1.0, mxu_us=2.0) == 0.0
-  big = costmodel.cost_with_compiled_schedule(scheds, generation="v5e", excess_us=[1e3])
-  (call,) = big.calls
+  big = costmodel.cost_with_compiled_schedule(scheds, generation="v5e", excess_us=[0.0, 1e3])
+  fill, call = big.calls
+  assert fill.compute_excess_us == 0.0
   # NOTE: an excess far above the DMA time makes every step compute-bound: MXU + excess (plus
   # the overhead and the exposed first weight load, < 0.1%).
   assert call.compute_excess_us == 1e3
   assert big.modeled_us == pytest.approx(call.mxu_us + 1e3 + call.overhead_us, rel=1e-3)
-  assert call.mxu_us == base.calls[0].mxu_us
+  assert call.mxu_us == base.calls[1].mxu_us
 
 
 @pytest.mark.aot
