@@ -9,12 +9,13 @@ best tiling (x_mbbest) on the same chip (> 1: faster than megablox). On a TPU
 median, TFLOP/s, % of peak.
 
 megablox-best is the fastest modeled megablox tiling of tm, tk, tn in {128, 256, 512, 1024, full
-dim} whose VMEM estimate (`tiling.vmem_estimate_bytes`) fits 3/4 of the chip's physical VMEM: the
-budget megablox reaches only if its caller raises Mosaic's scoped limit (it passes no
-vmem_limit_bytes); the table "Against megablox at its best tiling" says whether that tiling also
-fits the scoped default, and `--impls megablox-best-scoped` searches within the scoped default.
-The search prunes with a lower bound of the model (`impls.megablox_lower_bound_us`): all 48
-cases take 2-3 minutes on one core (about 150 tilings modeled of 4,400 that fit).
+dim} (tk, tn also tokamax's tuned sizes: 768, 1536, 1792, 2944, 3584, ...) whose VMEM estimate
+(`tiling.vmem_estimate_bytes`) fits 3/4 of the chip's physical VMEM: the budget megablox reaches
+only if its caller raises Mosaic's scoped limit (it passes no vmem_limit_bytes); the table "Against
+megablox at its best tiling" says whether that tiling also fits the scoped default, and `--impls
+megablox-best-scoped` searches within the scoped default. The search prunes with a lower bound of
+the model (`impls.megablox_lower_bound_us`): all 48 cases take 2-3 minutes on one core (about 150
+tilings modeled of 4,400 that fit).
 
 Off TPU, a second small table gives the CPU wall time of interpret mode (ours vs megablox) on a
 reduced shape (--interpret_shape; --nointerpret_table to skip it). It says nothing about TPU
@@ -24,6 +25,13 @@ speed; it is there to show both run, and what interpret-mode tests cost.
 AOT-compiled gmm training step (fwd + dlhs + drhs) on one device of --memory_chip (needs libtpu).
 
 Example: python -m bench --chip v5e,v6e --ops fwd,dlhs,drhs --tokens native,4096 --json out.json
+
+Expert parallelism (issue 14; `bench.ep_cases`, `bench.ep_report`): `--ep` models one device's
+gmm after dispatch (m = the receive buffer, `rows` of it real, E_l local experts) per model, ep,
+tokens per device, buffer policy and routing, with ours, megablox at MaxText's tiles,
+megablox-best and tokamax at its tuned tiles; `--targets` adds ours at slack 1 and prints
+issue 14's targets with pass/fail; `--block` prints the MoE block's six gmm kernels per layer on
+the DeepSeek EP cases; `--plot FILE.png` draws the records.
 """
 
 from __future__ import annotations
@@ -468,7 +476,10 @@ def mbbest_table(records: list[dict], *, markdown: bool) -> str:
     )
   if not rows:
     return ""
-  title = "Against megablox at its best tiling (tm, tk, tn in {128, 256, 512, 1024, full})"
+  title = (
+    "Against megablox at its best tiling (tm, tk, tn in {128, 256, 512, 1024, full}; tk, tn "
+    "also tokamax's tuned sizes)"
+  )
   if markdown:
     out = [f"### {title}\n", "| " + " | ".join(_MBBEST_COLUMNS) + " |"]
     out.append("|" + "---|" * len(_MBBEST_COLUMNS))
@@ -512,6 +523,8 @@ def main(argv) -> None:
       out["ep_targets"] = rows
       extra_text.append(ep_report.targets_table(rows, markdown=False))
       extra_md.append(ep_report.targets_table(rows, markdown=True))
+  elif _BLOCK.value:
+    records = []  # NOTE: --block alone prints only the block table.
   else:
     records = run(
       shape_names=_SHAPES.value,
