@@ -515,6 +515,8 @@ def main(argv) -> None:
   if _EP.value:
     cases = ep_cases.ep_cases(**selection)
     records = run_cases(cases=cases, impl_names=_IMPLS.value or EP_DEFAULT_IMPLS, **common)
+    extra_text.append(ep_report.slack_table(records, markdown=False))
+    extra_md.append(ep_report.slack_table(records, markdown=True))
     if _TARGETS.value:
       _log("targets: ours at slack 1")
       slack1 = run_cases(cases=ep_report.slack1_cases(cases), impl_names=[ep_report.OURS], **common)

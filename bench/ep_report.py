@@ -16,6 +16,7 @@ __all__ = [
   "block_cases",
   "block_table",
   "block_totals",
+  "slack_table",
   "slack1_cases",
   "tail_write_us",
   "targets",
@@ -343,3 +344,41 @@ def block_table(rows: list[dict], *, markdown: bool) -> str:
     )
   title = "MoE block, gmm kernels per layer (up, down x fwd, dlhs, drhs), modeled"
   return _table(title, _BLOCK_COLUMNS, body, markdown=markdown)
+
+
+def slack_table(records: list[dict], *, markdown: bool) -> str:
+  """One row per (case, routing, op, chip): ours per buffer policy (µs, slack), and the
+  references under the exact policy (megablox and tokamax visit only the active m-tiles, so the
+  buffer policy changes their time only through the rows a capacity factor drops).
+
+  Args:
+    records: bench records of EP cases.
+    markdown: a markdown table instead of aligned text.
+
+  Returns:
+    The text.
+  """
+  policies = list(dict.fromkeys(r["policy"] for r in records if "ep" in r))
+  refs = [i for i in dict.fromkeys(r["impl"] for r in records if "ep" in r) if i != OURS]
+  by = {(r["impl"], *_case_key(r)): r for r in records if "ep" in r}
+  keys = list(
+    dict.fromkeys(
+      (r["model"], r["ep"], r["tokens"], r["routing"], r["op"], r["chip"])
+      for r in records
+      if "ep" in r
+    )
+  )
+  columns = ["case", "routing", "op", "chip"]
+  columns += [f"ours {p}" for p in policies] + [f"{i} (exact)" for i in refs]
+  body = []
+  for model, ep, tokens, routing, op, chip in keys:
+    row = [f"{model}@{tokens}/ep{ep}", routing, op, chip]
+    for p in policies:
+      r = by.get((OURS, model, ep, tokens, p, routing, op, chip))
+      row.append(f"{r['modeled_us']:,.0f} ({r['slack']:.2f}x)" if r else "-")
+    for i in refs:
+      r = by.get((i, model, ep, tokens, "exact", routing, op, chip))
+      row.append(_fmt(r["modeled_us"], 0) if r else "-")
+    body.append(row)
+  title = "EP cases: ours per buffer policy (µs, slack) and the references, modeled"
+  return _table(title, columns, body, markdown=markdown)
