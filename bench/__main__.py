@@ -9,12 +9,13 @@ best tiling (x_mbbest) on the same chip (> 1: faster than megablox). On a TPU
 median, TFLOP/s, % of peak.
 
 megablox-best is the fastest modeled megablox tiling of tm, tk, tn in {128, 256, 512, 1024, full
-dim} whose VMEM estimate (`tiling.vmem_estimate_bytes`) fits 3/4 of the chip's physical VMEM: the
-budget megablox reaches only if its caller raises Mosaic's scoped limit (it passes no
-vmem_limit_bytes); the table "Against megablox at its best tiling" says whether that tiling also
-fits the scoped default, and `--impls megablox-best-scoped` searches within the scoped default.
-The search prunes with a lower bound of the model (`impls.megablox_lower_bound_us`): all 48
-cases take 2-3 minutes on one core (about 150 tilings modeled of 4,400 that fit).
+dim} (tk, tn also tokamax's tuned sizes: 768, 1536, 1792, 2944, 3584, ...) whose VMEM estimate
+(`tiling.vmem_estimate_bytes`) fits 3/4 of the chip's physical VMEM: the budget megablox reaches
+only if its caller raises Mosaic's scoped limit (it passes no vmem_limit_bytes); the table "Against
+megablox at its best tiling" says whether that tiling also fits the scoped default, and `--impls
+megablox-best-scoped` searches within the scoped default. The search prunes with a lower bound of
+the model (`impls.megablox_lower_bound_us`): all 48 cases take 2-3 minutes on one core (about 150
+tilings modeled of 4,400 that fit).
 
 Off TPU, a second small table gives the CPU wall time of interpret mode (ours vs megablox) on a
 reduced shape (--interpret_shape; --nointerpret_table to skip it). It says nothing about TPU
@@ -24,6 +25,13 @@ speed; it is there to show both run, and what interpret-mode tests cost.
 AOT-compiled gmm training step (fwd + dlhs + drhs) on one device of --memory_chip (needs libtpu).
 
 Example: python -m bench --chip v5e,v6e --ops fwd,dlhs,drhs --tokens native,4096 --json out.json
+
+Expert parallelism (issue 14; `bench.ep_cases`, `bench.ep_report`): `--ep` models one device's
+gmm after dispatch (m = the receive buffer, `rows` of it real, E_l local experts) per model, ep,
+tokens per device, buffer policy and routing, with ours, megablox at MaxText's tiles,
+megablox-best and tokamax at its tuned tiles; `--targets` adds ours at slack 1 and prints
+issue 14's targets with pass/fail; `--block` prints the MoE block's six gmm kernels per layer on
+the DeepSeek EP cases; `--plot FILE.png` draws the records.
 """
 
 from __future__ import annotations
@@ -79,6 +87,31 @@ _MEMORY = flags.DEFINE_bool(
   "memory", False, "Print temp bytes of an AOT-compiled gmm training step per shape (libtpu)."
 )
 _MEMORY_CHIP = flags.DEFINE_string("memory_chip", "v5e", "Generation for --memory.")
+# Issue 14: expert-parallel cases (bench.ep_cases) and their tables (bench.ep_report).
+_EP = flags.DEFINE_bool(
+  "ep", False, "Model the EP cases (one device's receive buffer after dispatch), not --shapes."
+)
+_EP_MODELS = flags.DEFINE_list("ep_models", None, "EP: keep only these models (default: all).")
+_EP_TOKENS = flags.DEFINE_list("ep_tokens", ["4096", "16384"], "EP: tokens per device.")
+_EP_POLICIES = flags.DEFINE_list(
+  "ep_policies", ["exact", "cf1.25", "cf2.0", "static"], "EP: buffer policies."
+)
+EP_DEFAULT_IMPLS = ["pallas_moe", "megablox-maxtext", "megablox-best", "tokamax"]
+_TARGETS = flags.DEFINE_bool(
+  "targets", False, "With --ep: also model ours at slack 1 and print issue 14's targets table."
+)
+_BLOCK = flags.DEFINE_bool(
+  "block", False, "Print the MoE block's six gmm kernels per layer on the deepseek EP cases."
+)
+_BLOCK_IMPLS = flags.DEFINE_list(
+  "block_impls", ["pallas_moe", "megablox-maxtext"], "Implementations of the --block table."
+)
+_PLOT = flags.DEFINE_string(
+  "plot",
+  None,
+  "Write a figure here (matplotlib, the `plot` extra): EP time vs slack, or "
+  "modeled / achievable per impl for the dense cases.",
+)
 
 
 def _log(msg: str) -> None:
@@ -86,8 +119,11 @@ def _log(msg: str) -> None:
 
 
 def _min_bytes(shape) -> int:
-  """Each operand read once and the output written once (bf16): same for all three ops."""
-  m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
+  """Each operand read once and the output written once (bf16): same for all three ops.
+
+  NOTE: for an EP shape, of the rows actually present (`shape.rows`), not the whole buffer.
+  """
+  m, k, n, g = getattr(shape, "rows", shape.m), shape.k, shape.n, shape.num_groups
   return 2 * (m * k + m * n + g * k * n)
 
 
@@ -127,6 +163,34 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10, warmu
   Returns:
     One record (dict) per (impl, shape, routing, op, chip).
   """
+  cases = []
+  for s in shape_names:
+    for t in tokens:
+      shape = get_shape(s, tokens=None if t == "native" else int(t))
+      cases.extend((shape, routing, group_sizes(shape, routing=routing)) for routing in routings)
+  return run_cases(
+    cases=cases, chips=chips, ops=ops, impl_names=impl_names, runs=runs, warmup=warmup
+  )
+
+
+def run_cases(*, cases, chips, ops, impl_names, runs=10, warmup=3) -> list[dict]:
+  """Models (and on TPU times) every (shape, routing, group sizes) case.
+
+  Args:
+    cases: [(shape, routing, group_sizes)]; EP shapes (`bench.ep_cases.EpShape`) add their
+      `record_fields()` to each record, and megablox/tokamax run on their buffer padded as
+      `ep_cases.shape_for_impl` says.
+    chips: generation names.
+    ops: subset of ("fwd", "dlhs", "drhs").
+    impl_names: registry keys.
+    runs: timed runs on TPU.
+    warmup: warm-up runs on TPU.
+
+  Returns:
+    One record (dict) per (impl, case, op, chip).
+  """
+  from bench.ep_cases import shape_for_impl
+
   gens = [get_generation(c) for c in chips]
   on_tpu = jax.default_backend() == "tpu"
   local = current_generation().name if on_tpu else None
@@ -139,107 +203,105 @@ def run(*, chips, shape_names, ops, impl_names, tokens, routings, runs=10, warmu
       _log(f"note: skipping impl {name}: {why}")
       continue
     impls.append(IMPLS[name])
-  shapes = []
-  for s in shape_names:
-    for t in tokens:
-      shapes.append(get_shape(s, tokens=None if t == "native" else int(t)))
-  total = len(impls) * len(shapes) * len(routings) * len(ops)
+  total = len(impls) * len(cases) * len(ops)
   records, done, cache = [], 0, {}
   t_start = time.time()
-  for shape in shapes:
-    for routing in routings:
-      gs = group_sizes(shape, routing=routing)
-      for op in ops:
-        for impl in impls:
-          done += 1
-          for gen in gens:
+  for case_shape, routing, gs in cases:
+    fields = case_shape.record_fields() if hasattr(case_shape, "record_fields") else {}
+    for op in ops:
+      for impl in impls:
+        shape = shape_for_impl(case_shape, impl.name)
+        done += 1
+        for gen in gens:
+          try:
+            case = impl.build(op=op, shape=shape, group_sizes=gs, generation=gen)
+          except Unsupported as e:
+            _log(f"[{done}/{total}] {impl.name} {shape.label} {op}: skipped ({e})")
+            break
+          # NOTE: megablox's program depends on the tiles, not the chip; ours also on the chip
+          # (MXU sub-block rows, VMEM limit and check), so it is analyzed per generation.
+          key = (
+            impl.name,
+            shape.label,
+            routing,
+            op,
+            tuple(case.tiling),
+            gen.name if impl.program_depends_on_generation else None,
+          )
+          if key not in cache and case.schedules is not None:
+            # NOTE: a tiling search (megablox-best) already analyzed its pick.
+            cache[key] = list(case.schedules)
+            _log(
+              f"[{done}/{total}] {impl.name} {shape.label}/{routing} {op} on {gen.name}: "
+              f"tiling={case.tiling} {case.extra} (elapsed {time.time() - t_start:.0f}s)"
+            )
+          if key not in cache:
+            t0 = time.time()
             try:
-              case = impl.build(op=op, shape=shape, group_sizes=gs, generation=gen)
-            except Unsupported as e:
-              _log(f"[{done}/{total}] {impl.name} {shape.label} {op}: skipped ({e})")
-              break
-            # NOTE: megablox's program depends on the tiles, not the chip; ours also on the chip
-            # (MXU sub-block rows, VMEM limit and check), so it is analyzed per generation.
-            key = (
-              impl.name,
-              shape.label,
-              routing,
-              op,
-              tuple(case.tiling),
-              gen.name if impl.program_depends_on_generation else None,
-            )
-            if key not in cache and case.schedules is not None:
-              # NOTE: a tiling search (megablox-best) already analyzed its pick.
-              cache[key] = list(case.schedules)
+              cache[key] = costmodel.analyze(
+                case.fn,
+                *case.args,
+                step_scale=case.step_scale,
+                step_manual_bytes=case.step_manual_bytes,
+              )
+            except ValueError as e:
+              if "VMEM" not in str(e):
+                raise
               _log(
-                f"[{done}/{total}] {impl.name} {shape.label}/{routing} {op} on {gen.name}: "
-                f"tiling={case.tiling} {case.extra} (elapsed {time.time() - t_start:.0f}s)"
+                f"[{done}/{total}] {impl.name} {shape.label} {op} on {gen.name}: refused "
+                f"({str(e)[:120]}...)"
               )
-            if key not in cache:
-              t0 = time.time()
-              try:
-                cache[key] = costmodel.analyze(
-                  case.fn,
-                  *case.args,
-                  step_scale=case.step_scale,
-                  step_manual_bytes=case.step_manual_bytes,
-                )
-              except ValueError as e:
-                if "VMEM" not in str(e):
-                  raise
-                _log(
-                  f"[{done}/{total}] {impl.name} {shape.label} {op} on {gen.name}: refused "
-                  f"({str(e)[:120]}...)"
-                )
-                continue
-              steps = sum(s.steps for s in cache[key])
-              _log(
-                f"[{done}/{total}] {impl.name} {shape.label}/{routing} {op} "
-                f"tiling={case.tiling}: {steps} grid steps, analyzed in "
-                f"{time.time() - t0:.1f}s (elapsed {time.time() - t_start:.0f}s)"
-              )
-            rep = costmodel.cost(
-              cache[key],
-              generation=gen,
-              row_macs=case.row_macs(gen.mxu_size) if case.row_macs else None,
-              mxu_rows_useful=int(gs.sum()),
-              useful_row_macs=shape.k * shape.n,
-              floor_rows_count=costmodel.floor_rows(gs, gen.mxu_size),
-              min_hbm_bytes=_min_bytes(shape),
+              continue
+            steps = sum(s.steps for s in cache[key])
+            _log(
+              f"[{done}/{total}] {impl.name} {shape.label}/{routing} {op} "
+              f"tiling={case.tiling}: {steps} grid steps, analyzed in "
+              f"{time.time() - t0:.1f}s (elapsed {time.time() - t_start:.0f}s)"
             )
-            measured = tflops = pct = None
-            if on_tpu and gen.name == local:
-              measured = _measure_us(case.fn, case.args, runs=runs, warmup=warmup)
-              tflops = 2 * int(gs.sum()) * shape.k * shape.n / (measured * 1e-6) / 1e12
-              pct = 100 * tflops * 1e12 / gen.peak_bf16_flops
-            records.append(
-              dict(
-                impl=impl.name,
-                shape=shape.label,
-                model=shape.name,
-                tokens=shape.tokens,
-                routing=routing,
-                op=op,
-                chip=gen.name,
-                tiling=list(case.tiling),
-                kernel=case.kernel,
-                modeled_us=rep.modeled_us,
-                roofline_us=rep.roofline_us,
-                achievable_us=rep.achievable_us,
-                mxu_rows_executed=rep.mxu_rows_executed,
-                mxu_rows_useful=rep.mxu_rows_useful,
-                hbm_bytes=rep.hbm_bytes,
-                min_hbm_bytes=rep.min_hbm_bytes,
-                measured_us=measured,
-                measured_tflops=tflops,
-                measured_pct_peak=pct,
-                steps=sum(c.steps for c in rep.calls),
-                mxu_us=sum(c.mxu_us for c in rep.calls),
-                dma_us=sum(c.dma_us for c in rep.calls),
-                notes=sorted({n for c in rep.calls for n in c.notes}),
-                **case.extra,
-              )
+          rep = costmodel.cost(
+            cache[key],
+            generation=gen,
+            row_macs=case.row_macs(gen.mxu_size) if case.row_macs else None,
+            mxu_rows_useful=int(gs.sum()),
+            useful_row_macs=shape.k * shape.n,
+            floor_rows_count=costmodel.floor_rows(gs, gen.mxu_size),
+            min_hbm_bytes=_min_bytes(shape),
+          )
+          measured = tflops = pct = None
+          if on_tpu and gen.name == local:
+            measured = _measure_us(case.fn, case.args, runs=runs, warmup=warmup)
+            tflops = 2 * int(gs.sum()) * shape.k * shape.n / (measured * 1e-6) / 1e12
+            pct = 100 * tflops * 1e12 / gen.peak_bf16_flops
+          records.append(
+            dict(
+              impl=impl.name,
+              shape=shape.label,
+              model=shape.name,
+              tokens=shape.tokens,
+              routing=routing,
+              op=op,
+              chip=gen.name,
+              m=shape.m,
+              tiling=list(case.tiling),
+              kernel=case.kernel,
+              modeled_us=rep.modeled_us,
+              roofline_us=rep.roofline_us,
+              achievable_us=rep.achievable_us,
+              mxu_rows_executed=rep.mxu_rows_executed,
+              mxu_rows_useful=rep.mxu_rows_useful,
+              hbm_bytes=rep.hbm_bytes,
+              min_hbm_bytes=rep.min_hbm_bytes,
+              measured_us=measured,
+              measured_tflops=tflops,
+              measured_pct_peak=pct,
+              steps=sum(c.steps for c in rep.calls),
+              mxu_us=sum(c.mxu_us for c in rep.calls),
+              dma_us=sum(c.dma_us for c in rep.calls),
+              notes=sorted({n for c in rep.calls for n in c.notes}),
+              **fields,
+              **case.extra,
             )
+          )
   _add_speedups(records)
   _log(f"done: {len(records)} records in {time.time() - t_start:.0f}s")
   return records
@@ -414,7 +476,10 @@ def mbbest_table(records: list[dict], *, markdown: bool) -> str:
     )
   if not rows:
     return ""
-  title = "Against megablox at its best tiling (tm, tk, tn in {128, 256, 512, 1024, full})"
+  title = (
+    "Against megablox at its best tiling (tm, tk, tn in {128, 256, 512, 1024, full}; tk, tn "
+    "also tokamax's tuned sizes)"
+  )
   if markdown:
     out = [f"### {title}\n", "| " + " | ".join(_MBBEST_COLUMNS) + " |"]
     out.append("|" + "---|" * len(_MBBEST_COLUMNS))
@@ -434,23 +499,63 @@ def main(argv) -> None:
   # NOTE: the cost model compiles many small XLA:CPU programs (schedules, vmapped index maps);
   # without most optimizations they compile ~30% faster and compute the same integers.
   jax.config.update("jax_disable_most_optimizations", True)
-  records = run(
-    chips=_CHIP.value,
-    shape_names=_SHAPES.value,
-    ops=_OPS.value,
-    impl_names=impl_names,
-    tokens=_TOKENS.value,
-    routings=_ROUTING.value,
-    runs=_RUNS.value,
-    warmup=_WARMUP.value,
-  )
+  extra_text, extra_md, out = [], [], {}
+  common = dict(chips=_CHIP.value, ops=_OPS.value, runs=_RUNS.value, warmup=_WARMUP.value)
+  if _EP.value or _BLOCK.value:
+    from bench import ep_cases, ep_report
+
+    # NOTE: EP cases default to both routings (issue 14); --routing narrows them.
+    routings = _ROUTING.value if _ROUTING.present else list(ROUTINGS)
+    selection = dict(
+      tokens=[int(t) for t in _EP_TOKENS.value],
+      policies=_EP_POLICIES.value,
+      routings=routings,
+      models=_EP_MODELS.value,
+    )
+  if _EP.value:
+    cases = ep_cases.ep_cases(**selection)
+    records = run_cases(cases=cases, impl_names=_IMPLS.value or EP_DEFAULT_IMPLS, **common)
+    extra_text.append(ep_report.slack_table(records, markdown=False))
+    extra_md.append(ep_report.slack_table(records, markdown=True))
+    if _TARGETS.value:
+      _log("targets: ours at slack 1")
+      slack1 = run_cases(cases=ep_report.slack1_cases(cases), impl_names=[ep_report.OURS], **common)
+      out["ep_slack1"] = slack1
+      rows = ep_report.targets(records, slack1)
+      out["ep_targets"] = rows
+      extra_text.append(ep_report.targets_table(rows, markdown=False))
+      extra_md.append(ep_report.targets_table(rows, markdown=True))
+  elif _BLOCK.value:
+    records = []  # NOTE: --block alone prints only the block table.
+  else:
+    records = run(
+      shape_names=_SHAPES.value,
+      impl_names=impl_names,
+      tokens=_TOKENS.value,
+      routings=_ROUTING.value,
+      **common,
+    )
+  if _BLOCK.value:
+    configs = ep_report.BLOCK_CONFIGS
+    cases = ep_cases.ep_cases(**{**selection, "configs": configs})
+    block = run_cases(
+      cases=ep_report.block_cases(cases),
+      impl_names=_BLOCK_IMPLS.value,
+      **{**common, "ops": ["fwd", "dlhs", "drhs"]},
+    )
+    totals = ep_report.block_totals(block)
+    out["block"], out["block_totals"] = block, totals
+    extra_text.append(ep_report.block_table(totals, markdown=False))
+    extra_md.append(ep_report.block_table(totals, markdown=True))
   jax.config.update("jax_disable_most_optimizations", False)
-  out = {"modeled": records}
+  out["modeled"] = records
   text, md = [tables(records, markdown=False)], [tables(records, markdown=True)]
   if any(r["impl"] == MBBEST for r in records):
     text.append(mbbest_table(records, markdown=False))
     md.append(mbbest_table(records, markdown=True))
-  if _INTERPRET_TABLE.value and jax.default_backend() != "tpu":
+  text.extend(extra_text)
+  md.extend(extra_md)
+  if _INTERPRET_TABLE.value and jax.default_backend() != "tpu" and not (_EP.value or _BLOCK.value):
     from bench import interpret_time
 
     m, k, n, g = map(int, _INTERPRET_SHAPE.value)
@@ -473,6 +578,11 @@ def main(argv) -> None:
     text.append(aot_memory.table(recs, markdown=False))
     md.append(aot_memory.table(recs, markdown=True))
   print("\n".join(text))
+  if _PLOT.value:
+    from bench import plot
+
+    plot.plot(records, path=_PLOT.value)
+    _log(f"wrote {_PLOT.value}")
   _log(f"bench total {time.time() - t_start:.0f}s")
   if _JSON.value:
     with open(_JSON.value, "w") as f:

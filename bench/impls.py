@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench import costmodel
+from bench import costmodel, tokamax_tiles
 from bench.costmodel import CallSchedule, StepContext
 from bench.shapes import Shape
 from pallas_moe import tiling as tiling_lib
@@ -44,6 +44,7 @@ __all__ = [
   "OPS",
   "pallas_moe_step_scale",
   "MEGABLOX_GRID_SIZES",
+  "MEGABLOX_KN_EXTRA_SIZES",
   "GridResult",
   "megablox_tilings",
   "megablox_vmem_bytes",
@@ -235,6 +236,23 @@ register(Impl(name="megablox-maxtext", build=_megablox_build((512, 1024, 1024)))
 register(Impl(name="megablox-default", build=_megablox_build((128, 128, 128))))
 
 
+def _tokamax_build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation) -> Case:
+  """tokamax 0.0.12's TPU ragged dot at its tuned tiles (bench.tokamax_tiles).
+
+  NOTE: modeled as megablox's schedule at tokamax's tiles: tokamax's kernel runs megablox's
+  grid and index maps inside `emit_pipeline`, which the cost model cannot see into. Its lhs
+  buffer depth (`input_buffer_count`) is recorded, not modeled.
+  """
+  tiles, depth, tuned = tokamax_tiles.lookup(
+    op=op, m=shape.m, k=shape.k, n=shape.n, num_groups=shape.num_groups
+  )
+  case = _megablox_build(tiles)(op=op, shape=shape, group_sizes=group_sizes, generation=generation)
+  return dataclasses.replace(case, extra=dict(tokamax=dict(input_buffer_count=depth, tuned=tuned)))
+
+
+register(Impl(name="tokamax", build=_tokamax_build))
+
+
 # ----------------------------------------------------------------------------------------------
 # Upstream megablox at its best tiling (issue 7, acceptance 2b): per case and chip, the fastest
 # modeled (tm, tk, tn) from a grid that fits VMEM.
@@ -250,6 +268,10 @@ register(Impl(name="megablox-default", build=_megablox_build((128, 128, 128))))
 
 # None: the full dimension.
 MEGABLOX_GRID_SIZES = (128, 256, 512, 1024, None)
+# NOTE: tokamax's tuned tile_k / tile_n values (1536, 1792, 2944, 3584, ...; bench.tokamax_tiles)
+# join the tk and tn candidates, so megablox-best covers tokamax's tiles too; tm keeps the grid
+# above (tokamax's tile_m values are all in it).
+MEGABLOX_KN_EXTRA_SIZES = tokamax_tiles.TILE_SIZES
 
 
 def _kernel_dims(*, op: str, shape: Shape) -> tuple[int, int, int]:
@@ -258,24 +280,32 @@ def _kernel_dims(*, op: str, shape: Shape) -> tuple[int, int, int]:
 
 
 def megablox_tilings(
-  *, op: str, shape: Shape, sizes: tuple[int | None, ...] = MEGABLOX_GRID_SIZES
+  *,
+  op: str,
+  shape: Shape,
+  sizes: tuple[int | None, ...] = MEGABLOX_GRID_SIZES,
+  kn_extra: tuple[int, ...] = MEGABLOX_KN_EXTRA_SIZES,
 ) -> list[tuple[int, int, int]]:
   """The (tm, tk, tn) grid for megablox, in its kernel's terms.
 
-  Each tile takes every value of `sizes` (None: the full dim), clamped to its dim as
-  `_megablox_build` clamps (dlhs: tk tiles n and tn tiles k), deduplicated; tilings with
-  m % tm != 0 (megablox refuses them) are left out.
+  Each tile takes every value of `sizes` (None: the full dim), tk and tn also those of
+  `kn_extra`, clamped to its dim as `_megablox_build` clamps (dlhs: tk tiles n and tn tiles k),
+  deduplicated; tilings with m % tm != 0 (megablox refuses them) are left out.
 
   Args:
     op: "fwd", "dlhs" or "drhs".
     shape: the problem.
     sizes: tile sizes to try per dimension.
+    kn_extra: more tile sizes for tk and tn (default: tokamax's tuned ones).
 
   Returns:
     The tilings, sorted.
   """
   dims = _kernel_dims(op=op, shape=shape)
-  per_dim = [sorted({min(s or d, d) for s in sizes}) for d in dims]
+  per_dim = [
+    sorted({min(s or d, d) for s in (sizes if i == 0 else (*sizes, *kn_extra))})
+    for i, d in enumerate(dims)
+  ]
   return [
     (tm, tk, tn) for tm in per_dim[0] for tk in per_dim[1] for tn in per_dim[2] if dims[0] % tm == 0
   ]
