@@ -463,6 +463,7 @@ def megablox_grid_search(
   group_sizes: np.ndarray,
   generation: str | TpuGeneration,
   sizes: tuple[int | None, ...] = MEGABLOX_GRID_SIZES,
+  kn_extra: tuple[int, ...] = MEGABLOX_KN_EXTRA_SIZES,
   vmem_budget_bytes: int | None = None,
   prune: bool = True,
 ) -> GridResult:
@@ -478,6 +479,7 @@ def megablox_grid_search(
     group_sizes: rows per group.
     generation: TPU generation.
     sizes: tile sizes per dimension (see `megablox_tilings`).
+    kn_extra: more tk / tn sizes (see `megablox_tilings`).
     vmem_budget_bytes: VMEM budget; default `usable_vmem_bytes(generation)`.
     prune: skip tilings whose lower bound cannot beat the best (False: model all).
 
@@ -490,7 +492,7 @@ def megablox_grid_search(
   t0 = time.time()
   gen = tiling_lib.get_generation(generation)
   budget = tiling_lib.usable_vmem_bytes(gen) if vmem_budget_bytes is None else vmem_budget_bytes
-  tilings = megablox_tilings(op=op, shape=shape, sizes=sizes)
+  tilings = megablox_tilings(op=op, shape=shape, sizes=sizes, kn_extra=kn_extra)
   fitting = [t for t in tilings if megablox_vmem_bytes(op=op, tiling=t) <= budget]
   if not fitting:
     raise Unsupported(f"no megablox tiling of the grid fits {budget / 2**20:.0f} MiB of VMEM")
