@@ -1,7 +1,8 @@
 """Issue 14's EP tables: the targets of acceptance 3 and the MoE block's gmm time (acceptance 4).
 
 Everything here is modeled TPU time (`bench.costmodel` over the kernels' real schedules), as in
-the rest of the bench. Run with `python -m bench --ep --targets --block` (see `bench.__main__`).
+the rest of the bench. Run with `python -m bench --ep --targets --block` (see `bench.__main__`);
+`python -m bench.ep_report RUN.json ...` renders the tables (and `--plot`) of saved runs together.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ __all__ = [
   "block_cases",
   "block_table",
   "block_totals",
+  "merge_runs",
+  "render",
   "slack_table",
   "slack1_cases",
   "tail_write_us",
@@ -24,6 +27,10 @@ __all__ = [
 ]
 
 OURS = "pallas_moe"
+# NOTE: what the MoE block runs: gmm with unowned_rows="undefined" (the tail is never written).
+OURS_BLOCK = "pallas_moe-moe"
+# Ours, and whether that variant writes the buffer's tail (exact zeros).
+OURS_VARIANTS = {OURS: True, OURS_BLOCK: False}
 MB512 = "megablox-maxtext"
 MBBEST = "megablox-best"
 # Targets of issue 14, acceptance 3.
@@ -73,7 +80,9 @@ def _case_key(r: dict, *, policy: str | None = None) -> tuple:
   return (r["model"], r["ep"], r["tokens"], policy or r["policy"], r["routing"], r["op"], r["chip"])
 
 
-def targets(records: list[dict], slack1: list[dict], *, tail_written: bool = True) -> list[dict]:
+def targets(
+  records: list[dict], slack1: list[dict], *, ours: str = OURS, tail_written: bool | None = None
+) -> list[dict]:
   """Acceptance 3 per EP case of ours: one row per (case, op, chip).
 
   - slack: ours ≤ 1.05 × ours at slack 1 + the tail's zero-write time (`tail_write_us`), or
@@ -84,17 +93,23 @@ def targets(records: list[dict], slack1: list[dict], *, tail_written: bool = Tru
   Args:
     records: bench records of the EP cases (ours, megablox-maxtext, megablox-best).
     slack1: ours on `slack1_cases` of the same cases.
+    ours: which of our impls (`OURS_VARIANTS`) the rows are for.
     tail_written: whether ours writes the buffer's tail (exact zeros); False drops the allowance.
+      Default: `OURS_VARIANTS[ours]`.
 
   Returns:
     Rows (dicts) with the figures and `pass_slack`, `pass_mb512`, `pass_mbbest`, `pass_bound`
     (None where a figure is missing).
   """
+  if tail_written is None:
+    tail_written = OURS_VARIANTS[ours]
   by = {(r["impl"], *_case_key(r)): r for r in records}
-  s1 = {_case_key(r, policy=r["policy"].removesuffix("-slack1")): r for r in slack1}
+  s1 = {
+    _case_key(r, policy=r["policy"].removesuffix("-slack1")): r for r in slack1 if r["impl"] == ours
+  }
   out = []
   for r in records:
-    if r["impl"] != OURS or "ep" not in r:
+    if r["impl"] != ours or "ep" not in r:
       continue
     key = _case_key(r)
     one = s1.get(key)
@@ -106,6 +121,7 @@ def targets(records: list[dict], slack1: list[dict], *, tail_written: bool = Tru
     out.append(
       dict(
         case=f"{r['model']}@{r['tokens']}/ep{r['ep']}",
+        impl=ours,
         policy=r["policy"],
         routing=r["routing"],
         op=r["op"],
@@ -130,6 +146,7 @@ def targets(records: list[dict], slack1: list[dict], *, tail_written: bool = Tru
 
 _TARGET_COLUMNS = (
   "case",
+  "impl",
   "policy",
   "routing",
   "op",
@@ -184,6 +201,7 @@ def targets_table(rows: list[dict], *, markdown: bool) -> str:
   body = [
     [
       t["case"],
+      t["impl"],
       t["policy"],
       t["routing"],
       t["op"],
@@ -208,13 +226,14 @@ def targets_table(rows: list[dict], *, markdown: bool) -> str:
   )
   summary = []
   for name, col in (
-    ("slack: ours <= 1.05 x slack-1 + tail zero-write", "pass_slack"),
+    ("slack: ours <= 1.05 x slack-1 (+ tail zero-write where written)", "pass_slack"),
     ("faster than megablox at MaxText's tiles", "pass_mb512"),
     ("faster than megablox at its best tiling", "pass_mbbest"),
     ("ours <= 1.10 x achievable bound of the rows present", "pass_bound"),
   ):
-    vals = [t[col] for t in rows if t[col] is not None]
-    summary.append(f"{name}: {sum(vals)} of {len(vals)} pass")
+    for impl in dict.fromkeys(t["impl"] for t in rows):
+      vals = [t[col] for t in rows if t[col] is not None and t["impl"] == impl]
+      summary.append(f"{impl}, {name}: {sum(vals)} of {len(vals)} pass")
   sep = "\n\n" if markdown else "\n"
   return text + sep + ("\n".join(f"- {s}" for s in summary) if markdown else "\n".join(summary))
 
@@ -359,7 +378,9 @@ def slack_table(records: list[dict], *, markdown: bool) -> str:
     The text.
   """
   policies = list(dict.fromkeys(r["policy"] for r in records if "ep" in r))
-  refs = [i for i in dict.fromkeys(r["impl"] for r in records if "ep" in r) if i != OURS]
+  impls = list(dict.fromkeys(r["impl"] for r in records if "ep" in r))
+  ours = [i for i in impls if i in OURS_VARIANTS]
+  refs = [i for i in impls if i not in OURS_VARIANTS]
   by = {(r["impl"], *_case_key(r)): r for r in records if "ep" in r}
   keys = list(
     dict.fromkeys(
@@ -369,16 +390,96 @@ def slack_table(records: list[dict], *, markdown: bool) -> str:
     )
   )
   columns = ["case", "routing", "op", "chip"]
-  columns += [f"ours {p}" for p in policies] + [f"{i} (exact)" for i in refs]
+  columns += [f"{o} {p}" for o in ours for p in policies] + [f"{i} (exact)" for i in refs]
   body = []
   for model, ep, tokens, routing, op, chip in keys:
     row = [f"{model}@{tokens}/ep{ep}", routing, op, chip]
-    for p in policies:
-      r = by.get((OURS, model, ep, tokens, p, routing, op, chip))
-      row.append(f"{r['modeled_us']:,.0f} ({r['slack']:.2f}x)" if r else "-")
+    for o in ours:
+      for p in policies:
+        r = by.get((o, model, ep, tokens, p, routing, op, chip))
+        row.append(f"{r['modeled_us']:,.0f} ({r['slack']:.2f}x)" if r else "-")
     for i in refs:
       r = by.get((i, model, ep, tokens, "exact", routing, op, chip))
       row.append(_fmt(r["modeled_us"], 0) if r else "-")
     body.append(row)
   title = "EP cases: ours per buffer policy (µs, slack) and the references, modeled"
   return _table(title, columns, body, markdown=markdown)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rendering saved runs: `python -m bench.ep_report a.json b.json [--markdown F] [--plot F]`.
+#
+# NOTE: the full EP matrix takes about an hour on a 2-core VM; split runs (by op, impl or policy)
+# write their records with `python -m bench ... --json`, and this puts the tables back together.
+
+
+def merge_runs(runs: list[dict]) -> dict[str, list[dict]]:
+  """Concatenates the record lists of several `python -m bench --json` outputs.
+
+  Later runs win where two runs modeled the same (impl, case, op, chip).
+
+  Args:
+    runs: the loaded JSON objects.
+
+  Returns:
+    {"modeled": [...], "ep_slack1": [...], "block": [...]}.
+  """
+  out = {}
+  for key in ("modeled", "ep_slack1", "block"):
+    merged = {}
+    for run in runs:
+      for r in run.get(key, []):
+        if "ep" in r:
+          merged[(r["impl"], *_case_key(r))] = r
+    out[key] = list(merged.values())
+  return out
+
+
+def render(merged: dict[str, list[dict]], *, markdown: bool) -> str:
+  """The EP tables of merged runs: per-policy table, targets per variant of ours, block table.
+
+  Args:
+    merged: from `merge_runs`.
+    markdown: markdown tables instead of aligned text.
+
+  Returns:
+    The text.
+  """
+  parts = []
+  if merged["modeled"]:
+    parts.append(slack_table(merged["modeled"], markdown=markdown))
+  if merged["ep_slack1"]:
+    ours = [o for o in OURS_VARIANTS if any(r["impl"] == o for r in merged["ep_slack1"])]
+    rows = [t for o in ours for t in targets(merged["modeled"], merged["ep_slack1"], ours=o)]
+    parts.append(targets_table(rows, markdown=markdown))
+  if merged["block"]:
+    parts.append(block_table(block_totals(merged["block"]), markdown=markdown))
+  return "\n\n".join(parts)
+
+
+def main(argv=None) -> None:
+  import argparse
+  import json
+
+  p = argparse.ArgumentParser(prog="python -m bench.ep_report", description=__doc__.splitlines()[0])
+  p.add_argument("runs", nargs="+", help="JSON files written by `python -m bench --ep --json`.")
+  p.add_argument("--markdown", help="Also write the tables as markdown here.")
+  p.add_argument("--plot", help="Draw the EP records (time vs slack) here (matplotlib).")
+  args = p.parse_args(argv)
+  runs = []
+  for path in args.runs:
+    with open(path) as f:
+      runs.append(json.load(f))
+  merged = merge_runs(runs)
+  print(render(merged, markdown=False))
+  if args.markdown:
+    with open(args.markdown, "w") as f:
+      f.write(render(merged, markdown=True) + "\n")
+  if args.plot:
+    from bench import plot
+
+    plot.plot(merged["modeled"], path=args.plot)
+
+
+if __name__ == "__main__":
+  main()
