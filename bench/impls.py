@@ -787,6 +787,9 @@ def _pallas_moe_build(
     elif tiling is None:
       # NOTE: what pallas_moe.ops runs by default: row-tile tiles when they fit, else the visit
       # kernel's; passing the resolved tiles back to ops selects the same kernel.
+      # NOTE: the MoE block passes gmm the buffer's typical fill, tokens x top_k per device
+      # (`moe._expert_parallel`), as a hint for the tiles; gmm alone does not.
+      expected = shape.tokens * shape.top_k if unowned_rows == "undefined" else None
       with use_generation(generation):
         kt = ops._resolve_tiles(
           None,
@@ -795,6 +798,7 @@ def _pallas_moe_build(
           num_groups=g,
           dtypes=(DTYPE, DTYPE, DTYPE),
           interpret=False,
+          expected_rows=expected if expected is not None and expected < m else None,
         )
       til = kt.tiles
     else:

@@ -173,7 +173,7 @@ def swiglu(h: jax.Array) -> jax.Array:
   return jax.nn.silu(h[..., :f]) * h[..., f:]
 
 
-def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig):
+def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig, expected_rows=None):
   if config.gmm_impl == "ragged_dot":
     return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=rows.dtype)
   return gmm(
@@ -187,10 +187,13 @@ def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig):
     # NOTE: the receive buffer's rows past the received ones are never read (combine sends only
     # the received rows back; their gradients stay in those rows): no zero writes for them.
     unowned_rows="undefined",
+    expected_rows=expected_rows,
   )
 
 
-def expert_mlp(rows, wi, wo, group_sizes, *, config: MoEConfig) -> jax.Array:
+def expert_mlp(
+  rows, wi, wo, group_sizes, *, config: MoEConfig, expected_rows: int | None = None
+) -> jax.Array:
   """SwiGLU experts over rows sorted by (local) expert.
 
   Args:
@@ -200,12 +203,15 @@ def expert_mlp(rows, wi, wo, group_sizes, *, config: MoEConfig) -> jax.Array:
     wo: [G, f, d] down weights.
     group_sizes: [G] int32.
     config: the layer config (tilings, gmm_impl).
+    expected_rows: how many of the B rows are expected to be real (a receive buffer's typical
+      fill), a hint for gmm's default tiles (`gmm(..., expected_rows=)`); None: B.
 
   Returns:
     [B, d] expert outputs.
   """
-  h = _grouped_matmul(rows, wi, group_sizes, tiling=config.wi_tiling, config=config)
-  return _grouped_matmul(swiglu(h), wo, group_sizes, tiling=config.wo_tiling, config=config)
+  kw = dict(config=config, expected_rows=expected_rows)
+  h = _grouped_matmul(rows, wi, group_sizes, tiling=config.wi_tiling, **kw)
+  return _grouped_matmul(swiglu(h), wo, group_sizes, tiling=config.wo_tiling, **kw)
 
 
 def shared_mlp(x, wi, wo) -> jax.Array:
@@ -374,7 +380,10 @@ def _expert_parallel(rows, wi, wo, group_sizes, *, config: MoEConfig, buffer_row
   poison = config.debug_nan_poison
   plan = collectives.plan_from_group_sizes(group_sizes, axis_name=axis, buffer_rows=buffer_rows)
   buf = collectives.dispatch(rows, plan, axis_name=axis, poison=poison)
-  y_buf = expert_mlp(buf, wi, wo, plan.recv_group_sizes, config=config)
+  # NOTE: every device sends its T*k sorted rows, so a device receives T*k rows on average
+  # (more under skewed routing): the buffer's typical fill, whatever its static size.
+  expected = rows.shape[0] if rows.shape[0] < buffer_rows else None
+  y_buf = expert_mlp(buf, wi, wo, plan.recv_group_sizes, config=config, expected_rows=expected)
   back = collectives.combine(y_buf, plan, num_rows=rows.shape[0], axis_name=axis, poison=poison)
   # NOTE: sorted row i belongs to expert e = the group whose [start, end) holds i; it was sent in
   # chunk e (experts are contiguous per device, so chunk index = expert) of which only the first

@@ -113,6 +113,7 @@ def _resolve_tiles(
   interpret: common.Interpret,
   allow_rowtile: bool = True,
   narrow_dot: bool = False,
+  expected_rows: int | None = None,
 ) -> KernelTiling:
   """Tiles (and the kernel) for one call: the heuristic, a LUT lookup, or the user's, checked.
 
@@ -132,6 +133,7 @@ def _resolve_tiles(
     allow_rowtile: False keeps the visit kernel (quantized tgmm operands).
     narrow_dot: the gmm multiplies 8-bit lhs and rhs natively (w8a8 where the chip can): the
       heuristic scores MXU time at that rate (`dtypes` are then the 8-bit ones).
+    expected_rows: the caller's expectation of sum(group_sizes) (see `gmm`), for the heuristic.
   """
   m, k, n = dims
   lhs_dtype, rhs_dtype, out_dtype = dtypes
@@ -151,6 +153,7 @@ def _resolve_tiles(
       out_dtype=out_dtype,
       generation=generation,
       narrow_dot=narrow_dot,
+      expected_rows=expected_rows,
     )
   if picked is not None:
     spec = picked
@@ -633,6 +636,19 @@ def _check_activation_quantization(activation_quantization, weight_dtype) -> str
   return name
 
 
+def _check_expected_rows(expected_rows) -> int | None:
+  if expected_rows is None:
+    return None
+  if isinstance(expected_rows, bool) or not isinstance(expected_rows, (int, np.integer)):
+    raise TypeError(
+      f"`expected_rows` must be a Python int (a static hint for the tiles) or None, got "
+      f"{type(expected_rows).__name__}; pass e.g. tokens_per_device * top_k."
+    )
+  if expected_rows < 1:
+    raise ValueError(f"`expected_rows`={expected_rows} must be >= 1 (or None: m).")
+  return int(expected_rows)
+
+
 def gmm(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -647,6 +663,7 @@ def gmm(
   weight_quantization: str | None = None,
   activation_quantization: str | None = None,
   unowned_rows: str = "zero",
+  expected_rows: int | None = None,
 ) -> jax.Array:
   """Grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g - group_offset]. Differentiable.
 
@@ -699,6 +716,10 @@ def gmm(
       gradient, saving their zero writes ((m - rows) x n x itemsize bytes): for a caller that
       never reads them, like an expert-parallel receive buffer's slack. Rows past
       sum(group_sizes) inside those tiles are still 0.
+    expected_rows: a hint for the default tiles only (results never depend on it): the rows you
+      expect sum(group_sizes) to be when m is a receive buffer with slack (e.g. tokens x top_k
+      per device under expert parallelism). The kernels visit only the m-tiles holding rows, but
+      fetch the last of them whole; tiles are then picked for that many rows. Default: m.
 
   Returns:
     [m, n] array of `preferred_element_type`.
@@ -756,7 +777,13 @@ def gmm(
     rhs_for_tiles = rhs
   common.check_existing_out(existing_out, shape=(m, n), dtype=out_dtype)
   tilings = Tiling.of(tiling)
-  resolve = functools.partial(_resolve_tiles, num_groups=num_local_groups, interpret=interpret)
+  expected_rows = _check_expected_rows(expected_rows)
+  resolve = functools.partial(
+    _resolve_tiles,
+    num_groups=num_local_groups,
+    interpret=interpret,
+    expected_rows=expected_rows,
+  )
   compute_dtype = jnp.promote_types(lhs.dtype, rhs_for_tiles.dtype)
   # NOTE: with transpose_rhs the weight gradient is [G, n, k]: tgmm's (tk, tn) tile (n, k).
   if transpose_rhs:
@@ -831,6 +858,7 @@ def tgmm(
   *,
   lhs_scales: jax.Array | None = None,
   rhs_scales: jax.Array | None = None,
+  expected_rows: int | None = None,
 ) -> jax.Array:
   """Transposed grouped matmul: out[g] = lhs[:, rows of g] @ rhs[rows of g] (+ existing_out[g]).
 
@@ -859,6 +887,7 @@ def tgmm(
     interpret: as in `gmm`.
     lhs_scales: f32 scales of an int8 / fp8 lhs: [k, 1] or [1, m] (see above).
     rhs_scales: f32 scales of an int8 / fp8 rhs: [1, n] or [m, 1] (see above).
+    expected_rows: a hint for the default tiles only, as in `gmm`.
 
   Returns:
     [num_actual_groups, k, n] array (f32 by default when both operands are quantized, else the
@@ -913,6 +942,7 @@ def tgmm(
     interpret=interpret,
     # NOTE: the row-tile tgmm takes no scales: quantized operands run the visit kernel.
     allow_rowtile=not (lhs_q or rhs_q),
+    expected_rows=_check_expected_rows(expected_rows),
   )
   # NOTE: the narrow MXU dot needs one narrow dtype on both sides and scales that factor out of
   # the contraction (per channel); per-token scales are applied to upcast values instead.

@@ -238,6 +238,7 @@ def rowtile_step_costs(
   out_itemsize: int,
   generation: str | TpuGeneration,
   peak_flops: float | None = None,
+  buffer_rows: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Per-step MXU seconds and HBM bytes of a row-tile kernel's whole grid.
 
@@ -259,6 +260,9 @@ def rowtile_step_costs(
     out_itemsize: bytes per output element.
     generation: TPU generation.
     peak_flops: the dot's MXU rate (default the bf16 peak; `narrow_peak` for a narrow dot).
+    buffer_rows: the operands' m when it exceeds sum(group_sizes) (a receive buffer with slack).
+      The grid visits only the tiles holding rows, but the last one's blocks are fetched (and
+      written) whole up to the buffer's end, not only its real rows.
 
   Returns:
     (mxu_seconds, overlapped_bytes, exposed_bytes), each [sweeps * tiles_m] in grid-step order:
@@ -282,7 +286,9 @@ def rowtile_step_costs(
   macs = _dot_macs(**shape, mxu=mxu)
   peak = gen.peak_bf16_flops if peak_flops is None else peak_flops
   mxu_s = np.bincount(t, hits * 2.0 * macs, tiles_m) / peak
-  rows = np.minimum(m, (np.arange(tiles_m) + 1) * tm) - np.arange(tiles_m) * tm
+  # NOTE: a block is clipped only at the operand's end: the buffer's, when it has slack.
+  end = m if buffer_rows is None else max(m, buffer_rows)
+  rows = np.minimum(end, (np.arange(tiles_m) + 1) * tm) - np.arange(tiles_m) * tm
   sweeps = (k // tk) * (n // tn)
   if kind == "gmm":
     pipelined = rows * (k * lhs_itemsize + tn * out_itemsize)

@@ -142,6 +142,11 @@ def _divisor_tiles(dim: int) -> list[int]:
   return sorted({dim, *(t for t in range(128, dim, 128) if dim % t == 0)})
 
 
+# NOTE: 4096 / 5 rounded to 8 rows: 0, 816, ..., 3264 land at different offsets within every
+# power-of-two tm from 128 to 4096.
+_FILL_SPREAD = 816
+
+
 def pick_rowtile_tiling(
   *,
   m: int,
@@ -156,6 +161,7 @@ def pick_rowtile_tiling(
   vmem_budget_bytes: int | None = None,
   step_overhead_s: float = 0.35e-6,
   narrow_dot: bool = False,
+  expected_rows: int | None = None,
 ) -> tuple[int, int, int] | None:
   """Chooses (tm, tk, tn) for a row-tile kernel, or None when none fits VMEM.
 
@@ -181,6 +187,9 @@ def pick_rowtile_tiling(
     step_overhead_s: per grid step overhead.
     narrow_dot: gmm multiplies the 8-bit lhs and rhs natively (both `lhs_dtype`), at the chip's
       int8 / fp8 rate: less MXU time per step shifts the balance towards fewer, larger steps.
+    expected_rows: rows the caller expects sum(group_sizes) to be (default m). An expert-parallel
+      receive buffer holds fewer real rows than m; the kernels visit only the m-tiles that hold
+      them, so the tiles are scored on that many rows (the last, partly filled tile included).
 
   Returns:
     (tm, tk, tn), or None.
@@ -194,7 +203,16 @@ def pick_rowtile_tiling(
   # NOTE: group boundaries of a real routing fall anywhere; equal sizes would put them at regular,
   # often MXU-aligned rows and hide the per-tile imbalance. A fixed-seed uniform multinomial
   # draw stands in for the routing the kernel will see.
-  sizes = np.random.default_rng(_PICKER_SEED).multinomial(m, np.full(num_groups, 1 / num_groups))
+  rows = m if expected_rows is None else max(1, min(int(expected_rows), m))
+  # NOTE: with slack, where the real rows end relative to the tile boundaries decides how much of
+  # the last visited tile is fetched for nothing (it is fetched whole, up to the buffer's end).
+  # The real count varies around the expectation, so each tiling is scored at a few ends spread
+  # over the largest tm (not multiples of any smaller one): an even chance for every tm.
+  ends = [rows] if rows == m else sorted({min(m, rows + j * _FILL_SPREAD) for j in range(5)})
+  draws = [
+    np.random.default_rng(_PICKER_SEED).multinomial(r, np.full(num_groups, 1 / num_groups))
+    for r in ends
+  ]
   # NOTE: tgmm's tm is the lane dim of its [tk, tm] lhs block: a multiple of 128 or all of m.
   align = 128 if kind == "tgmm" else 8
   tms = {min(t, -(-m // align) * align) for t in (128, 256, 512, 1024, 2048, 4096)}
@@ -218,21 +236,25 @@ def pick_rowtile_tiling(
         )
         if est > budget:
           continue
-        score = rowtile_modeled_seconds(
-          group_sizes=sizes,
-          k=k,
-          n=n,
-          tm=tm,
-          tk=tk,
-          tn=tn,
-          kind=kind,
-          lhs_itemsize=li,
-          rhs_itemsize=ri,
-          out_itemsize=oi,
-          generation=gen,
-          peak_flops=peak,
-          step_overhead_s=step_overhead_s,
-        )
+        score = sum(
+          rowtile_modeled_seconds(
+            group_sizes=sizes,
+            k=k,
+            n=n,
+            tm=tm,
+            tk=tk,
+            tn=tn,
+            kind=kind,
+            lhs_itemsize=li,
+            rhs_itemsize=ri,
+            out_itemsize=oi,
+            generation=gen,
+            peak_flops=peak,
+            step_overhead_s=step_overhead_s,
+            buffer_rows=m,
+          )
+          for sizes in draws
+        ) / len(draws)
         scored.append((score, est, (tm, tk, tn)))
   if not scored:
     return None
