@@ -106,7 +106,9 @@ _BLOCK = flags.DEFINE_bool(
   "block", False, "Print the MoE block's six gmm kernels per layer on the deepseek EP cases."
 )
 _BLOCK_IMPLS = flags.DEFINE_list(
-  "block_impls", ["pallas_moe", "megablox-maxtext"], "Implementations of the --block table."
+  "block_impls",
+  ["pallas_moe-moe", "megablox-maxtext"],
+  "Implementations of the --block table (pallas_moe-moe: gmm as the block calls it).",
 )
 _PLOT = flags.DEFINE_string(
   "plot",
