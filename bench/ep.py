@@ -84,6 +84,7 @@ __all__ = [
   "placement_study",
   "routing_matrix",
   "slice_for",
+  "topology_aware_placement",
   "traffic_rows",
 ]
 
@@ -624,12 +625,86 @@ def placement_study(*, rows: np.ndarray, sl: Slice, iters: int = 2000, seed: int
   return dict(base=base, best=best, perm=perm.tolist())
 
 
+def topology_aware_placement(
+  *,
+  send_counts: np.ndarray,
+  chip: str,
+  wraparound: bool | None = None,
+  iters: int = 400,
+  seed: int = 0,
+) -> np.ndarray:
+  """Which experts each device should host, from expected routing counts and the slice.
+
+  Keeps the block's layout (device q holds E_l consecutive slots) and moves whole blocks of E_l
+  experts between devices (`placement_study`): hot receivers go where the slice has the most
+  link capacity into them (on a mesh, the middle). How the block uses it: store the expert
+  weights (wi, wo and any per-expert state) in slot order, `w_placed = w[order]`, sharded as
+  before; route with the original expert ids (router weights, bias and DeepSeek's expert groups
+  unchanged) and map them to slots before sorting, `slot_ids = argsort(order)[expert_ids]`.
+
+  Args:
+    send_counts: [ep, E] expected rows each device routes to each expert (e.g. running counts).
+    chip: generation (its slice).
+    wraparound: see `slice_for`.
+    iters: pairwise swaps tried.
+    seed: numpy seed.
+
+  Returns:
+    int64 [E] `order`: slot j (on device j // E_l) holds global expert order[j].
+  """
+  counts = np.asarray(send_counts, np.int64)
+  ep_, e = counts.shape
+  local = e // ep_
+  rows = traffic_rows(send_counts=counts, buffer_rows=int(counts.sum()) + 1)
+  st = placement_study(
+    rows=rows, sl=slice_for(chip=chip, ep=ep_, wraparound=wraparound), iters=iters, seed=seed
+  )
+  order = np.empty(e, np.int64)
+  for q, dev in enumerate(st["perm"]):
+    order[dev * local : (dev + 1) * local] = np.arange(q * local, (q + 1) * local)
+  return order
+
+
 # ----------------------------------------------------------------------------------------------
 # The block's default chunk count.
 
-# NOTE: filled from `python -m bench.ep` (RESULTS.md, issue 15): the modeled best c per case,
-# exact buffers, uniform routing. (model, ep, tokens per device, chip) → chunks.
-DEFAULT_BATCH_SPLIT: dict[tuple[str, int, int, str], int] = {}
+# NOTE: from `python -m bench.ep` (RESULTS.md, issue 15): the modeled best c of {1, 2, 4, 8} per
+# case, exact buffers, uniform routing, default slices. (model, ep, tokens per device, chip) → c.
+# Where the step is comm-bound (most cases) c = 2 already hides the gmm under the exchange and
+# more chunks only add per-collective latency and smaller, relatively costlier gmms; where a
+# larger c wins, its margin over c = 4 is a few percent.
+DEFAULT_BATCH_SPLIT: dict[tuple[str, int, int, str], int] = {
+  ("deepseek-v3", 8, 4096, "v5e"): 2,
+  ("deepseek-v3", 8, 4096, "v5p"): 2,
+  ("deepseek-v3", 8, 4096, "v6e"): 2,
+  ("deepseek-v3", 8, 16384, "v5e"): 4,
+  ("deepseek-v3", 8, 16384, "v5p"): 4,
+  ("deepseek-v3", 8, 16384, "v6e"): 4,
+  ("deepseek-v3", 32, 4096, "v5e"): 8,
+  ("deepseek-v3", 32, 4096, "v5p"): 4,
+  ("deepseek-v3", 32, 4096, "v6e"): 2,
+  ("deepseek-v3", 32, 16384, "v5e"): 8,
+  ("deepseek-v3", 32, 16384, "v5p"): 8,
+  ("deepseek-v3", 32, 16384, "v6e"): 2,
+  ("deepseek-v3", 64, 4096, "v5e"): 8,
+  ("deepseek-v3", 64, 4096, "v5p"): 4,
+  ("deepseek-v3", 64, 4096, "v6e"): 2,
+  ("deepseek-v3", 64, 16384, "v5e"): 8,
+  ("deepseek-v3", 64, 16384, "v5p"): 8,
+  ("deepseek-v3", 64, 16384, "v6e"): 2,
+  ("qwen3-30b-a3b", 8, 4096, "v5e"): 8,
+  ("qwen3-30b-a3b", 8, 4096, "v5p"): 4,
+  ("qwen3-30b-a3b", 8, 4096, "v6e"): 2,
+  ("qwen3-30b-a3b", 8, 16384, "v5e"): 8,
+  ("qwen3-30b-a3b", 8, 16384, "v5p"): 8,
+  ("qwen3-30b-a3b", 8, 16384, "v6e"): 2,
+  ("deepseek-v2-lite", 8, 4096, "v5e"): 4,
+  ("deepseek-v2-lite", 8, 4096, "v5p"): 4,
+  ("deepseek-v2-lite", 8, 4096, "v6e"): 2,
+  ("deepseek-v2-lite", 8, 16384, "v5e"): 8,
+  ("deepseek-v2-lite", 8, 16384, "v5p"): 8,
+  ("deepseek-v2-lite", 8, 16384, "v6e"): 2,
+}
 
 
 def default_batch_split(*, model: str, ep: int, tokens_per_device: int, chip: str) -> int:

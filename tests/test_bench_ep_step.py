@@ -109,6 +109,7 @@ def test_placement_cannot_help_uniform_on_a_torus():
 def test_default_batch_split_is_a_divisor():
   for key, c in ep.DEFAULT_BATCH_SPLIT.items():
     assert c >= 1 and key[2] % c == 0
+  assert ep.default_batch_split(model="deepseek-v3", ep=32, tokens_per_device=16384, chip="v6e") > 1
   assert ep.default_batch_split(model="nope", ep=8, tokens_per_device=4096, chip="v6e") == 1
 
 
@@ -132,3 +133,27 @@ def test_cli_tiny(tmp_path, capsys):
   # NOTE: uniform dispatch of 256 tokens x 6 rows x d_model 2048 bf16, 7/8 of it off-device.
   assert rec["dispatch_mb"] == pytest.approx(256 * 6 * 2048 * 2 * 7 / 8 / 1e6, rel=0.1)
   assert "Modeled EP step" in capsys.readouterr().out
+
+
+def test_topology_aware_placement_is_a_block_permutation_that_helps_zipf_on_a_mesh():
+  counts = ep._send_counts(model="deepseek-v2-lite", ep=8, tokens=1024, routing="zipf")
+  order = ep.topology_aware_placement(send_counts=counts, chip="v6e", iters=200)
+  e, local = counts.shape[1], counts.shape[1] // 8
+  assert sorted(order.tolist()) == list(range(e))
+  # NOTE: whole blocks of E_l consecutive experts move together (the block's layout).
+  blocks = order.reshape(8, local)
+  assert (np.diff(blocks, axis=1) == 1).all() and (blocks[:, 0] % local == 0).all()
+  sl = ep.slice_for(chip="v6e", ep=8)
+  big = int(counts.sum()) + 1
+
+  def busiest(c):
+    rows = ep.traffic_rows(send_counts=c, buffer_rows=big)
+    return ep.link_loads(traffic=rows, sl=sl).max() + ep.link_loads(traffic=rows.T, sl=sl).max()
+
+  # NOTE: slot j holds expert order[j]: the placed counts are the columns in slot order.
+  assert busiest(counts[:, order]) < 0.95 * busiest(counts)
+  # The block's use: weights in slot order, ids mapped to slots, the same weight per choice.
+  w = np.random.default_rng(0).standard_normal((e, 3))
+  ids = np.random.default_rng(1).integers(0, e, (16, 6))
+  slot = np.argsort(order)[ids]
+  np.testing.assert_array_equal(w[order][slot], w[ids])
