@@ -478,7 +478,9 @@ def gmm_us(*, model: str, ep: int, tokens: int, policy: str, routing: str, chips
       cases=ep_report.block_cases([(shape, routing, gs)]),
       chips=missing,
       ops=["fwd", "dlhs", "drhs"],
-      impl_names=[ep_report.OURS],
+      # NOTE: gmm as the block calls it (the receive buffer's tail unwritten, tiles hinted
+      # with T*k rows), not gmm's zero-tail default.
+      impl_names=[ep_report.OURS_BLOCK],
     )
     for row in ep_report.block_totals(recs):
       if row["kernels"] != 6:
