@@ -28,10 +28,18 @@ Receive-buffer rows (a static shape). See `buffer_rows_for`:
     bound `ep * T * min(k, E_l)` (every token of every peer sends all of its choices that can
     land on one device to this device). Never drops, but is `ep`-times the balanced load.
   In every mode the block returns `dropped_rows` and `needed_rows` so callers can check.
+
+Batch split (`config.batch_split`, MaxText `batch_split_factor`; `batch_split_for`): the router
+runs once over all T tokens, then each of S chunks of T / S consecutive tokens goes through
+sort -> dispatch -> experts -> combine -> unsort by itself, so one chunk's exchange can overlap
+another chunk's gmms. The buffer rules above then apply to a chunk (T / S tokens): dropless
+results equal the unsplit block's exactly; with a capacity factor each chunk drops on its own
+(chunk-local overflow can differ from whole-batch overflow).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -48,7 +56,9 @@ from pallas_moe.routing import BIAS_KEY, Routing, route, update_routed_bias
 
 __all__ = [
   "Routing",
+  "batch_split_for",
   "buffer_rows_for",
+  "default_batch_split",
   "dropless_buffer_rows",
   "init_params",
   "load_balance_loss",
@@ -252,7 +262,7 @@ def buffer_rows_for(
 
   Args:
     config: the layer config (`buffer_factor`, `top_k`, `num_experts`).
-    tokens_per_device: T.
+    tokens_per_device: T (the tokens of one chunk when the block splits its batch).
     expert_parallelism: expert-axis size.
     buffer_rows: an explicit row count (e.g. from `dropless_buffer_rows`); wins when given.
 
@@ -292,6 +302,56 @@ def _vary(x, axes):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def default_batch_split(
+  *, config: MoEConfig, tokens_per_device: int, expert_parallelism: int
+) -> int:
+  """The number of token chunks `moe_block` uses when `config.batch_split` is None.
+
+  The rule today is fixed: 1 (no split). Splitting only pays when the expert exchange is async
+  and long next to a chunk's expert matmuls (see `pallas_moe.schedule` and RESULTS.md, issue
+  15); the modeled choice replaces this function's body, with the same signature.
+
+  Args:
+    config: the layer config.
+    tokens_per_device: T, the tokens of one device.
+    expert_parallelism: the expert-axis size.
+
+  Returns:
+    An int >= 1 that divides `tokens_per_device`.
+  """
+  del config, tokens_per_device, expert_parallelism
+  return 1
+
+
+def batch_split_for(config: MoEConfig, *, tokens_per_device: int, expert_parallelism: int) -> int:
+  """The chunk count the block uses: `config.batch_split`, or `default_batch_split` when None.
+
+  Args:
+    config: the layer config.
+    tokens_per_device: T.
+    expert_parallelism: the expert-axis size.
+
+  Returns:
+    The number of chunks; each has `T // chunks` tokens.
+
+  Raises:
+    ValueError: the count does not divide T (names the key and the divisors to pick from).
+  """
+  t = tokens_per_device
+  split = config.batch_split
+  if split is None:
+    split = default_batch_split(
+      config=config, tokens_per_device=t, expert_parallelism=expert_parallelism
+    )
+  if t % split:
+    divisors = [d for d in range(1, min(t, 64) + 1) if t % d == 0]
+    raise ValueError(
+      f"MoEConfig.batch_split (MaxText batch_split_factor)={split} must divide the {t} tokens "
+      f"per device; pick one of {divisors} (or change the batch)."
+    )
+  return split
+
+
 def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int | None = None):
   """The MoE block on one device's tokens (call inside `jax.shard_map`, or plainly for ep = 1).
 
@@ -300,18 +360,26 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
   the load-balancing loss and counters are summed over whichever of the data and expert axes
   are bound.
 
+  With `S = batch_split_for(...)` > 1 chunks, the router runs once over all T tokens (so the
+  load-balancing loss and `expert_load` are those of the whole batch), then each chunk of
+  `T / S` consecutive tokens is sorted, dispatched, run through the experts and combined on its
+  own, under `jax.named_scope(f"batch_split_{c}")`. No chunk reads another's results, so XLA may
+  run chunk c's exchange while chunk c' computes.
+
   Args:
     params: see `init_params` (`wi`/`wo` sharded over the expert axis).
     x: [T, d] this device's tokens.
     config: the layer config.
-    buffer_rows: static receive-buffer rows; None: see `buffer_rows_for`.
+    buffer_rows: static receive-buffer rows of one chunk; None: see `buffer_rows_for` (with
+      the chunk's `T / S` tokens).
 
   Returns:
     `(y, aux)`: y [T, d] in `config.dtype`; aux a dict of scalars: `aux_loss` (unweighted
-    load-balancing loss), `dropped_rows` (global count of (token, choice) rows that did not fit),
-    `needed_rows` (the largest receive count of any device: the exact dropless buffer),
-    `buffer_rows` (the static buffer used); and `expert_load` [E] int32, the rows routed to
-    each expert over the global batch (for `update_routed_bias`).
+    load-balancing loss), `dropped_rows` (global count of (token, choice) rows that did not fit,
+    over all chunks), `needed_rows` (the largest receive count of any device and chunk: the
+    exact dropless buffer of a chunk), `buffer_rows` (the static buffer of a chunk); and
+    `expert_load` [E] int32, the rows routed to each expert over the global batch (for
+    `update_routed_bias`).
   """
   dt = config.compute_dtype
   k, num_experts = config.top_k, config.num_experts
@@ -326,38 +394,73 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
       f"{num_local} = num_experts / expert-axis size; shard it over {config.expert_axis!r}."
     )
   t = x.shape[0]
+  split = batch_split_for(config, tokens_per_device=t, expert_parallelism=ep)
+  tc = t // split
   x = x.astype(dt)
   routing = route(x, params["router"], config=config, bias=params.get(BIAS_KEY))
-  order, inverse, group_sizes = sort_by_expert(routing.expert_ids, num_experts=num_experts)
-  # NOTE: sorted row i is flat row order[i] = t * k + j, i.e. token order[i] // k.
-  rows = x[order // k]
   wi, wo = params["wi"].astype(dt), params["wo"].astype(dt)
   rows_b = buffer_rows_for(
-    config, tokens_per_device=t, expert_parallelism=ep, buffer_rows=buffer_rows
+    config, tokens_per_device=tc, expert_parallelism=ep, buffer_rows=buffer_rows
   )
-  if ep == 1:
-    out = expert_mlp(rows, wi, wo, group_sizes, config=config)
-    dropped = jnp.zeros((), jnp.int32)
-    needed = jnp.asarray(t * k, jnp.int32)
-  else:
-    out, dropped, needed = _expert_parallel(
-      rows, wi, wo, group_sizes, config=config, buffer_rows=rows_b
-    )
-  # NOTE: inverse[r] is where flat row r = t * k + j sits in sorted order.
-  per_choice = out[inverse].reshape(t, k, -1).astype(jnp.float32)
-  y = jnp.einsum("tk,tkd->td", routing.weights, per_choice, precision=_HIGHEST)
+  ys, sizes, dropped, needed = [], [], [], []
+  for c in range(split):
+    # NOTE: the scope names the chunk in the HLO's op_name metadata (schedule checks read it).
+    scope = jax.named_scope(f"batch_split_{c}") if split > 1 else contextlib.nullcontext()
+    lo, hi = c * tc, (c + 1) * tc
+    with scope:
+      y_c, gs_c, dropped_c, needed_c = _routed_experts(
+        x[lo:hi],
+        routing.expert_ids[lo:hi],
+        routing.weights[lo:hi],
+        wi,
+        wo,
+        config=config,
+        ep=ep,
+        buffer_rows=rows_b,
+      )
+    ys.append(y_c)
+    sizes.append(gs_c)
+    dropped.append(dropped_c)
+    needed.append(needed_c)
+  y = ys[0] if split == 1 else jnp.concatenate(ys, axis=0)
+  group_sizes = functools.reduce(jnp.add, sizes)
   if config.shared_width:
     y = y + shared_mlp(x, params["shared_wi"].astype(dt), params["shared_wo"].astype(dt)).astype(
       jnp.float32
     )
   aux = {
     "aux_loss": load_balance_loss(probs=routing.probs, group_sizes=group_sizes, top_k=k, axes=axes),
-    "dropped_rows": _global(dropped, axes, jax.lax.psum),
-    "needed_rows": _global(needed, axes, jax.lax.pmax),
+    "dropped_rows": _global(functools.reduce(jnp.add, dropped), axes, jax.lax.psum),
+    "needed_rows": _global(functools.reduce(jnp.maximum, needed), axes, jax.lax.pmax),
     "buffer_rows": jnp.asarray(rows_b, jnp.int32),
     "expert_load": _global(group_sizes, axes, jax.lax.psum),
   }
   return y.astype(dt), aux
+
+
+def _routed_experts(x, expert_ids, weights, wi, wo, *, config: MoEConfig, ep: int, buffer_rows):
+  """Sort -> (dispatch) -> experts -> (combine) -> unsort -> weighted sum, for one chunk.
+
+  Returns:
+    `(y [T_c, d] f32, group_sizes [E] int32, rows dropped here, needed rows)`.
+  """
+  k = config.top_k
+  t = x.shape[0]
+  order, inverse, group_sizes = sort_by_expert(expert_ids, num_experts=config.num_experts)
+  # NOTE: sorted row i is flat row order[i] = t * k + j, i.e. token order[i] // k.
+  rows = x[order // k]
+  if ep == 1:
+    out = expert_mlp(rows, wi, wo, group_sizes, config=config)
+    dropped = jnp.zeros((), jnp.int32)
+    needed = jnp.asarray(t * k, jnp.int32)
+  else:
+    out, dropped, needed = _expert_parallel(
+      rows, wi, wo, group_sizes, config=config, buffer_rows=buffer_rows
+    )
+  # NOTE: inverse[r] is where flat row r = t * k + j sits in sorted order.
+  per_choice = out[inverse].reshape(t, k, -1).astype(jnp.float32)
+  y = jnp.einsum("tk,tkd->td", weights, per_choice, precision=_HIGHEST)
+  return y, group_sizes, dropped, needed
 
 
 def _global(v, axes, reduce):
@@ -455,7 +558,8 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
   """The exact dropless receive buffer for this batch, computed ahead of the step.
 
   Runs only the router (sharded like the block, so the routing is the block's), pulls the expert
-  ids to the host and counts the rows each device will receive. Pass the result as
+  ids to the host and counts the rows each device will receive (per chunk when the block splits
+  its tokens: `batch_split_for`). Pass the result as
   `buffer_rows=` (a static argument: a new value recompiles the step; `multiple_of` buckets it).
 
   Args:
@@ -471,7 +575,22 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
   ep = _check_mesh(mesh, config)
   data = mesh.shape[config.data_axis]
   ids = np.asarray(_router_ids(config, mesh)(params["router"], params.get(BIAS_KEY), x))
-  need = int(_receive_counts(ids, num_experts=config.num_experts, data=data, ep=ep).max())
+  t = ids.shape[0] // (data * ep)
+  split = batch_split_for(config, tokens_per_device=t, expert_parallelism=ep)
+  # NOTE: with chunks the buffer is a chunk's: chunk c of every device is its tokens
+  # [c * T / S, (c + 1) * T / S); the need is the largest over devices and chunks.
+  chunks = ids.reshape(data * ep, split, t // split, config.top_k)
+  need = max(
+    int(
+      _receive_counts(
+        chunks[:, c].reshape(-1, config.top_k),
+        num_experts=config.num_experts,
+        data=data,
+        ep=ep,
+      ).max()
+    )
+    for c in range(split)
+  )
   return max(1, -(-need // multiple_of) * multiple_of)
 
 
