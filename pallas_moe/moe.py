@@ -454,8 +454,11 @@ def _routed_experts(x, expert_ids, weights, wi, wo, *, config: MoEConfig, ep: in
     dropped = jnp.zeros((), jnp.int32)
     needed = jnp.asarray(t * k, jnp.int32)
   else:
+    # NOTE: the expert of each sorted row, by a gather (a searchsorted over the group ends is a
+    # while loop on TPU, which XLA's scheduler then places under the exchanges).
+    sorted_expert = expert_ids.reshape(-1)[order]
     out, dropped, needed = _expert_parallel(
-      rows, wi, wo, group_sizes, config=config, buffer_rows=buffer_rows
+      rows, wi, wo, group_sizes, sorted_expert, config=config, buffer_rows=buffer_rows
     )
   # NOTE: inverse[r] is where flat row r = t * k + j sits in sorted order.
   per_choice = out[inverse].reshape(t, k, -1).astype(jnp.float32)
@@ -467,8 +470,12 @@ def _global(v, axes, reduce):
   return reduce(_vary(v, axes), axes) if axes else v
 
 
-def _expert_parallel(rows, wi, wo, group_sizes, *, config: MoEConfig, buffer_rows: int):
+def _expert_parallel(
+  rows, wi, wo, group_sizes, sorted_expert, *, config: MoEConfig, buffer_rows: int
+):
   """Dispatch -> experts -> combine over the expert axis, dropped rows exactly 0.
+
+  `sorted_expert` [T*k] is the expert of each (sorted) row.
 
   Returns:
     `(out [T*k, d] in sorted order, rows dropped at this device's buffer, needed rows)`.
@@ -476,16 +483,18 @@ def _expert_parallel(rows, wi, wo, group_sizes, *, config: MoEConfig, buffer_row
   axis = config.expert_axis
   poison = config.debug_nan_poison
   plan = collectives.plan_from_group_sizes(group_sizes, axis_name=axis, buffer_rows=buffer_rows)
-  buf = collectives.dispatch(rows, plan, axis_name=axis, poison=poison)
+  # NOTE: the scopes name the two exchanges in the HLO's op_name metadata (`pallas_moe.schedule`).
+  with jax.named_scope("dispatch"):
+    buf = collectives.dispatch(rows, plan, axis_name=axis, poison=poison)
   y_buf = expert_mlp(buf, wi, wo, plan.recv_group_sizes, config=config)
-  back = collectives.combine(y_buf, plan, num_rows=rows.shape[0], axis_name=axis, poison=poison)
-  # NOTE: sorted row i belongs to expert e = the group whose [start, end) holds i; it was sent in
-  # chunk e (experts are contiguous per device, so chunk index = expert) of which only the first
-  # send_sizes[e] rows were delivered. Rows past that were dropped: force them to exactly 0.
+  with jax.named_scope("combine"):
+    back = collectives.combine(y_buf, plan, num_rows=rows.shape[0], axis_name=axis, poison=poison)
+  # NOTE: sorted row i belongs to expert e = sorted_expert[i]; it was sent in chunk e (experts
+  # are contiguous per device, so chunk index = expert) of which only the first send_sizes[e]
+  # rows were delivered. Rows past that were dropped: force them to exactly 0.
   input_offsets, send_sizes = plan.dispatch_args[0], plan.dispatch_args[1]
   i = jnp.arange(rows.shape[0], dtype=jnp.int32)
-  expert = jnp.searchsorted(jnp.cumsum(group_sizes), i, side="right")
-  expert = jnp.minimum(expert, group_sizes.shape[0] - 1)
+  expert = sorted_expert.astype(jnp.int32)
   delivered = (i - input_offsets[expert]) < send_sizes[expert]
   out = jnp.where(delivered[:, None], back, jnp.zeros_like(back))
   return out, plan.num_dropped, plan.needed_rows

@@ -1,0 +1,112 @@
+"""What the compiled EP training step overlaps: each exchange, async or not, kernels under it.
+
+  python -m bench.ep_schedule [--topology v5e:2x4 v6e:2x4] [--batch_split 1 2] [--data 1]
+
+AOT-compiles `value_and_grad` of the MoE layer's loss (`bench.moe_memory.aot_step_compiled`) for
+each topology, batch split and flag set (the default program, and libtpu's async all-to-all
+flags `pallas_moe.schedule.ASYNC_COLLECTIVE_OPTIONS`), parses the scheduled HLO
+(`pallas_moe.schedule`) and prints one markdown row per (ragged) all-to-all of the entry
+computation in schedule order. Needs libtpu (the `tpu` extra); no TPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+
+if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/accel0"):
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+from bench.moe_memory import aot_step_compiled  # noqa: E402
+from pallas_moe import schedule  # noqa: E402
+from pallas_moe.config import MoEConfig  # noqa: E402
+
+# NOTE: small enough that a v5e:2x4 step compiles in ~5 s: 16 experts (2 per device at ep=8),
+# top-2, d = f = 256, bf16, 256 tokens per device, capacity factor 2.
+SMALL_EP = dict(
+  num_experts=16,
+  top_k=2,
+  d_model=256,
+  expert_ffn_dim=256,
+  dtype="bfloat16",
+  weight_dtype="bfloat16",
+  buffer_factor=2.0,
+)
+TOKENS_PER_DEVICE = 256
+FLAG_SETS = {"default": None, "async a2a": schedule.ASYNC_COLLECTIVE_OPTIONS}
+
+
+def compiled_schedule(
+  *,
+  topology: str,
+  batch_split: int,
+  data: int = 1,
+  compiler_options: dict | None = None,
+  tokens_per_device: int = TOKENS_PER_DEVICE,
+) -> schedule.Schedule:
+  """The parsed schedule of the small EP training step.
+
+  Args:
+    topology: e.g. "v5e:2x4" (8 devices).
+    batch_split: `MoEConfig.batch_split`.
+    data: data-axis size (the expert axis takes the rest of the 8 devices).
+    compiler_options: libtpu/XLA options (None: the default program).
+    tokens_per_device: tokens on each device.
+
+  Returns:
+    `schedule.parse_schedule` of the compiled step.
+  """
+  config = MoEConfig(**SMALL_EP, batch_split=batch_split)
+  compiled = aot_step_compiled(
+    topology=topology,
+    data=data,
+    ep=8 // data,
+    tokens_per_device=tokens_per_device,
+    config=config,
+    with_value=True,
+    compiler_options=compiler_options,
+  )
+  return schedule.parse_schedule(compiled.as_text())
+
+
+def _kernels(under: list[str]) -> str:
+  counts = collections.Counter(
+    k.removeprefix("pallas_moe_").removesuffix("_rowtile") for k in under
+  )
+  return ", ".join(f"{n}×{k}" for k, n in counts.items()) or "-"
+
+
+def table(rows: list[tuple[str, str, int, dict]]) -> str:
+  """Markdown: one row per collective of `schedule.summary`, prefixed by its program's keys."""
+  out = [
+    "| topology | flags | split | collective | pass, exchange, chunk | async | kernels under it |",
+    "|---|---|---|---|---|---|---|",
+  ]
+  for topo, flags, split, r in rows:
+    out.append(
+      f"| {topo} | {flags} | {split} | {r['kind']} | {r['where']} | "
+      f"{'yes' if r['async'] else 'no'} | {_kernels(r['kernels_under'])} |"
+    )
+  return "\n".join(out)
+
+
+if __name__ == "__main__":
+  import argparse
+
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--topology", nargs="+", default=["v5e:2x4", "v6e:2x4"])
+  parser.add_argument("--batch_split", type=int, nargs="+", default=[1, 2])
+  parser.add_argument("--data", type=int, default=1)
+  args = parser.parse_args()
+  rows = []
+  for topo in args.topology:
+    for flags, opts in FLAG_SETS.items():
+      for split in args.batch_split:
+        t0 = time.perf_counter()
+        sched = compiled_schedule(
+          topology=topo, batch_split=split, data=args.data, compiler_options=opts
+        )
+        print(f"# {topo} {flags} split={split}: compiled in {time.perf_counter() - t0:.1f} s")
+        rows.extend((topo, flags, split, r) for r in schedule.summary(sched))
+  print(table(rows))
