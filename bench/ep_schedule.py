@@ -22,18 +22,20 @@ from bench.moe_memory import aot_step_compiled  # noqa: E402
 from pallas_moe import schedule  # noqa: E402
 from pallas_moe.config import MoEConfig  # noqa: E402
 
-# NOTE: small enough that a v5e:2x4 step compiles in ~5 s: 16 experts (2 per device at ep=8),
-# top-2, d = f = 256, bf16, 256 tokens per device, capacity factor 2.
+# NOTE: small enough that a v5e:2x4 step compiles in ~5-7 s: 16 experts (2 per device at ep=8),
+# top-2, d = f = 512, bf16, 1024 tokens per device, capacity factor 2. At d = f = 256 and 256
+# tokens XLA's scheduler on v6e chose not to put a chunk's gmms under another chunk's forward
+# exchange (it did on v5e, and on v6e from this size up): see RESULTS.md, issue 15.
 SMALL_EP = dict(
   num_experts=16,
   top_k=2,
-  d_model=256,
-  expert_ffn_dim=256,
+  d_model=512,
+  expert_ffn_dim=512,
   dtype="bfloat16",
   weight_dtype="bfloat16",
   buffer_factor=2.0,
 )
-TOKENS_PER_DEVICE = 256
+TOKENS_PER_DEVICE = 1024
 FLAG_SETS = {"default": None, "async a2a": schedule.ASYNC_COLLECTIVE_OPTIONS}
 
 

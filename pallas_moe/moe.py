@@ -40,6 +40,7 @@ results equal the unsplit block's exactly; with a capacity factor each chunk dro
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -402,26 +403,30 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
   rows_b = buffer_rows_for(
     config, tokens_per_device=tc, expert_parallelism=ep, buffer_rows=buffer_rows
   )
-  ys, sizes, dropped, needed = [], [], [], []
-  for c in range(split):
-    # NOTE: the scope names the chunk in the HLO's op_name metadata (schedule checks read it).
-    scope = jax.named_scope(f"batch_split_{c}") if split > 1 else contextlib.nullcontext()
-    lo, hi = c * tc, (c + 1) * tc
-    with scope:
-      y_c, gs_c, dropped_c, needed_c = _routed_experts(
-        x[lo:hi],
-        routing.expert_ids[lo:hi],
-        routing.weights[lo:hi],
-        wi,
-        wo,
-        config=config,
-        ep=ep,
-        buffer_rows=rows_b,
-      )
-    ys.append(y_c)
-    sizes.append(gs_c)
-    dropped.append(dropped_c)
-    needed.append(needed_c)
+  chunks = [
+    _Chunk(x=x[c * tc : (c + 1) * tc], weights=routing.weights[c * tc : (c + 1) * tc])
+    for c in range(split)
+  ]
+  for c, ch in enumerate(chunks):
+    with _chunk_scope(c, split):
+      _sort_chunk(ch, routing.expert_ids[c * tc : (c + 1) * tc], config=config)
+  if ep == 1:
+    for c, ch in enumerate(chunks):
+      with _chunk_scope(c, split):
+        ch.out = expert_mlp(ch.rows, wi, wo, ch.group_sizes, config=config)
+        ch.dropped = jnp.zeros((), jnp.int32)
+        ch.needed = jnp.asarray(tc * k, jnp.int32)
+  else:
+    _pipelined_exchange(chunks, wi, wo, config=config, buffer_rows=rows_b)
+  ys = []
+  for c, ch in enumerate(chunks):
+    with _chunk_scope(c, split):
+      # NOTE: inverse[r] is where flat row r = t * k + j sits in sorted order.
+      per_choice = ch.out[ch.inverse].reshape(tc, k, -1).astype(jnp.float32)
+      ys.append(jnp.einsum("tk,tkd->td", ch.weights, per_choice, precision=_HIGHEST))
+  sizes = [ch.group_sizes for ch in chunks]
+  dropped = [ch.dropped for ch in chunks]
+  needed = [ch.needed for ch in chunks]
   y = ys[0] if split == 1 else jnp.concatenate(ys, axis=0)
   group_sizes = functools.reduce(jnp.add, sizes)
   if config.shared_width:
@@ -438,66 +443,89 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
   return y.astype(dt), aux
 
 
-def _routed_experts(x, expert_ids, weights, wi, wo, *, config: MoEConfig, ep: int, buffer_rows):
-  """Sort -> (dispatch) -> experts -> (combine) -> unsort -> weighted sum, for one chunk.
+@dataclasses.dataclass
+class _Chunk:
+  """One batch-split chunk's values as the block builds them (trace-time bookkeeping)."""
 
-  Returns:
-    `(y [T_c, d] f32, group_sizes [E] int32, rows dropped here, needed rows)`.
-  """
+  x: jax.Array
+  weights: jax.Array
+  order: jax.Array | None = None
+  inverse: jax.Array | None = None
+  group_sizes: jax.Array | None = None
+  rows: jax.Array | None = None
+  sorted_expert: jax.Array | None = None
+  plan: collectives.RaggedPlan | None = None
+  buf: jax.Array | None = None
+  y_buf: jax.Array | None = None
+  out: jax.Array | None = None
+  dropped: jax.Array | None = None
+  needed: jax.Array | None = None
+
+
+def _chunk_scope(c: int, split: int):
+  # NOTE: the scope names the chunk in the HLO's op_name metadata (schedule checks read it).
+  return jax.named_scope(f"batch_split_{c}") if split > 1 else contextlib.nullcontext()
+
+
+def _sort_chunk(ch: _Chunk, expert_ids, *, config: MoEConfig) -> None:
+  """Sorts a chunk's (token, choice) rows by expert; fills order, inverse, sizes, rows."""
   k = config.top_k
-  t = x.shape[0]
-  order, inverse, group_sizes = sort_by_expert(expert_ids, num_experts=config.num_experts)
+  ch.order, ch.inverse, ch.group_sizes = sort_by_expert(expert_ids, num_experts=config.num_experts)
   # NOTE: sorted row i is flat row order[i] = t * k + j, i.e. token order[i] // k.
-  rows = x[order // k]
-  if ep == 1:
-    out = expert_mlp(rows, wi, wo, group_sizes, config=config)
-    dropped = jnp.zeros((), jnp.int32)
-    needed = jnp.asarray(t * k, jnp.int32)
-  else:
-    # NOTE: the expert of each sorted row, by a gather (a searchsorted over the group ends is a
-    # while loop on TPU, which XLA's scheduler then places under the exchanges).
-    sorted_expert = expert_ids.reshape(-1)[order]
-    out, dropped, needed = _expert_parallel(
-      rows, wi, wo, group_sizes, sorted_expert, config=config, buffer_rows=buffer_rows
-    )
-  # NOTE: inverse[r] is where flat row r = t * k + j sits in sorted order.
-  per_choice = out[inverse].reshape(t, k, -1).astype(jnp.float32)
-  y = jnp.einsum("tk,tkd->td", weights, per_choice, precision=_HIGHEST)
-  return y, group_sizes, dropped, needed
+  ch.rows = ch.x[ch.order // k]
+  # NOTE: the expert of each sorted row, by a gather (a searchsorted over the group ends is a
+  # while loop on TPU, which XLA's scheduler then places under the exchanges).
+  ch.sorted_expert = expert_ids.reshape(-1)[ch.order].astype(jnp.int32)
 
 
-def _global(v, axes, reduce):
-  return reduce(_vary(v, axes), axes) if axes else v
+def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buffer_rows: int):
+  """Dispatch -> experts -> combine for every chunk; fills out, dropped, needed.
 
-
-def _expert_parallel(
-  rows, wi, wo, group_sizes, sorted_expert, *, config: MoEConfig, buffer_rows: int
-):
-  """Dispatch -> experts -> combine over the expert axis, dropped rows exactly 0.
-
-  `sorted_expert` [T*k] is the expert of each (sorted) row.
-
-  Returns:
-    `(out [T*k, d] in sorted order, rows dropped at this device's buffer, needed rows)`.
+  Traced in pipeline order: all plans, dispatch 0, then for each chunk c: dispatch c+1, experts
+  c, combine c. Only data dependences bind XLA's scheduler; the order is its tie-break.
   """
   axis = config.expert_axis
   poison = config.debug_nan_poison
-  plan = collectives.plan_from_group_sizes(group_sizes, axis_name=axis, buffer_rows=buffer_rows)
-  # NOTE: the scopes name the two exchanges in the HLO's op_name metadata (`pallas_moe.schedule`).
-  with jax.named_scope("dispatch"):
-    buf = collectives.dispatch(rows, plan, axis_name=axis, poison=poison)
-  y_buf = expert_mlp(buf, wi, wo, plan.recv_group_sizes, config=config)
-  with jax.named_scope("combine"):
-    back = collectives.combine(y_buf, plan, num_rows=rows.shape[0], axis_name=axis, poison=poison)
+  split = len(chunks)
+  for c, ch in enumerate(chunks):
+    with _chunk_scope(c, split):
+      ch.plan = collectives.plan_from_group_sizes(
+        ch.group_sizes, axis_name=axis, buffer_rows=buffer_rows
+      )
+
+  def dispatch(c):
+    ch = chunks[c]
+    # NOTE: the scopes name the two exchanges in op_name metadata (`pallas_moe.schedule`).
+    with _chunk_scope(c, split), jax.named_scope("dispatch"):
+      ch.buf = collectives.dispatch(ch.rows, ch.plan, axis_name=axis, poison=poison)
+
+  dispatch(0)
+  for c, ch in enumerate(chunks):
+    if c + 1 < split:
+      dispatch(c + 1)
+    with _chunk_scope(c, split):
+      ch.y_buf = expert_mlp(ch.buf, wi, wo, ch.plan.recv_group_sizes, config=config)
+      with jax.named_scope("combine"):
+        back = collectives.combine(
+          ch.y_buf, ch.plan, num_rows=ch.rows.shape[0], axis_name=axis, poison=poison
+        )
+      ch.out = _mask_dropped(back, ch.plan, ch.sorted_expert)
+      ch.dropped, ch.needed = ch.plan.num_dropped, ch.plan.needed_rows
+
+
+def _mask_dropped(back, plan, sorted_expert):
+  """Rows the receiver's buffer dropped come back as exactly 0."""
   # NOTE: sorted row i belongs to expert e = sorted_expert[i]; it was sent in chunk e (experts
   # are contiguous per device, so chunk index = expert) of which only the first send_sizes[e]
   # rows were delivered. Rows past that were dropped: force them to exactly 0.
   input_offsets, send_sizes = plan.dispatch_args[0], plan.dispatch_args[1]
-  i = jnp.arange(rows.shape[0], dtype=jnp.int32)
-  expert = sorted_expert.astype(jnp.int32)
-  delivered = (i - input_offsets[expert]) < send_sizes[expert]
-  out = jnp.where(delivered[:, None], back, jnp.zeros_like(back))
-  return out, plan.num_dropped, plan.needed_rows
+  i = jnp.arange(back.shape[0], dtype=jnp.int32)
+  delivered = (i - input_offsets[sorted_expert]) < send_sizes[sorted_expert]
+  return jnp.where(delivered[:, None], back, jnp.zeros_like(back))
+
+
+def _global(v, axes, reduce):
+  return reduce(_vary(v, axes), axes) if axes else v
 
 
 # ---------------------------------------------------------------------------------------------

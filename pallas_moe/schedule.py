@@ -12,7 +12,7 @@ For each async collective this module lists the custom calls (our Pallas kernels
 those inside computations called from there (while bodies, conditionals). Each instruction
 carries its `op_name` metadata, so callers can tell forward from backward
 (`transpose(jvp())` in the name) and, with `MoEConfig.batch_split`, which chunk it belongs to
-(`batch_split_<c>`), and which exchange (`dispatch` / `combine` scopes of `moe._expert_parallel`).
+(`batch_split_<c>`), and which exchange (the `dispatch` / `combine` scopes of `moe`).
 
 Facts (jax/jaxlib 0.10.2, libtpu 0.0.42.1, v5e:2x4 and v6e:2x4 AOT): XLA:TPU lowers our
 `collectives.ragged_all_to_all` to the native `ragged-all-to-all`, which by default is
