@@ -46,6 +46,7 @@ def compiled_schedule(
   data: int = 1,
   compiler_options: dict | None = None,
   tokens_per_device: int = TOKENS_PER_DEVICE,
+  overrides: dict | None = None,
 ) -> schedule.Schedule:
   """The parsed schedule of the small EP training step.
 
@@ -55,11 +56,12 @@ def compiled_schedule(
     data: data-axis size (the expert axis takes the rest of the 8 devices).
     compiler_options: libtpu/XLA options (None: the default program).
     tokens_per_device: tokens on each device.
+    overrides: `MoEConfig` fields replacing `SMALL_EP`'s (e.g. a smaller `d_model`).
 
   Returns:
     `schedule.parse_schedule` of the compiled step.
   """
-  config = MoEConfig(**SMALL_EP, batch_split=batch_split)
+  config = MoEConfig(**{**SMALL_EP, **(overrides or {})}, batch_split=batch_split)
   compiled = aot_step_compiled(
     topology=topology,
     data=data,

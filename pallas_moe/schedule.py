@@ -35,6 +35,7 @@ __all__ = [
   "Schedule",
   "SyncCollective",
   "chunk_of",
+  "cross_chunk_overlaps",
   "exchange_of",
   "is_backward",
   "parse_schedule",
@@ -265,6 +266,14 @@ def parse_schedule(text: str) -> Schedule:
     A `Schedule`.
   """
   comps, entry = _split_computations(text)
+  # NOTE: a collective inside a computation an async-start wraps is the async op's body.
+  wrapped = {
+    c
+    for insts in comps.values()
+    for inst in insts
+    if inst.opcode in ("async-start", "call-start")
+    for c in inst.called
+  }
   asyncs, syncs, kernels = [], [], []
   for cname, insts in comps.items():
     starts: dict[str, int] = {}
@@ -292,7 +301,7 @@ def parse_schedule(text: str) -> Schedule:
             kernels_under=tuple(under),
           )
         )
-      elif inst.opcode in COLLECTIVE_KINDS:
+      elif inst.opcode in COLLECTIVE_KINDS and cname not in wrapped:
         syncs.append(SyncCollective(kind=inst.opcode, computation=cname, instruction=inst, index=i))
   asyncs.sort(key=lambda a: (a.computation != entry, a.computation, a.start_index))
   syncs.sort(key=lambda s: (s.computation != entry, s.computation, s.index))
@@ -333,6 +342,33 @@ def _label(op_name: str) -> str:
     + ([role] if role else [])
     + ([] if c is None else [f"chunk {c}"])
   )
+
+
+def cross_chunk_overlaps(
+  schedule: Schedule, *, kinds: tuple[str, ...] = ("ragged-all-to-all",), gmm_only: bool = True
+) -> list[tuple[AsyncCollective, Instruction]]:
+  """Pairs (collective of chunk c, kernel of chunk c' != c) where the kernel runs in its window.
+
+  Args:
+    schedule: from `parse_schedule` of a program with `MoEConfig.batch_split` > 1.
+    kinds: the collectives to consider.
+    gmm_only: count only the grouped-matmul kernels (`pallas_moe_gmm*` / `pallas_moe_tgmm*`).
+
+  Returns:
+    The pairs, in schedule order.
+  """
+  out = []
+  for a in schedule.async_collectives:
+    c = chunk_of(a.op_name)
+    if a.kind not in kinds or c is None:
+      continue
+    for k in a.kernels_under:
+      if gmm_only and not re.match(r"pallas_moe_t?gmm", k.kernel or ""):
+        continue
+      kc = chunk_of(k.op_name)
+      if kc is not None and kc != c:
+        out.append((a, k))
+  return out
 
 
 def summary(schedule: Schedule, *, kinds: tuple[str, ...] = ("ragged-all-to-all", "all-to-all")):
