@@ -92,6 +92,7 @@ class MoEConfig:
       dispatched, run through the experts and combined on its own, so that one chunk's
       exchange can overlap another chunk's expert matmuls (MaxText `batch_split_factor`).
       None (default): `moe.default_batch_split` picks it. Must divide the tokens per device.
+      NOTE: a MaxText config carries `batch_split_factor: 1` by default, which sets 1 here.
       Buffers are per chunk (see `moe.buffer_rows_for`): dropless results equal the unsplit
       block's; with `buffer_factor`, each chunk drops on its own.
   """
