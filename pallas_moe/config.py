@@ -92,7 +92,8 @@ class MoEConfig:
       dispatched, run through the experts and combined on its own, so that one chunk's
       exchange can overlap another chunk's expert matmuls (MaxText `batch_split_factor`).
       None (default): `moe.default_batch_split` picks it. Must divide the tokens per device.
-      NOTE: a MaxText config carries `batch_split_factor: 1` by default, which sets 1 here.
+      `from_dict` reads MaxText's `batch_split_factor` unless the same dict has
+      `use_batch_split_schedule: false` (MaxText splits only when that is true).
       Buffers are per chunk (see `moe.buffer_rows_for`): dropless results equal the unsplit
       block's; with `buffer_factor`, each chunk drops on its own.
   """
@@ -284,8 +285,10 @@ class MoEConfig:
     values: dict[str, Any] = {}
     source: dict[str, str] = {}
     tiles: dict[str, int] = {}
+    # NOTE: MaxText reads batch_split_factor only when use_batch_split_schedule is true.
+    split_off = "use_batch_split_schedule" in d and not d["use_batch_split_schedule"]
     for key, raw in d.items():
-      if key in IGNORED_KEYS:
+      if key in IGNORED_KEYS or (split_off and key == "batch_split_factor"):
         continue
       if key in _TILE_KEYS:
         tiles[key] = int(raw)
@@ -445,6 +448,7 @@ _ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
   "load_balance_loss_weight": ("aux_loss_coef", float),
   "quantization": ("weight_quantization", _maxtext_quantization),
   "batch_split_factor": ("batch_split", int),
+  "use_batch_split_schedule": ("batch_split", lambda v: None),  # NOTE: gates the factor (from_dict)
   # Hugging Face (DeepSeek-V2/V3, Qwen-MoE, Mixtral)
   "n_routed_experts": ("num_experts", int),
   "num_local_experts": ("num_experts", int),

@@ -101,6 +101,10 @@ def test_config_name_alias_and_errors():
   cfg = MoEConfig.from_dict({**SMALL, "batch_split_factor": 2})
   assert cfg.batch_split == 2
   assert MoEConfig.from_dict({**SMALL, "batch_split": 2, "batch_split_factor": 2}).batch_split == 2
+  # MaxText splits only with use_batch_split_schedule: true.
+  on = {**SMALL, "use_batch_split_schedule": True, "batch_split_factor": 4}
+  assert MoEConfig.from_dict(on).batch_split == 4
+  assert MoEConfig.from_dict({**on, "use_batch_split_schedule": False}).batch_split is None
   with pytest.raises(ValueError, match=r"'batch_split'=4 and 'batch_split_factor'=2"):
     MoEConfig.from_dict({**SMALL, "batch_split": 4, "batch_split_factor": 2})
   for bad in (0, -1, 1.5, True):
