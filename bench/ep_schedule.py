@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import time
 
 if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/accel0"):
@@ -74,6 +75,44 @@ def compiled_schedule(
   return schedule.parse_schedule(compiled.as_text())
 
 
+def trimmed_entry(text: str, *, title: str) -> str:
+  """The entry computation of a scheduled module, cut down to what `schedule` reads.
+
+  Keeps, in schedule order, the collectives and their start/done pairs, while loops and
+  `tpu_custom_call`s, each as `name = type opcode(operands)` plus its `op_name` (backend configs,
+  Mosaic bodies and every other instruction dropped). This is how
+  `tests/data/ep_step_v5e_split2_async.hlo.txt` was made.
+
+  Args:
+    text: `compiled.as_text()`.
+    title: the HloModule name to write.
+
+  Returns:
+    The trimmed module text.
+  """
+  parsed = schedule.parse_schedule(text)
+  header = next(line for line in text.splitlines() if line.startswith("ENTRY"))
+  out = [f"HloModule {title}, is_scheduled=true", "", header.split(" (")[0] + " () -> () {"]
+  types = {}
+  for line in text[text.index(header) :].splitlines()[1:]:
+    m = re.match(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s[a-z][a-z0-9\-]*\(", line)
+    if m:
+      types[m.group(1)] = m.group(2)
+    if line.startswith("}"):
+      break
+  for inst in parsed.computations[parsed.entry]:
+    base = inst.opcode.removesuffix("-start").removesuffix("-done")
+    if not (base in schedule.COLLECTIVE_KINDS or inst.kernel or inst.opcode == "while"):
+      continue
+    ops = ", ".join("%" + o for o in inst.operands)
+    target = ', custom_call_target="tpu_custom_call"' if inst.kernel else ""
+    out.append(
+      f"  %{inst.name} = {types[inst.name]} {inst.opcode}({ops}){target}, "
+      f'metadata={{op_name="{inst.op_name}"}}'
+    )
+  return "\n".join(out + ["}", ""])
+
+
 def _kernels(under: list[str]) -> str:
   counts = collections.Counter(
     k.removeprefix("pallas_moe_").removesuffix("_rowtile") for k in under
@@ -102,7 +141,24 @@ if __name__ == "__main__":
   parser.add_argument("--topology", nargs="+", default=["v5e:2x4", "v6e:2x4"])
   parser.add_argument("--batch_split", type=int, nargs="+", default=[1, 2])
   parser.add_argument("--data", type=int, default=1)
+  parser.add_argument(
+    "--fixture", help="write the trimmed v5e:2x4 async batch_split=2 program here, and stop"
+  )
   args = parser.parse_args()
+  if args.fixture:
+    config = MoEConfig(**SMALL_EP, batch_split=2)
+    compiled = aot_step_compiled(
+      topology="v5e:2x4",
+      ep=8,
+      tokens_per_device=TOKENS_PER_DEVICE,
+      config=config,
+      with_value=True,
+      compiler_options=schedule.ASYNC_COLLECTIVE_OPTIONS,
+    )
+    text = trimmed_entry(compiled.as_text(), title="ep_step_v5e_2x4_split2_async_trimmed")
+    with open(args.fixture, "w") as f:
+      f.write(text)
+    raise SystemExit(0)
   rows = []
   for topo in args.topology:
     for flags, opts in FLAG_SETS.items():

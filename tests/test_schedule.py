@@ -4,6 +4,7 @@ The parser tests read `tests/data/ep_step_v5e_split2_async.hlo.txt`: the entry c
 real v5e:2x4 AOT compile of the EP training step (`bench.ep_schedule`'s config, batch_split=2,
 `schedule.ASYNC_COLLECTIVE_OPTIONS`), trimmed to its collectives, start/done pairs, while loops
 and kernels (backend configs and other instructions dropped; the order is the compiler's).
+Regenerate with `python -m bench.ep_schedule --fixture tests/data/ep_step_v5e_split2_async.hlo.txt`.
 
 The AOT tests compile the step for v5e:2x4 and v6e:2x4 (ep=8, ~5-7 s per program) and pin:
 - the default program (no flags): every expert exchange (`ragged-all-to-all`) is synchronous;
