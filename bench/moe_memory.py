@@ -31,7 +31,7 @@ DEEPSEEK_V2_LITE = dict(
 )
 
 
-def aot_step_memory(
+def aot_step_compiled(
   *,
   topology: str = "v5e:2x4",
   data: int = 1,
@@ -39,8 +39,10 @@ def aot_step_memory(
   tokens_per_device: int = 512,
   buffer_factor: float | None = 2.0,
   config: MoEConfig | None = None,
+  with_value: bool = False,
+  compiler_options: dict | None = None,
 ):
-  """Compiles `jit(grad(sum(moe_layer(...)**2)))` for a TPU topology; returns its memory analysis.
+  """Compiles `jit(grad(sum(y**2) + aux_loss))` of `moe_layer` for a TPU topology.
 
   Args:
     topology: a `get_topology_desc` name, e.g. "v5e:2x4".
@@ -50,9 +52,12 @@ def aot_step_memory(
     buffer_factor: receive-buffer factor (None: the dropless static bound, `ep` x the balanced
       load).
     config: the layer (default: DeepSeek-V2-Lite's MoE layer in bf16 with `buffer_factor`).
+    with_value: compile `value_and_grad` (the training step's loss too) instead of `grad`.
+    compiler_options: passed to `.compile(compiler_options=...)` (e.g. libtpu flags such as
+      `pallas_moe.schedule.ASYNC_COLLECTIVE_OPTIONS`); None: the default program.
 
   Returns:
-    `compiled.memory_analysis()` (has `temp_size_in_bytes`, `argument_size_in_bytes`, ...).
+    The compiled executable (`.as_text()`, `.memory_analysis()`).
   """
   from jax.experimental import topologies
 
@@ -81,9 +86,15 @@ def aot_step_memory(
     y, aux = moe.moe_layer(p, x, config, mesh)
     return jnp.sum(jnp.square(y.astype(jnp.float32))) + aux["aux_loss"]
 
+  step = (jax.value_and_grad if with_value else jax.grad)(loss, argnums=(0, 1))
   with jax.default_device(topo.devices[0]):
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
-  return compiled.memory_analysis()
+    return jax.jit(step).lower(params, x).compile(compiler_options=compiler_options)
+
+
+def aot_step_memory(**kwargs):
+  """`compiled.memory_analysis()` of `aot_step_compiled(**kwargs)` (has `temp_size_in_bytes`,
+  `argument_size_in_bytes`, ...)."""
+  return aot_step_compiled(**kwargs).memory_analysis()
 
 
 def aot_step_temp_bytes(**kwargs) -> int:

@@ -88,6 +88,14 @@ class MoEConfig:
       also quantize their input rows per row (one scale per row) and multiply int8 x int8 /
       fp8 x fp8 where the MXU supports it (straight-through gradients; see `pallas_moe.gmm`).
     debug_nan_poison: fill unwritten exchange-buffer rows with NaN (debugging).
+    batch_split: split each device's tokens into this many equal chunks, each routed,
+      dispatched, run through the experts and combined on its own, so that one chunk's
+      exchange can overlap another chunk's expert matmuls (MaxText `batch_split_factor`).
+      None (default): `moe.default_batch_split` picks it. Must divide the tokens per device.
+      `from_dict` reads MaxText's `batch_split_factor` unless the same dict has
+      `use_batch_split_schedule: false` (MaxText splits only when that is true).
+      Buffers are per chunk (see `moe.buffer_rows_for`): dropless results equal the unsplit
+      block's; with `buffer_factor`, each chunk drops on its own.
   """
 
   num_experts: int
@@ -118,6 +126,7 @@ class MoEConfig:
   weight_quantization: str | None = None
   activation_quantization: str | None = None
   debug_nan_poison: bool = False
+  batch_split: int | None = None
 
   def __post_init__(self):
     for name in ("num_experts", "top_k", "d_model", "expert_ffn_dim"):
@@ -164,6 +173,12 @@ class MoEConfig:
         jnp.dtype(getattr(self, name))
       except TypeError:
         raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r} is not a dtype.") from None
+    v = self.batch_split
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+      raise ValueError(
+        f"MoEConfig.batch_split (MaxText batch_split_factor) must be None (the default rule) or "
+        f"an int >= 1, got {v!r}; use 1 for no split."
+      )
     if self.data_axis == self.expert_axis:
       raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}.")
 
@@ -270,8 +285,10 @@ class MoEConfig:
     values: dict[str, Any] = {}
     source: dict[str, str] = {}
     tiles: dict[str, int] = {}
+    # NOTE: MaxText reads batch_split_factor only when use_batch_split_schedule is true.
+    split_off = "use_batch_split_schedule" in d and not d["use_batch_split_schedule"]
     for key, raw in d.items():
-      if key in IGNORED_KEYS:
+      if key in IGNORED_KEYS or (split_off and key == "batch_split_factor"):
         continue
       if key in _TILE_KEYS:
         tiles[key] = int(raw)
@@ -430,6 +447,8 @@ _ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
   "ici_expert_parallelism": ("expert_parallelism", _parallelism),
   "load_balance_loss_weight": ("aux_loss_coef", float),
   "quantization": ("weight_quantization", _maxtext_quantization),
+  "batch_split_factor": ("batch_split", int),
+  "use_batch_split_schedule": ("batch_split", lambda v: None),  # NOTE: gates the factor (from_dict)
   # Hugging Face (DeepSeek-V2/V3, Qwen-MoE, Mixtral)
   "n_routed_experts": ("num_experts", int),
   "num_local_experts": ("num_experts", int),

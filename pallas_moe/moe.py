@@ -28,10 +28,19 @@ Receive-buffer rows (a static shape). See `buffer_rows_for`:
     bound `ep * T * min(k, E_l)` (every token of every peer sends all of its choices that can
     land on one device to this device). Never drops, but is `ep`-times the balanced load.
   In every mode the block returns `dropped_rows` and `needed_rows` so callers can check.
+
+Batch split (`config.batch_split`, MaxText `batch_split_factor`; `batch_split_for`): the router
+runs once over all T tokens, then each of S chunks of T / S consecutive tokens goes through
+sort -> dispatch -> experts -> combine -> unsort by itself, so one chunk's exchange can overlap
+another chunk's gmms. The buffer rules above then apply to a chunk (T / S tokens): dropless
+results equal the unsplit block's exactly; with a capacity factor each chunk drops on its own
+(chunk-local overflow can differ from whole-batch overflow).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
 
@@ -48,7 +57,9 @@ from pallas_moe.routing import BIAS_KEY, Routing, route, update_routed_bias
 
 __all__ = [
   "Routing",
+  "batch_split_for",
   "buffer_rows_for",
+  "default_batch_split",
   "dropless_buffer_rows",
   "init_params",
   "load_balance_loss",
@@ -258,7 +269,7 @@ def buffer_rows_for(
 
   Args:
     config: the layer config (`buffer_factor`, `top_k`, `num_experts`).
-    tokens_per_device: T.
+    tokens_per_device: T (the tokens of one chunk when the block splits its batch).
     expert_parallelism: expert-axis size.
     buffer_rows: an explicit row count (e.g. from `dropless_buffer_rows`); wins when given.
 
@@ -298,6 +309,56 @@ def _vary(x, axes):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+def default_batch_split(
+  *, config: MoEConfig, tokens_per_device: int, expert_parallelism: int
+) -> int:
+  """The number of token chunks `moe_block` uses when `config.batch_split` is None.
+
+  The rule today is fixed: 1 (no split). Splitting only pays when the expert exchange is async
+  and long next to a chunk's expert matmuls (see `pallas_moe.schedule` and RESULTS.md, issue
+  15); the modeled choice replaces this function's body, with the same signature.
+
+  Args:
+    config: the layer config.
+    tokens_per_device: T, the tokens of one device.
+    expert_parallelism: the expert-axis size.
+
+  Returns:
+    An int >= 1 that divides `tokens_per_device`.
+  """
+  del config, tokens_per_device, expert_parallelism
+  return 1
+
+
+def batch_split_for(config: MoEConfig, *, tokens_per_device: int, expert_parallelism: int) -> int:
+  """The chunk count the block uses: `config.batch_split`, or `default_batch_split` when None.
+
+  Args:
+    config: the layer config.
+    tokens_per_device: T.
+    expert_parallelism: the expert-axis size.
+
+  Returns:
+    The number of chunks; each has `T // chunks` tokens.
+
+  Raises:
+    ValueError: the count does not divide T (names the key and the divisors to pick from).
+  """
+  t = tokens_per_device
+  split = config.batch_split
+  if split is None:
+    split = default_batch_split(
+      config=config, tokens_per_device=t, expert_parallelism=expert_parallelism
+    )
+  if t % split:
+    divisors = [d for d in range(1, min(t, 64) + 1) if t % d == 0]
+    raise ValueError(
+      f"MoEConfig.batch_split (MaxText batch_split_factor)={split} must divide the {t} tokens "
+      f"per device; pick one of {divisors} (or change the batch)."
+    )
+  return split
+
+
 def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int | None = None):
   """The MoE block on one device's tokens (call inside `jax.shard_map`, or plainly for ep = 1).
 
@@ -306,18 +367,26 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
   the load-balancing loss and counters are summed over whichever of the data and expert axes
   are bound.
 
+  With `S = batch_split_for(...)` > 1 chunks, the router runs once over all T tokens (so the
+  load-balancing loss and `expert_load` are those of the whole batch), then each chunk of
+  `T / S` consecutive tokens is sorted, dispatched, run through the experts and combined on its
+  own, under `jax.named_scope(f"batch_split_{c}")`. No chunk reads another's results, so XLA may
+  run chunk c's exchange while chunk c' computes.
+
   Args:
     params: see `init_params` (`wi`/`wo` sharded over the expert axis).
     x: [T, d] this device's tokens.
     config: the layer config.
-    buffer_rows: static receive-buffer rows; None: see `buffer_rows_for`.
+    buffer_rows: static receive-buffer rows of one chunk; None: see `buffer_rows_for` (with
+      the chunk's `T / S` tokens).
 
   Returns:
     `(y, aux)`: y [T, d] in `config.dtype`; aux a dict of scalars: `aux_loss` (unweighted
-    load-balancing loss), `dropped_rows` (global count of (token, choice) rows that did not fit),
-    `needed_rows` (the largest receive count of any device: the exact dropless buffer),
-    `buffer_rows` (the static buffer used); and `expert_load` [E] int32, the rows routed to
-    each expert over the global batch (for `update_routed_bias`).
+    load-balancing loss), `dropped_rows` (global count of (token, choice) rows that did not fit,
+    over all chunks), `needed_rows` (the largest receive count of any device and chunk: the
+    exact dropless buffer of a chunk), `buffer_rows` (the static buffer of a chunk); and
+    `expert_load` [E] int32, the rows routed to each expert over the global batch (for
+    `update_routed_bias`).
   """
   dt = config.compute_dtype
   k, num_experts = config.top_k, config.num_experts
@@ -332,69 +401,143 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
       f"{num_local} = num_experts / expert-axis size; shard it over {config.expert_axis!r}."
     )
   t = x.shape[0]
+  split = batch_split_for(config, tokens_per_device=t, expert_parallelism=ep)
+  tc = t // split
   x = x.astype(dt)
   routing = route(x, params["router"], config=config, bias=params.get(BIAS_KEY))
-  order, inverse, group_sizes = sort_by_expert(routing.expert_ids, num_experts=num_experts)
-  # NOTE: sorted row i is flat row order[i] = t * k + j, i.e. token order[i] // k.
-  rows = x[order // k]
   wi, wo = params["wi"].astype(dt), params["wo"].astype(dt)
   rows_b = buffer_rows_for(
-    config, tokens_per_device=t, expert_parallelism=ep, buffer_rows=buffer_rows
+    config, tokens_per_device=tc, expert_parallelism=ep, buffer_rows=buffer_rows
   )
+  chunks = [
+    _Chunk(x=x[c * tc : (c + 1) * tc], weights=routing.weights[c * tc : (c + 1) * tc])
+    for c in range(split)
+  ]
+  for c, ch in enumerate(chunks):
+    with _chunk_scope(c, split):
+      _sort_chunk(ch, routing.expert_ids[c * tc : (c + 1) * tc], config=config)
   if ep == 1:
-    out = expert_mlp(rows, wi, wo, group_sizes, config=config)
-    dropped = jnp.zeros((), jnp.int32)
-    needed = jnp.asarray(t * k, jnp.int32)
+    for c, ch in enumerate(chunks):
+      with _chunk_scope(c, split):
+        ch.out = expert_mlp(ch.rows, wi, wo, ch.group_sizes, config=config)
+        ch.dropped = jnp.zeros((), jnp.int32)
+        ch.needed = jnp.asarray(tc * k, jnp.int32)
   else:
-    out, dropped, needed = _expert_parallel(
-      rows, wi, wo, group_sizes, config=config, buffer_rows=rows_b
-    )
-  # NOTE: inverse[r] is where flat row r = t * k + j sits in sorted order.
-  per_choice = out[inverse].reshape(t, k, -1).astype(jnp.float32)
-  y = jnp.einsum("tk,tkd->td", routing.weights, per_choice, precision=_HIGHEST)
+    _pipelined_exchange(chunks, wi, wo, config=config, buffer_rows=rows_b)
+  ys = []
+  for c, ch in enumerate(chunks):
+    with _chunk_scope(c, split):
+      # NOTE: inverse[r] is where flat row r = t * k + j sits in sorted order.
+      per_choice = ch.out[ch.inverse].reshape(tc, k, -1).astype(jnp.float32)
+      ys.append(jnp.einsum("tk,tkd->td", ch.weights, per_choice, precision=_HIGHEST))
+  sizes = [ch.group_sizes for ch in chunks]
+  dropped = [ch.dropped for ch in chunks]
+  needed = [ch.needed for ch in chunks]
+  y = ys[0] if split == 1 else jnp.concatenate(ys, axis=0)
+  group_sizes = functools.reduce(jnp.add, sizes)
   if config.shared_width:
     y = y + shared_mlp(x, params["shared_wi"].astype(dt), params["shared_wo"].astype(dt)).astype(
       jnp.float32
     )
   aux = {
     "aux_loss": load_balance_loss(probs=routing.probs, group_sizes=group_sizes, top_k=k, axes=axes),
-    "dropped_rows": _global(dropped, axes, jax.lax.psum),
-    "needed_rows": _global(needed, axes, jax.lax.pmax),
+    "dropped_rows": _global(functools.reduce(jnp.add, dropped), axes, jax.lax.psum),
+    "needed_rows": _global(functools.reduce(jnp.maximum, needed), axes, jax.lax.pmax),
     "buffer_rows": jnp.asarray(rows_b, jnp.int32),
     "expert_load": _global(group_sizes, axes, jax.lax.psum),
   }
   return y.astype(dt), aux
 
 
-def _global(v, axes, reduce):
-  return reduce(_vary(v, axes), axes) if axes else v
+@dataclasses.dataclass
+class _Chunk:
+  """One batch-split chunk's values as the block builds them (trace-time bookkeeping)."""
+
+  x: jax.Array
+  weights: jax.Array
+  order: jax.Array | None = None
+  inverse: jax.Array | None = None
+  group_sizes: jax.Array | None = None
+  rows: jax.Array | None = None
+  sorted_expert: jax.Array | None = None
+  plan: collectives.RaggedPlan | None = None
+  buf: jax.Array | None = None
+  y_buf: jax.Array | None = None
+  out: jax.Array | None = None
+  dropped: jax.Array | None = None
+  needed: jax.Array | None = None
 
 
-def _expert_parallel(rows, wi, wo, group_sizes, *, config: MoEConfig, buffer_rows: int):
-  """Dispatch -> experts -> combine over the expert axis, dropped rows exactly 0.
+def _chunk_scope(c: int, split: int):
+  # NOTE: the scope names the chunk in the HLO's op_name metadata (schedule checks read it).
+  return jax.named_scope(f"batch_split_{c}") if split > 1 else contextlib.nullcontext()
 
-  Returns:
-    `(out [T*k, d] in sorted order, rows dropped at this device's buffer, needed rows)`.
+
+def _sort_chunk(ch: _Chunk, expert_ids, *, config: MoEConfig) -> None:
+  """Sorts a chunk's (token, choice) rows by expert; fills order, inverse, sizes, rows."""
+  k = config.top_k
+  ch.order, ch.inverse, ch.group_sizes = sort_by_expert(expert_ids, num_experts=config.num_experts)
+  # NOTE: sorted row i is flat row order[i] = t * k + j, i.e. token order[i] // k.
+  ch.rows = ch.x[ch.order // k]
+  # NOTE: the expert of each sorted row, by a gather (a searchsorted over the group ends is a
+  # while loop on TPU, which XLA's scheduler then places under the exchanges).
+  ch.sorted_expert = expert_ids.reshape(-1)[ch.order].astype(jnp.int32)
+
+
+def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buffer_rows: int):
+  """Dispatch -> experts -> combine for every chunk; fills out, dropped, needed.
+
+  Traced in pipeline order: all plans, dispatch 0, then for each chunk c: dispatch c+1, experts
+  c, combine c. Only data dependences bind XLA's scheduler; the order is its tie-break.
   """
   axis = config.expert_axis
   poison = config.debug_nan_poison
-  plan = collectives.plan_from_group_sizes(group_sizes, axis_name=axis, buffer_rows=buffer_rows)
-  buf = collectives.dispatch(rows, plan, axis_name=axis, poison=poison)
-  # NOTE: every device sends its T*k sorted rows, so a device receives T*k rows on average
-  # (more under skewed routing): the buffer's typical fill, whatever its static size.
-  expected = rows.shape[0] if rows.shape[0] < buffer_rows else None
-  y_buf = expert_mlp(buf, wi, wo, plan.recv_group_sizes, config=config, expected_rows=expected)
-  back = collectives.combine(y_buf, plan, num_rows=rows.shape[0], axis_name=axis, poison=poison)
-  # NOTE: sorted row i belongs to expert e = the group whose [start, end) holds i; it was sent in
-  # chunk e (experts are contiguous per device, so chunk index = expert) of which only the first
-  # send_sizes[e] rows were delivered. Rows past that were dropped: force them to exactly 0.
+  split = len(chunks)
+  for c, ch in enumerate(chunks):
+    with _chunk_scope(c, split):
+      ch.plan = collectives.plan_from_group_sizes(
+        ch.group_sizes, axis_name=axis, buffer_rows=buffer_rows
+      )
+
+  def dispatch(c):
+    ch = chunks[c]
+    # NOTE: the scopes name the two exchanges in op_name metadata (`pallas_moe.schedule`).
+    with _chunk_scope(c, split), jax.named_scope("dispatch"):
+      ch.buf = collectives.dispatch(ch.rows, ch.plan, axis_name=axis, poison=poison)
+
+  dispatch(0)
+  for c, ch in enumerate(chunks):
+    if c + 1 < split:
+      dispatch(c + 1)
+    with _chunk_scope(c, split):
+      # NOTE: every device sends its chunk's T*k sorted rows, so a device receives that many
+      # on average (more under skewed routing): the buffer's typical fill, a hint for the tiles.
+      n = ch.rows.shape[0]
+      expected = n if n < buffer_rows else None
+      ch.y_buf = expert_mlp(
+        ch.buf, wi, wo, ch.plan.recv_group_sizes, config=config, expected_rows=expected
+      )
+      with jax.named_scope("combine"):
+        back = collectives.combine(
+          ch.y_buf, ch.plan, num_rows=ch.rows.shape[0], axis_name=axis, poison=poison
+        )
+      ch.out = _mask_dropped(back, ch.plan, ch.sorted_expert)
+      ch.dropped, ch.needed = ch.plan.num_dropped, ch.plan.needed_rows
+
+
+def _mask_dropped(back, plan, sorted_expert):
+  """Rows the receiver's buffer dropped come back as exactly 0."""
+  # NOTE: sorted row i belongs to expert e = sorted_expert[i]; it was sent in chunk e (experts
+  # are contiguous per device, so chunk index = expert) of which only the first send_sizes[e]
+  # rows were delivered. Rows past that were dropped: force them to exactly 0.
   input_offsets, send_sizes = plan.dispatch_args[0], plan.dispatch_args[1]
-  i = jnp.arange(rows.shape[0], dtype=jnp.int32)
-  expert = jnp.searchsorted(jnp.cumsum(group_sizes), i, side="right")
-  expert = jnp.minimum(expert, group_sizes.shape[0] - 1)
-  delivered = (i - input_offsets[expert]) < send_sizes[expert]
-  out = jnp.where(delivered[:, None], back, jnp.zeros_like(back))
-  return out, plan.num_dropped, plan.needed_rows
+  i = jnp.arange(back.shape[0], dtype=jnp.int32)
+  delivered = (i - input_offsets[sorted_expert]) < send_sizes[sorted_expert]
+  return jnp.where(delivered[:, None], back, jnp.zeros_like(back))
+
+
+def _global(v, axes, reduce):
+  return reduce(_vary(v, axes), axes) if axes else v
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +607,8 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
   """The exact dropless receive buffer for this batch, computed ahead of the step.
 
   Runs only the router (sharded like the block, so the routing is the block's), pulls the expert
-  ids to the host and counts the rows each device will receive. Pass the result as
+  ids to the host and counts the rows each device will receive (per chunk when the block splits
+  its tokens: `batch_split_for`). Pass the result as
   `buffer_rows=` (a static argument: a new value recompiles the step; `multiple_of` buckets it).
 
   Args:
@@ -480,7 +624,22 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
   ep = _check_mesh(mesh, config)
   data = mesh.shape[config.data_axis]
   ids = np.asarray(_router_ids(config, mesh)(params["router"], params.get(BIAS_KEY), x))
-  need = int(_receive_counts(ids, num_experts=config.num_experts, data=data, ep=ep).max())
+  t = ids.shape[0] // (data * ep)
+  split = batch_split_for(config, tokens_per_device=t, expert_parallelism=ep)
+  # NOTE: with chunks the buffer is a chunk's: chunk c of every device is its tokens
+  # [c * T / S, (c + 1) * T / S); the need is the largest over devices and chunks.
+  chunks = ids.reshape(data * ep, split, t // split, config.top_k)
+  need = max(
+    int(
+      _receive_counts(
+        chunks[:, c].reshape(-1, config.top_k),
+        num_experts=config.num_experts,
+        data=data,
+        ep=ep,
+      ).max()
+    )
+    for c in range(split)
+  )
   return max(1, -(-need // multiple_of) * multiple_of)
 
 

@@ -1,0 +1,120 @@
+"""Tests for `MoEConfig.batch_split` (MaxText `batch_split_factor`): the block split into chunks.
+
+The split block runs the router once over all of a device's tokens, then sorts, dispatches, runs
+the experts and combines each chunk on its own. Dropless, it must give the unsplit block's
+outputs, aux values and gradients; buffers (and so drops under a capacity factor) are per chunk.
+What the compiled TPU program overlaps is in tests/test_schedule.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+import pytest
+from test_moe import SMALL, _adversarial, _block_grads, _counts_per_device, _mesh, _setup
+
+from pallas_moe import moe, reference
+from pallas_moe.config import MoEConfig
+
+
+@pytest.mark.parametrize(
+  "data, ep, split",
+  # NOTE: (8, 1) is the ep = 1 path (no exchange) with 4 chunks of 2 tokens.
+  [(8, 1, 4), (2, 4, 2), (1, 8, 2)],
+)
+def test_split_block_equals_unsplit(data, ep, split):
+  """Forward, aux loss, expert load and every gradient: chunked == unchunked (dropless)."""
+  config = MoEConfig(**SMALL)
+  params, x = _setup(config, tokens=64)
+  mesh = _mesh(data, ep)
+  want = _block_grads(params, x, config, mesh)
+  got = _block_grads(params, x, dataclasses.replace(config, batch_split=split), mesh)
+  y, aux, gp, gx = got
+  wy, waux, wgp, wgx = want
+  # NOTE: each row's expert outputs are the same rows of the same matmuls: y is bit-equal.
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(wy))
+  np.testing.assert_allclose(float(aux["aux_loss"]), float(waux["aux_loss"]), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.asarray(waux["expert_load"]))
+  assert int(aux["dropped_rows"]) == int(waux["dropped_rows"]) == 0
+  tol = dict(rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(gx), np.asarray(wgx), **tol, err_msg="dx")
+  for k in wgp:
+    # NOTE: weight gradients sum the chunks' tgmms: the same terms in another order.
+    np.testing.assert_allclose(np.asarray(gp[k]), np.asarray(wgp[k]), **tol, err_msg=f"d{k}")
+
+
+def _forward(params, x, config, mesh, *, buffer_rows=None):
+  """(y, aux) of `moe_layer` under jit; no gradients (half the interpret-mode compile)."""
+  fn = lambda p, x: moe.moe_layer(p, x, config, mesh, buffer_rows=buffer_rows)
+  return jax.jit(fn)(params, x)
+
+
+def test_buffers_and_drops_are_per_chunk():
+  """All tokens routed to one device: with a capacity factor each chunk's buffer is
+  ceil(f * T/S * k) and each chunk drops its own overflow; the exact dropless buffer
+  (`dropless_buffer_rows`) is a chunk's need and drops nothing."""
+  data, ep, split = 2, 4, 2
+  base = MoEConfig(**SMALL, batch_split=split)
+  params, x = _adversarial(base, tokens=64, ep=ep)
+  mesh = _mesh(data, ep)
+  _, _, ids = reference.moe(params, x, base)
+  ids = np.asarray(ids)
+  t_chunk = 64 // (data * ep) // split
+  # Rows each device receives, per chunk: [split, data, ep].
+  per_chunk = np.stack(
+    [
+      _counts_per_device(
+        ids.reshape(data * ep, split, t_chunk, -1)[:, c].reshape(-1, ids.shape[1]),
+        num_experts=8,
+        data=data,
+        ep=ep,
+      )
+      for c in range(split)
+    ]
+  )
+  assert per_chunk.max() == 4 * t_chunk * 2  # 4 senders x 4 tokens x top-2, all to one device
+
+  factor = dataclasses.replace(base, buffer_factor=1.25)
+  rows = math.ceil(1.25 * t_chunk * 2)
+  assert moe.buffer_rows_for(factor, tokens_per_device=t_chunk, expert_parallelism=ep) == rows
+  _, aux = _forward(params, x, factor, mesh)
+  assert int(aux["buffer_rows"]) == rows
+  assert int(aux["dropped_rows"]) == int(np.maximum(per_chunk - rows, 0).sum())
+
+  exact = moe.dropless_buffer_rows(params, x, base, mesh)
+  assert exact == per_chunk.max()  # a chunk's need (a multiple of 8 here), not the batch's
+  y, aux = _forward(params, x, base, mesh, buffer_rows=exact)
+  assert int(aux["dropped_rows"]) == 0 and int(aux["needed_rows"]) == exact
+  ry, _, _ = reference.moe(params, x, base)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ry), rtol=2e-4, atol=2e-5)
+
+
+def test_config_name_alias_and_errors():
+  assert MoEConfig(**SMALL).batch_split is None
+  assert (
+    moe.default_batch_split(config=MoEConfig(**SMALL), tokens_per_device=64, expert_parallelism=8)
+    == 1
+  )
+  cfg = MoEConfig.from_dict({**SMALL, "batch_split_factor": 2})
+  assert cfg.batch_split == 2
+  assert MoEConfig.from_dict({**SMALL, "batch_split": 2, "batch_split_factor": 2}).batch_split == 2
+  # MaxText splits only with use_batch_split_schedule: true.
+  on = {**SMALL, "use_batch_split_schedule": True, "batch_split_factor": 4}
+  assert MoEConfig.from_dict(on).batch_split == 4
+  assert MoEConfig.from_dict({**on, "use_batch_split_schedule": False}).batch_split is None
+  with pytest.raises(ValueError, match=r"'batch_split'=4 and 'batch_split_factor'=2"):
+    MoEConfig.from_dict({**SMALL, "batch_split": 4, "batch_split_factor": 2})
+  for bad in (0, -1, 1.5, True):
+    with pytest.raises(ValueError, match=r"batch_split \(MaxText batch_split_factor\)"):
+      MoEConfig(**SMALL, batch_split=bad)
+  with pytest.raises(ValueError, match=r"batch_split \(MaxText batch_split_factor\)"):
+    MoEConfig.from_dict({**SMALL, "batch_split_factor": 0})
+  odd = MoEConfig(**SMALL, batch_split=3)
+  with pytest.raises(ValueError, match=r"batch_split.*=3 must divide the 8 tokens.*\[1, 2, 4, 8\]"):
+    moe.batch_split_for(odd, tokens_per_device=8, expert_parallelism=4)
+  params, x = _setup(odd, tokens=64)
+  with pytest.raises(ValueError, match="must divide the 8 tokens per device"):
+    jax.eval_shape(lambda p, x: moe.moe_layer(p, x, odd, _mesh(2, 4)), params, x)

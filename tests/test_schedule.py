@@ -1,0 +1,172 @@
+"""Tests for pallas_moe.schedule: the scheduled-HLO parser, and what the compiled EP step overlaps.
+
+The parser tests read `tests/data/ep_step_v5e_split2_async.hlo.txt`: the entry computation of a
+real v5e:2x4 AOT compile of the EP training step (`bench.ep_schedule`'s config, batch_split=2,
+`schedule.ASYNC_COLLECTIVE_OPTIONS`), trimmed to its collectives, start/done pairs, while loops
+and kernels (backend configs and other instructions dropped; the order is the compiler's).
+Regenerate with `python -m bench.ep_schedule --fixture tests/data/ep_step_v5e_split2_async.hlo.txt`.
+
+The AOT tests compile the step for v5e:2x4 and v6e:2x4 (ep=8, ~5-7 s per program) and pin:
+- the default program (no flags): every expert exchange (`ragged-all-to-all`) is synchronous;
+- with the async flags, unsplit: every exchange is a start/done pair, and the backward's last
+  exchange has the weight-gradient kernels (tgmm) under it;
+- with the async flags and batch_split=2: in the forward and in the backward, a chunk's
+  exchange is in flight while another chunk's gmm runs.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from pallas_moe import schedule
+
+FIXTURE = pathlib.Path(__file__).parent / "data" / "ep_step_v5e_split2_async.hlo.txt"
+
+
+@pytest.fixture(scope="module")
+def fixture_schedule():
+  return schedule.parse_schedule(FIXTURE.read_text())
+
+
+def test_fixture_async_exchanges_and_their_chunks(fixture_schedule):
+  s = fixture_schedule
+  assert s.entry == "main.75_spmd"
+  ragged = [a for a in s.async_collectives if a.kind == "ragged-all-to-all"]
+  # fwd dispatch + combine and their two transposes, for each of the 2 chunks.
+  assert len(ragged) == 8
+  labels = sorted(
+    (schedule.is_backward(a.op_name), schedule.exchange_of(a.op_name), schedule.chunk_of(a.op_name))
+    for a in ragged
+  )
+  assert labels == sorted(
+    (bwd, ex, c) for bwd in (False, True) for ex in ("dispatch", "combine") for c in (0, 1)
+  )
+  for a in ragged:
+    assert a.done.operands == (a.start.name,)
+    assert a.start_index < a.done_index
+
+
+def test_fixture_kernels_and_what_runs_under_each_exchange(fixture_schedule):
+  s = fixture_schedule
+  names = sorted(k.kernel for k in s.kernels)
+  # fwd: wi and wo gmm per chunk; bwd: two dlhs gmms and two tgmms per chunk.
+  assert names == ["pallas_moe_gmm_rowtile"] * 8 + ["pallas_moe_tgmm_rowtile"] * 4
+  rows = {(r["where"], r["kind"]): r for r in schedule.summary(s)}
+  fwd_dispatch_0 = rows[("fwd dispatch chunk 0", "ragged-all-to-all")]
+  assert fwd_dispatch_0["async"]
+  assert fwd_dispatch_0["kernels_under"] == ["pallas_moe_gmm_rowtile (fwd chunk 1)"] * 2
+  pairs = schedule.cross_chunk_overlaps(s)
+  assert {schedule.is_backward(a.op_name) for a, _ in pairs} == {False, True}
+  # The one synchronous all-to-all XLA left (nothing to put under it).
+  kinds = [c.kind for c in s.sync_collectives]
+  assert kinds == ["all-reduce", "all-to-all", "all-reduce", "all-reduce"]
+
+
+SYNTHETIC = """HloModule m, is_scheduled=true
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]) parameter(0)
+  %k = f32[8]{0} custom-call(%p), custom_call_target="tpu_custom_call", metadata={op_name=\
+"jit(f)/batch_split_1/pallas_moe_tgmm_rowtile/pallas_call"}
+  ROOT %t = (s32[], f32[8]) tuple(%p, %k)
+}
+
+%ag (a: f32[8]) -> f32[64] {
+  %a = f32[8]{0} parameter(0)
+  ROOT %g = f32[64]{0} all-gather(%a), dimensions={0}
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0:T(128)S(1)} parameter(0)
+  %cs = (f32[8]{0}, f32[8]{0}, u32[]{:S(2)}) copy-start(%x)
+  %as = ((f32[8]{0}), f32[64]{0}, s32[]) async-start(%x), calls=%ag, metadata={op_name=\
+"jit(f)/batch_split_0/all_gather"}
+  %w = (s32[], f32[8]) while(%x), condition=%cond, body=%body
+  %cd = f32[8]{0} copy-done(%cs)
+  %ad = f32[64]{0} async-done(%as), metadata={op_name="jit(f)/batch_split_0/all_gather"}
+  %r = f32[8]{0} all-reduce(%cd), replica_groups={}, to_apply=%add
+  ROOT %o = f32[8]{0} custom-call(%r), custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_synthetic_wrapped_collective_nested_kernel_and_sync():
+  """async-start wrapping a collective counts; copies do not; a kernel inside a while body
+  scheduled in the window is under it; an all-reduce without start/done is synchronous; a
+  kernel without op_name is named by its instruction."""
+  s = schedule.parse_schedule(SYNTHETIC)
+  assert s.entry == "main"
+  (a,) = s.async_collectives
+  assert (a.kind, a.start.name, a.done.name) == ("all-gather", "as", "ad")
+  assert [k.kernel for k in a.kernels_under] == ["pallas_moe_tgmm_rowtile"]
+  assert [
+    (p.start.name, k.name) for p, k in schedule.cross_chunk_overlaps(s, kinds=("all-gather",))
+  ] == [("as", "k")]
+  (r,) = s.sync_collectives
+  assert (r.kind, r.instruction.name, r.computation) == ("all-reduce", "r", "main")
+  assert sorted(k.kernel for k in s.kernels) == ["o", "pallas_moe_tgmm_rowtile"]
+
+
+def test_no_entry_raises():
+  with pytest.raises(ValueError, match="no ENTRY"):
+    schedule.parse_schedule("HloModule m\n")
+
+
+# --- AOT: the compiled EP training step ------------------------------------------------------
+
+GENERATIONS = ("v5e", "v6e")
+
+
+# NOTE: the unsplit checks hold at a quarter of bench.ep_schedule's size (faster compiles).
+TINY = dict(tokens_per_device=256, overrides=dict(d_model=256, expert_ffn_dim=256))
+
+
+def _step(gen: str, *, batch_split: int, options, **kwargs):
+  from bench.ep_schedule import compiled_schedule
+
+  return compiled_schedule(
+    topology=f"{gen}:2x4", batch_split=batch_split, compiler_options=options, **kwargs
+  )
+
+
+def _ragged(s: schedule.Schedule):
+  return [a for a in s.async_collectives if a.kind == "ragged-all-to-all"], [
+    c for c in s.sync_collectives if c.kind == "ragged-all-to-all"
+  ]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_unsplit_step_exchanges(gen):
+  """Default flags: 4 synchronous exchanges (fwd dispatch, combine; their transposes). Async
+  flags: the weight gradients (tgmm) run under the backward's last exchange (the dispatch's
+  transpose, which returns dx while dW is computed). (XLA turns a start/done pair with nothing
+  between back into a synchronous op: on v6e 2 of the 4 stay synchronous.)"""
+  asyncs, syncs = _ragged(_step(gen, batch_split=1, options=None, **TINY))
+  assert (len(asyncs), len(syncs)) == (0, 4)
+  s = _step(gen, batch_split=1, options=schedule.ASYNC_COLLECTIVE_OPTIONS, **TINY)
+  asyncs, syncs = _ragged(s)
+  assert len(asyncs) + len(syncs) == 4
+  last = max(asyncs, key=lambda a: a.start_index)
+  assert all(c.index < last.start_index for c in syncs), schedule.summary(s)
+  assert schedule.is_backward(last.op_name) and schedule.exchange_of(last.op_name) == "dispatch"
+  assert [k.kernel for k in last.kernels_under] == ["pallas_moe_tgmm_rowtile"] * 2
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_split_step_overlaps_chunks(gen):
+  """batch_split=2 with the async flags: in the forward and in the backward, one chunk's
+  exchange is in flight while the other chunk's gmm runs."""
+  s = _step(gen, batch_split=2, options=schedule.ASYNC_COLLECTIVE_OPTIONS)
+  asyncs, syncs = _ragged(s)
+  assert len(asyncs) + len(syncs) == 8
+  pairs = schedule.cross_chunk_overlaps(s)
+  fwd = [(a, k) for a, k in pairs if not schedule.is_backward(a.op_name)]
+  bwd = [(a, k) for a, k in pairs if schedule.is_backward(a.op_name)]
+  assert fwd, schedule.summary(s)
+  assert bwd, schedule.summary(s)
+  for _, k in fwd:
+    assert not schedule.is_backward(k.op_name)  # the forward's gmms, not the backward's
