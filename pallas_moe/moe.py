@@ -50,7 +50,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pallas_moe import batch_split as batch_split_lib
 from pallas_moe import collectives
+from pallas_moe import tiling as tiling_lib
 from pallas_moe.config import MoEConfig
 from pallas_moe.ops import gmm
 from pallas_moe.routing import BIAS_KEY, Routing, route, update_routed_bias
@@ -310,24 +312,42 @@ def _vary(x, axes):
 
 
 def default_batch_split(
-  *, config: MoEConfig, tokens_per_device: int, expert_parallelism: int
+  *,
+  config: MoEConfig,
+  tokens_per_device: int,
+  expert_parallelism: int,
+  async_exchange: bool | None = None,
 ) -> int:
   """The number of token chunks `moe_block` uses when `config.batch_split` is None.
 
-  The rule today is fixed: 1 (no split). Splitting only pays when the expert exchange is async
-  and long next to a chunk's expert matmuls (see `pallas_moe.schedule` and RESULTS.md, issue
-  15); the modeled choice replaces this function's body, with the same signature.
+  Chunks pay only where the expert exchange compiles async (one chunk's dispatch and combine
+  under another chunk's matmuls). With libtpu's defaults it is synchronous, so the default is
+  1; with both async-exchange flags in `LIBTPU_INIT_ARGS` (`batch_split.ASYNC_EXCHANGE_FLAGS`)
+  it is the chunk count the modeled EP step picked for the layer's dims, expert parallelism,
+  tokens per device and the current TPU generation (`batch_split.MODELED_BATCH_SPLIT`; 1 for a
+  case the model has not seen). See `pallas_moe.batch_split`.
 
   Args:
     config: the layer config.
     tokens_per_device: T, the tokens of one device.
     expert_parallelism: the expert-axis size.
+    async_exchange: whether the exchange compiles async; None reads `LIBTPU_INIT_ARGS`.
 
   Returns:
     An int >= 1 that divides `tokens_per_device`.
   """
-  del config, tokens_per_device, expert_parallelism
-  return 1
+  if async_exchange is None:
+    async_exchange = batch_split_lib.async_exchange_enabled()
+  return batch_split_lib.modeled_batch_split(
+    num_experts=config.num_experts,
+    top_k=config.top_k,
+    d_model=config.d_model,
+    expert_ffn_dim=config.expert_ffn_dim,
+    expert_parallelism=expert_parallelism,
+    tokens_per_device=tokens_per_device,
+    generation=tiling_lib.current_generation().name,
+    async_exchange=async_exchange,
+  )
 
 
 def batch_split_for(config: MoEConfig, *, tokens_per_device: int, expert_parallelism: int) -> int:

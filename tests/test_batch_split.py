@@ -95,7 +95,9 @@ def test_buffers_and_drops_are_per_chunk():
 def test_config_name_alias_and_errors():
   assert MoEConfig(**SMALL).batch_split is None
   assert (
-    moe.default_batch_split(config=MoEConfig(**SMALL), tokens_per_device=64, expert_parallelism=8)
+    moe.default_batch_split(
+      config=MoEConfig(**SMALL), tokens_per_device=64, expert_parallelism=8, async_exchange=False
+    )
     == 1
   )
   cfg = MoEConfig.from_dict({**SMALL, "batch_split_factor": 2})
@@ -118,3 +120,31 @@ def test_config_name_alias_and_errors():
   params, x = _setup(odd, tokens=64)
   with pytest.raises(ValueError, match="must divide the 8 tokens per device"):
     jax.eval_shape(lambda p, x: moe.moe_layer(p, x, odd, _mesh(2, 4)), params, x)
+
+
+def test_default_chunks_follow_the_model_only_where_the_exchange_is_async():
+  """The library's table is `bench.ep`'s modeled choice, keyed by the layer's dims; it applies
+  only with both async-exchange flags (synchronous exchanges hide nothing under chunks)."""
+  from bench import ep as ep_model
+  from bench.shapes import SHAPES
+  from pallas_moe import batch_split, tiling
+
+  mapped = {
+    (SHAPES[m].num_groups, SHAPES[m].top_k, SHAPES[m].k, SHAPES[m].n, ep, t, chip): c
+    for (m, ep, t, chip), c in ep_model.DEFAULT_BATCH_SPLIT.items()
+  }
+  assert batch_split.MODELED_BATCH_SPLIT == mapped
+  flags = " ".join(f"--{f}=true" for f in batch_split.ASYNC_EXCHANGE_FLAGS)
+  assert batch_split.async_exchange_enabled({"LIBTPU_INIT_ARGS": "--xla_foo=1 " + flags})
+  off = f"{flags} --{batch_split.ASYNC_EXCHANGE_FLAGS[0]}=false"
+  assert not batch_split.async_exchange_enabled({"LIBTPU_INIT_ARGS": off})
+  assert not batch_split.async_exchange_enabled({})
+  v3 = MoEConfig(num_experts=256, top_k=8, d_model=7168, expert_ffn_dim=2048)
+  kw = dict(config=v3, tokens_per_device=16384, expert_parallelism=32)
+  with tiling.use_generation("v6e"):
+    assert moe.default_batch_split(**kw, async_exchange=True) == 2
+    assert moe.default_batch_split(**kw, async_exchange=False) == 1
+  with tiling.use_generation("v5e"):
+    assert moe.default_batch_split(**kw, async_exchange=True) == 8
+    # NOTE: a case the model has not seen, or a count that does not divide T: no split.
+    assert moe.default_batch_split(**{**kw, "tokens_per_device": 1000}, async_exchange=True) == 1
