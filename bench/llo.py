@@ -526,8 +526,11 @@ def kernel_counts(*, kernel: str, ctx, case) -> KernelCounts:
 
   Row-tile kernels (prefetch: offsets, first group, last group, ...): per step the group loop
   runs last - first + 1 times, the sub-block loop once per sub-block hit (`case.step_scale`, the
-  hook checked against the kernels' `count_rows`); a weight load (gmm) or an accumulator's zeroing
-  and write-out (tgmm) runs once per group and sweep. Visit-schedule kernels: one sub-block loop,
+  hook checked against the kernels' `count_rows`); a weight load (gmm) or an accumulator's
+  write-out (tgmm) runs once per group and sweep. The tgmm (`case.tgmm_dots`) has two sub-block
+  loops, single sub-blocks and interior runs, each with its own total, writes a non-empty
+  group's first sub-block's product in a region once per group and sweep, and zeroes the
+  accumulator only for empty groups. Visit-schedule kernels: one sub-block loop,
   hits per step from the hook (which divides by the kernel's two dot branches when k is ragged:
   then each branch's loop gets that share). megablox: no dynamic loop.
 

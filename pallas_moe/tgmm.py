@@ -12,9 +12,11 @@ Two schedules compute the same thing:
   one step per m-tile. The Pallas pipeline fetches one [tk, tm] lhs block and one [tm, tn] rhs
   block per step. The output stays in HBM (`pl.ANY`): the step loops over the local groups of
   its tile (`metadata.make_tile_groups`), reduces each group's MXU-row sub-blocks into one f32
-  accumulator, and when a group is complete (its last row is in this tile; empty groups in the
-  tile of their position) casts it into one of two VMEM staging slots and DMAs it to out[g]
-  while the next groups compute. Each output block is written once, lhs once per n-tile and rhs
+  accumulator (the group's first sub-block's product written into it, the sub-blocks wholly
+  inside the group in runs of `INTERIOR_SUBS` per dot, the others one masked dot each), and when
+  a group is complete (its last row is in this tile; empty groups in the tile of their
+  position) casts it into one of two VMEM staging slots and DMAs it to out[g] while the next
+  groups compute. Each output block is written once, lhs once per n-tile and rhs
   once per k-tile. With `rows_stationary` the accumulator holds out^T = rhs^T @ lhs^T: the
   [sub_m, tk] lhs^T rows are the MXU's stationary operand and the tn rhs columns stream through
   it, so a tn that the MXU width does not divide is not padded to it; the sum is transposed once,
