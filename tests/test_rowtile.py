@@ -347,6 +347,24 @@ def test_tgmm_rowtile_interior_runs(sizes, offset, interior_subs, rows_stationar
   assert runs.sum() > 0  # the run path ran
 
 
+@pytest.mark.parametrize("rows_stationary", [False, True], ids=["", "rs"])
+def test_tgmm_rowtile_interior_runs_simulator_no_races(capfd, rows_stationary):
+  """The interior-run path under the TPU simulator (out-of-bounds reads raise) with its race
+  detector on 2 simulated cores, with and without `rows_stationary`."""
+  sizes = np.asarray(INTERIOR_SIZES[0][0], np.int32)
+  with no_races_or_oob(capfd):
+    check_tgmm(
+      INTERIOR_TGMM,
+      sizes,
+      INTERIOR_SIZES[0][1],
+      3,
+      RACE_PARAMS,
+      count=False,
+      rows_stationary=rows_stationary,
+      interior_subs=2,
+    )
+
+
 @pytest.mark.parametrize(
   "sequential, stationary", [(False, False), (True, True)], ids=["parallel", "sequential-rs"]
 )
