@@ -534,7 +534,8 @@ def tgmm_rowtile_pallas(
         acc_ref[...] += product(sub=sub, subs=1, masked=True, start=start, end=end)
         return c
 
-      # NOTE: empty groups: last_sub < rest (hi <= lo), so the loop is empty.
+      # NOTE: an empty group has no rows here (hi <= lo, last_sub is meaningless): its range is
+      # made empty explicitly, like its run count above.
       edges_end = jnp.where(nonempty, last_sub + 1, edge0)
       lax.fori_loop(edge0, edges_end, edge_body, 0)
       if counts_ref is not None:
