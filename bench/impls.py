@@ -32,6 +32,7 @@ from bench import costmodel, tokamax_tiles
 from bench.costmodel import CallSchedule, StepContext
 from bench.shapes import Shape
 from pallas_moe import tiling as tiling_lib
+from pallas_moe.tgmm import INTERIOR_SUBS
 from pallas_moe.tiling import TpuGeneration, pick_tiling, use_generation
 
 __all__ = [
@@ -43,6 +44,8 @@ __all__ = [
   "op_arrays",
   "OPS",
   "pallas_moe_step_scale",
+  "rowtile_hooks",
+  "rowtile_tgmm_dots",
   "MEGABLOX_GRID_SIZES",
   "MEGABLOX_KN_EXTRA_SIZES",
   "GridResult",
@@ -77,6 +80,8 @@ class Case:
     extra: more fields for the bench's record (e.g. the search's statistics).
     row_macs: MACs per token row of one full sweep, padded as the kernel pads (tile grid and
       MXU); makes `mxu_rows_executed` a pure row count. Callable of the MXU size.
+    tgmm_dots: the row-tile tgmm's per-step dots by kind (`rowtile_tgmm_dots`), for
+      `bench.llo`'s trip counts; None for other kernels.
   """
 
   fn: Callable[..., Any]
@@ -88,6 +93,7 @@ class Case:
   kernel: str = ""
   schedules: tuple[CallSchedule, ...] | None = None
   extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+  tgmm_dots: Callable[[StepContext], tuple[np.ndarray, ...]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -657,6 +663,48 @@ def _rowtile_hits(ctx: StepContext, *, tm: int, sub_m: int) -> np.ndarray:
   return (hit & nonempty[None, :, None]).sum(axis=(1, 2))
 
 
+def rowtile_tgmm_dots(
+  ctx: StepContext, *, tm: int, sub_m: int, interior_subs: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Per step: the dots the row-tile tgmm runs (`tgmm.tgmm_rowtile_pallas`), by kind.
+
+  For each group with rows in the step's tile: one masked sub-block dot written into the
+  accumulator where the group starts in the tile, unmasked runs of `interior_subs` sub-blocks
+  over the whole sub-blocks after it, and masked sub-block dots for the rest (the run's leftover
+  and the group's last sub-block).
+
+  Args:
+    ctx: the tgmm call's `StepContext` (prefetch: offsets, first, last, finalize_tile,
+      active_tiles, group_offset).
+    tm: m tile.
+    sub_m: rows per sub-block.
+    interior_subs: sub-blocks per run.
+
+  Returns:
+    (first, runs, singles): [steps] float arrays of dots of 1, interior_subs and 1 sub-blocks.
+  """
+  starts, ends = _local_groups(ctx)
+  tile = ctx.program_ids[-1] + _first_active_tile(ctx)
+  row0 = (tile * tm)[:, None]  # [steps, 1]
+  # NOTE: as in the kernel: the group's rows in the tile, local to it, [lo, hi).
+  live = (ends > starts)[None, :] & (ends[None, :] > row0) & (starts[None, :] < row0 + tm)
+  lo = np.maximum(starts[None, :], row0) - row0
+  hi = np.minimum(ends[None, :], row0 + tm) - row0
+  starts_here = starts[None, :] >= row0
+  first_sub, last_sub = lo // sub_m, (hi - 1) // sub_m
+  rest = first_sub + starts_here
+  run_loop = sub_m < tm and tm // sub_m >= interior_subs
+  runs = np.maximum(hi // sub_m - rest, 0) // interior_subs if run_loop else np.zeros_like(lo)
+  singles = last_sub + 1 - rest - runs * interior_subs
+  sums = [np.where(live, x, 0).sum(axis=1).astype(np.float64) for x in (starts_here, runs, singles)]
+  return sums[0], sums[1], sums[2]
+
+
+def _padded_rows(rows: int, mxu: int) -> int:
+  # NOTE: a sub-block's rows are the tgmm dot's contraction: the model pads it to the MXU edge.
+  return -(-rows // mxu) * mxu
+
+
 def rowtile_hooks(
   *,
   op: str,
@@ -670,12 +718,17 @@ def rowtile_hooks(
   rows: int | None = None,
   out_cols: int | None = None,
   out_itemsize: int = 2,
+  mxu: int = 128,
+  interior_subs: int = INTERIOR_SUBS,
 ):
   """Cost-model hooks of the row-tile kernels, from their prefetched schedule.
 
   MXU: each step multiplies, for every group of its tile, the sub_m-row sub-blocks holding the
-  group's rows (the kernel's one sub-block dot runs once per hit: step_scale = hits; the same
-  count as `metadata.rowtile_mxu_rows`, checked against the kernels' `count_rows`). Manual DMA:
+  group's rows (the same count as `metadata.rowtile_mxu_rows`, checked against the kernels'
+  `count_rows`). gmm: its one sub-block dot runs once per hit: step_scale = hits. tgmm: its
+  three dots (the group's first sub-block, an interior run, a single sub-block;
+  `rowtile_tgmm_dots`) run as often as that function counts; step_scale is their padded work
+  over the body's (one of each). Manual DMA:
   gmm loads a group's [k, tn] weight block, tgmm writes a group's [tk, tn] output block; each
   is spread over the sub-block work between the points the kernel starts and waits for it, or
   exposed when there is none (`tiling.rowtile_manual_dma`).
@@ -694,6 +747,8 @@ def rowtile_hooks(
     rows: gmm: the output's rows (m), for the zero fill of the unvisited tiles.
     out_cols: gmm: the output's columns, likewise.
     out_itemsize: gmm: bytes per output element, likewise.
+    mxu: tgmm: the MXU edge the cost model pads a dot's contraction to.
+    interior_subs: tgmm: the kernel's sub-blocks per interior run.
 
   Returns:
     (step_scale, step_manual_bytes). They also cover the gmm's `pallas_moe_zero_fill` call: no
@@ -706,6 +761,13 @@ def rowtile_hooks(
   def scale(ctx: StepContext) -> np.ndarray:
     if is_fill(ctx):
       return np.zeros(1)
+    if op == "drhs":
+      first, runs, singles = rowtile_tgmm_dots(ctx, tm=tm, sub_m=sub_m, interior_subs=interior_subs)
+      one, run = _padded_rows(sub_m, mxu), _padded_rows(interior_subs * sub_m, mxu)
+      # NOTE: the kernel body holds the first and the single dots, and the run's when the tile
+      # has room for a run (as the kernel decides statically).
+      body = 2 * one + (run if sub_m < tm and tm // sub_m >= interior_subs else 0)
+      return ((first + singles) * one + runs * run) / body
     return _rowtile_hits(ctx, tm=tm, sub_m=sub_m).astype(np.float64)
 
   def manual(ctx: StepContext) -> tuple[np.ndarray, np.ndarray]:
@@ -824,6 +886,7 @@ def _pallas_moe_build(
           sequential_sweeps=kt.sequential_sweeps,
           rows=m,
           out_cols=dn,
+          mxu=mxu,
         )
         # Tiling(fwd=) only: the single-op bench never runs the backward passes.
         tl = ops.Tiling(fwd=til, dlhs=(128, 128, 128), drhs=(128, 128, 128))
@@ -843,6 +906,11 @@ def _pallas_moe_build(
           step_manual_bytes=manual,
           row_macs=row_macs,
           kernel="rowtile-rows-stationary" if kt.rows_stationary else "rowtile",
+          tgmm_dots=functools.partial(
+            rowtile_tgmm_dots, tm=til[0], sub_m=sub_m, interior_subs=INTERIOR_SUBS
+          )
+          if op == "drhs"
+          else None,
         )
     # NOTE: the visit-schedule kernels, called directly (ops would pick the row-tile kernel for
     # tiles it can run).

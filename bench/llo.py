@@ -503,14 +503,22 @@ class KernelCounts:
   Attributes:
     steps: grid steps.
     loop_levels: total iterations of its dynamic loops, outermost first (e.g. groups of a
-      tile, then sub-blocks of a group).
+      tile, then sub-blocks of a group). A tuple at a level gives each of the level's loops
+      with MXU work its own total, in increasing order of their MXU cycles per iteration (the
+      row-tile tgmm's single sub-block loop, then its interior-run loop).
     per_group: executions of the once-per-group regions (a weight load and transpose, an
       accumulator's zeroing and write), or None if the kernel has none.
+    group_starts: executions of the once-per-group regions that hold vmatmuls (the row-tile
+      tgmm's first sub-block of a group, written into the accumulator), if not `per_group`.
+    empty_groups: executions of the once-per-group regions that store and (almost) do not load
+      (the row-tile tgmm's zeroing, for empty groups only), if not `per_group`.
   """
 
   steps: int
-  loop_levels: tuple[float, ...]
+  loop_levels: tuple[float | tuple[float, ...], ...]
   per_group: float | None = None
+  group_starts: float | None = None
+  empty_groups: float | None = None
 
 
 def kernel_counts(*, kernel: str, ctx, case) -> KernelCounts:
@@ -518,8 +526,11 @@ def kernel_counts(*, kernel: str, ctx, case) -> KernelCounts:
 
   Row-tile kernels (prefetch: offsets, first group, last group, ...): per step the group loop
   runs last - first + 1 times, the sub-block loop once per sub-block hit (`case.step_scale`, the
-  hook checked against the kernels' `count_rows`); a weight load (gmm) or an accumulator's zeroing
-  and write-out (tgmm) runs once per group and sweep. Visit-schedule kernels: one sub-block loop,
+  hook checked against the kernels' `count_rows`); a weight load (gmm) or an accumulator's
+  write-out (tgmm) runs once per group and sweep. The tgmm (`case.tgmm_dots`) has two sub-block
+  loops, single sub-blocks and interior runs, each with its own total, writes a non-empty
+  group's first sub-block's product in a region once per group and sweep, and zeroes the
+  accumulator only for empty groups. Visit-schedule kernels: one sub-block loop,
   hits per step from the hook (which divides by the kernel's two dot branches when k is ragged:
   then each branch's loop gets that share). megablox: no dynamic loop.
 
@@ -543,6 +554,20 @@ def kernel_counts(*, kernel: str, ctx, case) -> KernelCounts:
     local = pre[3].shape[0]
     sizes = np.diff(offsets)[goff : goff + local]
     groups = int(np.sum(sizes > 0)) if kernel.startswith("pallas_moe_gmm") else local
+    dots = getattr(case, "tgmm_dots", None)
+    if kernel.startswith("pallas_moe_tgmm_rowtile") and dots is not None:
+      # NOTE: the tgmm writes each non-empty group's first sub-block's product in a region of
+      # the group loop, then loops over its interior runs and its single sub-blocks; only
+      # empty groups are zeroed.
+      first, runs, singles = (float(np.sum(x)) for x in dots(ctx))
+      empty = int(np.sum(sizes <= 0))
+      return KernelCounts(
+        steps=steps,
+        loop_levels=(group_iters, (singles, runs)),
+        per_group=groups * sweeps,
+        group_starts=first,
+        empty_groups=empty * sweeps,
+      )
     return KernelCounts(steps=steps, loop_levels=(group_iters, hits), per_group=groups * sweeps)
   if kernel.startswith(("pallas_moe_gmm", "pallas_moe_tgmm")):
     return KernelCounts(steps=steps, loop_levels=(hits,))
@@ -606,6 +631,15 @@ def trip_counts(root: Node, counts: KernelCounts) -> dict[int, float]:
     if mxu:
       levels[lv] = mxu
   level_of = {id(n): lv for lv, loops in levels.items() for n in loops}
+  own: dict[int, float] = {}
+  for lv, loops in levels.items():
+    total = counts.loop_levels[lv]
+    if isinstance(total, tuple):
+      # NOTE: per-loop totals, matched to the loops by their vmatmuls per iteration.
+      if len(total) != len(loops):
+        raise ValueError(f"{len(loops)} loops with MXU work at level {lv}, counts for {len(total)}")
+      ranked = sorted(loops, key=lambda n: sum(sum(x.own_matmuls.values()) for x in n.walk()))
+      own.update({id(n): float(t) for n, t in zip(ranked, total, strict=True)})
   execs = {id(root): 1.0}
 
   def visit(node: Node, in_group_loop: bool):
@@ -621,7 +655,7 @@ def trip_counts(root: Node, counts: KernelCounts) -> dict[int, float]:
         e = float(c.exit_bound if c.exit_bound is not None else counts.steps)
       elif id(c) in level_of:
         lv = level_of[id(c)]
-        e = counts.loop_levels[lv] / len(levels[lv])
+        e = own[id(c)] if id(c) in own else counts.loop_levels[lv] / len(levels[lv])
         inner = lv == 0
       elif c.kind == "loop":
         e = execs[id(node)] * (c.exit_bound or 1)
@@ -637,6 +671,13 @@ def trip_counts(root: Node, counts: KernelCounts) -> dict[int, float]:
         and c.bundles >= PER_GROUP_MIN_BUNDLES
       ):
         e = float(counts.per_group)
+        totals = {k: sum(x.own_counts.get(k, 0) for x in c.walk()) for k in ("load", "store")}
+        if counts.group_starts is not None and any(x.own_matmuls for x in c.walk()):
+          e = float(counts.group_starts)
+        elif counts.empty_groups is not None and totals["store"] > 64 * totals["load"]:
+          # NOTE: a zeroing stores the block with next to no loads (2 scalar-address loads on
+          # v5e); the write-out loads the block.
+          e = float(counts.empty_groups)
       else:
         e = execs[id(node)]
       execs[id(c)] = e

@@ -12,9 +12,11 @@ Two schedules compute the same thing:
   one step per m-tile. The Pallas pipeline fetches one [tk, tm] lhs block and one [tm, tn] rhs
   block per step. The output stays in HBM (`pl.ANY`): the step loops over the local groups of
   its tile (`metadata.make_tile_groups`), reduces each group's MXU-row sub-blocks into one f32
-  accumulator, and when a group is complete (its last row is in this tile; empty groups in the
-  tile of their position) casts it into one of two VMEM staging slots and DMAs it to out[g]
-  while the next groups compute. Each output block is written once, lhs once per n-tile and rhs
+  accumulator (the group's first sub-block's product written into it, the sub-blocks wholly
+  inside the group in runs of `INTERIOR_SUBS` per dot, the others one masked dot each), and when
+  a group is complete (its last row is in this tile; empty groups in the tile of their
+  position) casts it into one of two VMEM staging slots and DMAs it to out[g] while the next
+  groups compute. Each output block is written once, lhs once per n-tile and rhs
   once per k-tile. With `rows_stationary` the accumulator holds out^T = rhs^T @ lhs^T: the
   [sub_m, tk] lhs^T rows are the MXU's stationary operand and the tn rhs columns stream through
   it, so a tn that the MXU width does not divide is not padded to it; the sum is transposed once,
@@ -317,6 +319,11 @@ def tgmm_pallas(
 # Row-tile schedule: one grid step per m-tile; output blocks streamed out by manual DMA.
 # ------------------------------------------------------------------------------------------------
 
+# NOTE: sub-blocks per interior dot of the row-tile tgmm. On v5e a 128-row sub-block is 2,816 MXU
+# cycles (tk 1024, tn 1408) against ~2,950 bundles of accumulator read / add / write: issue-bound;
+# 256 rows per accumulator update bring the loop under its MXU time (bench/RESULTS.md, issue 16).
+INTERIOR_SUBS = 2
+
 
 def tgmm_rowtile_pallas(
   lhs: jax.Array,
@@ -332,6 +339,7 @@ def tgmm_rowtile_pallas(
   vmem_limit_bytes: int | None = None,
   sequential_sweeps: bool = False,
   rows_stationary: bool = False,
+  interior_subs: int = INTERIOR_SUBS,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -358,6 +366,11 @@ def tgmm_rowtile_pallas(
       a multiple of 128 but not of the MXU width (1408 on a 256-wide MXU) is not padded to it.
       Costs a transpose of each [sub_m, tn] rhs sub-block and of the [tn, tk] f32 sum once per
       group. `tiling.rows_stationary_pays` says when it saves MXU work.
+    interior_subs: sub-blocks per dot where they all lie inside the group (interior runs): the
+      f32 accumulator is read, added to and written once per run instead of once per sub-block.
+      The group's last sub-block (masked) and the sub-blocks left over from the runs are still
+      multiplied one at a time, so MXU rows do not change. 1: every interior sub-block is its
+      own unmasked dot.
     count_rows: interpret-mode instrumentation: also return [tiles_k, tiles_n, tiles_m, 2] int32:
       rows pushed through the MXU and output blocks written, per grid step.
     interpret: see `common.run_kernel`.
@@ -373,6 +386,11 @@ def tgmm_rowtile_pallas(
     raise ValueError(f"tk={tk} must divide k={k} and tn={tn} divide n={n} for the row-tile tgmm.")
   tiles_k, tiles_n, tiles_m = k // tk, n // tn, metadata.cdiv(m, tm)
   num_groups = num_actual_groups
+  if interior_subs < 1:
+    raise ValueError(f"interior_subs={interior_subs} must be >= 1.")
+  # NOTE: a run needs interior_subs sub-blocks in one tile; with a single sub-block per tile
+  # (sub_m == tm) its dynamic offset 0 would not be provably aligned (see `common.sub_block`).
+  run_loop = sub_m < tm and tm // sub_m >= interior_subs
   compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
   groups = metadata.make_tile_groups(
     group_sizes=group_sizes,
@@ -418,50 +436,110 @@ def tgmm_rowtile_pallas(
       counts_ref[k_i, n_i, t, 0] = 0
       counts_ref[k_i, n_i, t, 1] = 0
 
+    def product(*, sub: Any, subs: int, masked: bool, start: Any, end: Any) -> jax.Array:
+      """The f32 product of `subs` consecutive sub-blocks from sub-block `sub` of the tile.
+
+      Args:
+        sub: index of the first sub-block (traced).
+        subs: sub-blocks in the dot (static): 1 at a group's ends, `interior_subs` inside it.
+        masked: zero the rows outside [start, end) in both operands.
+        start: the group's first row.
+        end: one past the group's last row.
+
+      Returns:
+        [tk, tn] (with `rows_stationary` [tn, tk]) f32.
+      """
+      if subs == 1:
+        r0, rows = common.sub_block(sub, sub_m, tm)
+      else:
+        # NOTE: runs are aligned to sub_m only (they start at any sub-block), which is what the
+        # lane (lhs) and sublane (rhs) slices need.
+        r0 = pl.multiple_of(sub * sub_m, sub_m)
+        rows = pl.ds(r0, subs * sub_m)
+      lhs_blk, rhs_blk = lhs_ref[:, rows], rhs_ref[rows, :]
+      if masked:
+        # NOTE: rows are the contraction dim: only rows of the group contribute. Both operands
+        # are masked: rows past m in a ragged last tile are uninitialized (NaN under interpret
+        # mode) and 0 * NaN = NaN.
+        lo = row0 + r0
+        width = lhs_blk.shape[1]
+        lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, width), 1)
+        rhs_rows = lo + lax.broadcasted_iota(jnp.int32, (width, tn), 0)
+        lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_blk, 0)
+        rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_blk, 0)
+      if rows_stationary:
+        # NOTE: [rows, tn] contracted on its rows with [tk, rows] on its columns: [tn, tk].
+        return lax.dot_general(
+          rhs_blk.astype(compute_dtype),
+          lhs_blk.astype(compute_dtype),
+          dimension_numbers=(((0,), (1,)), ((), ())),
+          preferred_element_type=jnp.float32,
+        )
+      return jnp.dot(
+        lhs_blk.astype(compute_dtype),
+        rhs_blk.astype(compute_dtype),
+        preferred_element_type=jnp.float32,
+      )
+
     def group_body(g, carry):
       start = offsets_ref[g + goff_ref[0]]
       end = offsets_ref[g + goff_ref[0] + 1]
-
+      nonempty = end > start
+      # NOTE: the group's rows in this tile, local to it: [lo, hi).
+      lo = jnp.maximum(start, row0) - row0
+      hi = jnp.minimum(end, row0 + tm) - row0
+      first_sub = lo // sub_m
+      last_sub = (hi - 1) // sub_m
       # NOTE: a group that started in an earlier tile (start < row0) carries its partial sum in
-      # acc; one starting here (or empty) starts from zero.
-      @pl.when(start >= row0)
+      # acc; one starting here writes its first sub-block's product (no zeroing pass).
+      starts_here = start >= row0
+
+      # NOTE: an empty group computes nothing: its output is exact zeros (plus existing_out).
+      @pl.when(jnp.logical_not(nonempty))
       def _zero():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-      first_sub = (jnp.maximum(start, row0) - row0) // sub_m
-      last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
+      @pl.when(nonempty & starts_here)
+      def _first():
+        acc_ref[...] = product(sub=first_sub, subs=1, masked=True, start=start, end=end)
+        if counts_ref is not None:
+          counts_ref[k_i, n_i, t, 0] += sub_m
 
-      def sub_body(sub, c):
-        r0, rows = common.sub_block(sub, sub_m, tm)
-        # NOTE: rows are the contraction dim: only rows of g in this sub-block contribute. Both
-        # operands are masked: rows past m in a ragged last tile are uninitialized (NaN under
-        # interpret mode) and 0 * NaN = NaN.
-        lo = row0 + r0
-        lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, sub_m), 1)
-        rhs_rows = lo + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
-        lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_ref[:, rows], 0)
-        rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_ref[rows, :], 0)
-        if rows_stationary:
-          # NOTE: [sub_m, tn] contracted on its rows with [tk, sub_m] on its columns: [tn, tk].
-          acc_ref[...] += lax.dot_general(
-            rhs_blk.astype(compute_dtype),
-            lhs_blk.astype(compute_dtype),
-            dimension_numbers=(((0,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32,
+      # NOTE: the sub-blocks left are [rest, last_sub]. All but the group's last one lie wholly
+      # inside it: the group's first row is in first_sub, taken above when it starts here, or
+      # the group started in an earlier tile (then rest = first_sub = 0). They go in runs of
+      # `interior_subs` sub-blocks, one unmasked dot and one accumulator update per run; the
+      # rest (fewer than a run, and the last sub-block when the group ends inside it) one
+      # masked sub-block at a time. MXU rows are the same as one dot per sub-block.
+      rest = first_sub + starts_here.astype(jnp.int32)
+      # NOTE: sub-blocks whose rows all precede hi; the last one is whole iff hi is aligned.
+      whole_end = hi // sub_m
+      if run_loop:
+        runs = jnp.where(nonempty, jnp.maximum(whole_end - rest, 0) // interior_subs, 0)
+      else:
+        runs = 0
+      edge0 = rest + runs * interior_subs
+
+      if run_loop:
+
+        def run_body(i, c):
+          acc_ref[...] += product(
+            sub=rest + i * interior_subs, subs=interior_subs, masked=False, start=start, end=end
           )
-        else:
-          acc_ref[...] += jnp.dot(
-            lhs_blk.astype(compute_dtype),
-            rhs_blk.astype(compute_dtype),
-            preferred_element_type=jnp.float32,
-          )
+          return c
+
+        lax.fori_loop(0, runs, run_body, 0)
+
+      def edge_body(sub, c):
+        acc_ref[...] += product(sub=sub, subs=1, masked=True, start=start, end=end)
         return c
 
-      @pl.when(end > start)
-      def _accumulate():
-        lax.fori_loop(first_sub, last_sub + 1, sub_body, 0)
-        if counts_ref is not None:
-          counts_ref[k_i, n_i, t, 0] += (last_sub + 1 - first_sub) * sub_m
+      # NOTE: an empty group has no rows here (hi <= lo, last_sub is meaningless): its range is
+      # made empty explicitly, like its run count above.
+      edges_end = jnp.where(nonempty, last_sub + 1, edge0)
+      lax.fori_loop(edge0, edges_end, edge_body, 0)
+      if counts_ref is not None:
+        counts_ref[k_i, n_i, t, 0] += (runs * interior_subs + edges_end - edge0) * sub_m
 
       @pl.when(fin_ref[g] == t)
       def _finalize():

@@ -220,3 +220,60 @@ def test_analyze_case_end_to_end(tmp_path):
   # NOTE: the compiled program's vmatmul rows x trip counts are the analytic model's MXU work.
   assert rep.mxu_us == pytest.approx(rep.model_mxu_us, rel=1e-6)
   assert rep.mxu_loop_bundles > 0 and rep.issue_cycles > rep.mxu_loop_bundles
+
+
+def test_tgmm_loops_and_regions_get_their_own_counts():
+  """The row-tile tgmm's two sub-block loops (single sub-blocks, then runs with twice the
+  vmatmuls) get their own totals, its first-write region (vmatmuls) the group starts, its
+  zeroing region (stores only) the empty groups, its write-out (loads) every group."""
+  lines, pending = [], []
+
+  def add(body, *, label="", depth=1, starts=()):
+    # NOTE: a region starts at the first bundle after the code its branch skips.
+    tail = " :: ".join(f"Start region {r}" for r in (*pending, *starts))
+    pending.clear()
+    lines.append(_line(len(lines), body, label=label, depth=depth, tail=tail))
+
+  def delay(depth):
+    for _ in range(4):
+      add("", depth=depth)
+
+  def region(r, body):
+    add(f"sbr.rel target = $region{r}")
+    delay(1)
+    for _ in range(llo.PER_GROUP_MIN_BUNDLES):
+      add(body)
+    pending.append(r)
+
+  def loop(r, body):
+    add(body, label="LB", depth=2, starts=(r,))
+    add(f"sbr.rel target = $region{r}", depth=2)
+    delay(2)
+
+  add("sld", label="LB", starts=(1,))  # group loop (dynamic)
+  region(2, "vst")  # zeroing (empty groups)
+  region(3, "vmatmul.mubr.bf16.gmra.mxu0 ;; vst")  # a group's first sub-block, written
+  loop(4, "vmatmul.mubr.bf16.gmra.mxu0 ;; vld")  # single sub-blocks
+  add("sadd.s32")
+  loop(5, "vmatmul.mubr.bf16.gmra.mxu0 ;; vmatmul.mubr.bf16.gmra.mxu1")  # interior runs
+  add("sadd.s32")
+  region(6, "vld ;; vst")  # write-out
+  add("sadd.s32")
+  add("sbr.rel target = $region1")  # back edge of the group loop
+  delay(1)
+  add("shalt.err", depth=0)
+  root = llo.loop_tree(llo.parse_bundles("\n".join(lines)))
+  counts = llo.KernelCounts(
+    steps=1, loop_levels=(10, (7.0, 3.0)), per_group=4, group_starts=2, empty_groups=1
+  )
+  execs = llo.trip_counts(root, counts)
+  (group,) = root.children
+  assert execs[id(group)] == 10
+  loops = {sum(c.own_matmuls.values()): execs[id(c)] for c in group.children if c.kind == "loop"}
+  assert loops == {1: 7.0, 2: 3.0}
+  regions = {}
+  for c in group.children:
+    if c.kind == "cond":
+      kind = "first" if c.own_matmuls else ("write" if c.own_counts["load"] else "zero")
+      regions[kind] = execs[id(c)]
+  assert regions == {"zero": 1.0, "first": 2.0, "write": 4.0}

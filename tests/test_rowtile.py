@@ -194,12 +194,22 @@ def test_gmm_rowtile_tpu_simulator(case, data):
 
 
 def check_tgmm(
-  case, sizes, offset, seed, interpret, *, count=True, sequential=False, rows_stationary=False
+  case,
+  sizes,
+  offset,
+  seed,
+  interpret,
+  *,
+  count=True,
+  sequential=False,
+  rows_stationary=False,
+  interior_subs=None,
 ):
   m, k, n, tm, tk, tn, sub_m, _, local, in_dtype, out_dtype, has_existing = case
   lhs = random_array(seed, (k, m), in_dtype)
   rhs = random_array(seed + 1, (m, n), in_dtype)
   existing = random_array(seed + 2, (local, k, n), out_dtype) if has_existing else None
+  extra = {} if interior_subs is None else dict(interior_subs=interior_subs)
   fn = _jitted(
     tgmm_rowtile_pallas,
     tiling=(tm, tk, tn),
@@ -210,6 +220,7 @@ def check_tgmm(
     rows_stationary=rows_stationary,
     count_rows=count,
     interpret=interpret,
+    **extra,
   )
   out = fn(lhs, rhs, jnp.asarray(sizes), jnp.int32(offset), existing)
   out, counts = out if count else (out, None)
@@ -269,6 +280,91 @@ def test_tgmm_rowtile_tpu_simulator(case, data):
   _check_drawn(check_tgmm, case, data, INTERPRET_MODES["tpu"], kind="tgmm")
 
 
+# NOTE: 8 sub-blocks per tile (tm = 64, sub_m = 8), ragged last tile, a shard of 6 of 7 groups.
+INTERIOR_TGMM = (203, 32, 48, 64, 16, 48, 8, 7, 6, jnp.float32, jnp.float32, False)
+INTERIOR_SIZES = [
+  # Groups starting mid-sub-block with 7 whole sub-blocks after their first (odd), 4 whole and a
+  # ragged last one, an empty group between them.
+  ([3, 70, 0, 45, 17, 60, 5], 0),
+  # Groups covering whole tiles they did not start in (8 whole sub-blocks, no masked one), starts
+  # and ends on sub-block and tile boundaries, an empty group at the shard's end.
+  ([5, 150, 40, 0, 8, 0, 0], 1),
+]
+
+
+@pytest.mark.parametrize("rows_stationary", [False, True], ids=["", "rs"])
+@pytest.mark.parametrize("interior_subs", [1, 2, 3])
+@pytest.mark.parametrize("sizes, offset", INTERIOR_SIZES, ids=["odd", "whole-tiles"])
+def test_tgmm_rowtile_interior_runs(sizes, offset, interior_subs, rows_stationary):
+  """Groups long enough for interior runs (an unmasked dot over `interior_subs` sub-blocks),
+  with odd counts of whole sub-blocks and leftovers: same results, exact zeros for the empty
+  groups, MXU rows still one sub-block per sub-block touched, and the bench's per-dot counts."""
+  from bench.costmodel import StepContext
+  from bench.impls import rowtile_tgmm_dots
+
+  sizes = np.asarray(sizes, np.int32)
+  case = INTERIOR_TGMM[:-1] + (interior_subs == 2,)
+  check_tgmm(
+    case,
+    sizes,
+    offset,
+    7,
+    INTERPRET_MODES["hlo"],
+    rows_stationary=rows_stationary,
+    interior_subs=interior_subs,
+  )
+  m, tm, sub_m, local = case[0], case[3], case[6], case[8]
+  groups = metadata.make_tile_groups(
+    group_sizes=jnp.asarray(sizes),
+    group_offset=offset,
+    num_local_groups=local,
+    m=m,
+    tm=tm,
+    finalize_empty_groups=True,
+  )
+  steps = int(groups.active_tiles[1])
+  ctx = StepContext(
+    name="pallas_moe_tgmm_rowtile",
+    grid=(1, 1, steps),
+    program_ids=(np.zeros(steps, int), np.zeros(steps, int), np.arange(steps)),
+    index_operands=(
+      groups.group_offsets,
+      groups.tile_first_group,
+      groups.tile_last_group,
+      groups.finalize_tile,
+      groups.active_tiles,
+      np.int32(offset),
+    ),
+  )
+  first, runs, singles = rowtile_tgmm_dots(ctx, tm=tm, sub_m=sub_m, interior_subs=interior_subs)
+  rows = metadata.rowtile_mxu_rows(groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m)
+  first_tile = int(groups.active_tiles[0])
+  np.testing.assert_array_equal(
+    (first + singles + runs * interior_subs) * sub_m,
+    np.asarray(rows)[first_tile : first_tile + steps],
+  )
+  assert first.sum() == np.sum(sizes[offset : offset + local] > 0)
+  assert runs.sum() > 0  # the run path ran
+
+
+@pytest.mark.parametrize("rows_stationary", [False, True], ids=["", "rs"])
+def test_tgmm_rowtile_interior_runs_simulator_no_races(capfd, rows_stationary):
+  """The interior-run path under the TPU simulator (out-of-bounds reads raise) with its race
+  detector on 2 simulated cores, with and without `rows_stationary`."""
+  sizes = np.asarray(INTERIOR_SIZES[0][0], np.int32)
+  with no_races_or_oob(capfd):
+    check_tgmm(
+      INTERIOR_TGMM,
+      sizes,
+      INTERIOR_SIZES[0][1],
+      3,
+      RACE_PARAMS,
+      count=False,
+      rows_stationary=rows_stationary,
+      interior_subs=2,
+    )
+
+
 @pytest.mark.parametrize(
   "sequential, stationary", [(False, False), (True, True)], ids=["parallel", "sequential-rs"]
 )
@@ -314,13 +410,13 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
   MXU rows per step, and every manual DMA the kernel waits for, exposed only in a step that
   waits for one (n and k are split in two, so DMAs cross sweeps when `sequential`)."""
   from bench import costmodel as cm
-  from bench.impls import rowtile_hooks
+  from bench.impls import rowtile_hooks, rowtile_tgmm_dots
 
   sizes = np.array([40, 0, 75, 3, 0, 90, 50], np.int32)
   m, k, n, tm, sub_m = 300, 64, 256, 64, 32
   tk = k // 2 if op == "drhs" else k
   tn = n // 2
-  scale, manual = rowtile_hooks(
+  hook, manual = rowtile_hooks(
     op=op,
     tm=tm,
     tk=tk,
@@ -332,6 +428,12 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
     out_cols=n if op == "fwd" else k,
     out_itemsize=4,
   )
+  contexts = []
+
+  def scale(ctx):
+    contexts.append(ctx)
+    return hook(ctx)
+
   if op == "drhs":
     lhs, rhs = jnp.zeros((k, m)), jnp.zeros((m, n))
     call = lambda x, y, gs, c: tgmm_rowtile_pallas(  # noqa: E731
@@ -376,7 +478,15 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
   assert [s.operand_bytes["manual"] for s in fill] == ([] if op == "drhs" else [0])
   _, counts = call(lhs, rhs, jnp.asarray(sizes), True)
   counts = np.asarray(counts).reshape(-1, 2)
-  np.testing.assert_array_equal(sched.step_scale * sub_m, counts[:, 0])
+  if op == "drhs":
+    # NOTE: the tgmm's dots by kind (sub-blocks: 1, 2 (a run), 1); the model pads each dot's
+    # 32 or 64 rows to the 128-row MXU, so its scale is dots over the body's three.
+    first, runs, singles = rowtile_tgmm_dots(contexts[-1], tm=tm, sub_m=sub_m, interior_subs=2)
+    np.testing.assert_array_equal((first + singles + 2 * runs) * sub_m, counts[:, 0])
+    np.testing.assert_allclose(sched.step_scale, (first + singles + runs) / 3)
+    assert runs.sum() > 0
+  else:
+    np.testing.assert_array_equal(sched.step_scale * sub_m, counts[:, 0])
   block = tk * tn * 4
   np.testing.assert_allclose(sched.operand_bytes["manual"], counts[:, 1].sum() * block)
   waits = counts[:, 1] > 0
