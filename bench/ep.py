@@ -57,7 +57,8 @@ only where the hot receivers sit; on a wraparound torus all positions are equiva
 the central chips have more links. The study searches device permutations (pairwise swaps) to
 minimise the busiest link of dispatch + combine and reports the saving against the serial step.
 Uniform routing: < 1%. Zipf(1) on the v5e/v6e meshes: 6-17% (hot receivers moved to the middle),
-so `topology_aware_placement` gives the block an expert order (RESULTS.md, issue 15).
+so `topology_aware_placement` gives the block an expert order, `MoEConfig.expert_placement`
+(RESULTS.md, issue 15).
 
 Pipelining cannot beat max(comm, compute); where the exchange outweighs the gmm (every v6e case)
 the chunked step is the exchange's time. `default_batch_split` is the block's chunk count.
@@ -645,10 +646,11 @@ def topology_aware_placement(
 
   Keeps the block's layout (device q holds E_l consecutive slots) and moves whole blocks of E_l
   experts between devices (`placement_study`): hot receivers go where the slice has the most
-  link capacity into them (on a mesh, the middle). How the block uses it: store the expert
-  weights (wi, wo and any per-expert state) in slot order, `w_placed = w[order]`, sharded as
-  before; route with the original expert ids (router weights, bias and DeepSeek's expert groups
-  unchanged) and map them to slots before sorting, `slot_ids = argsort(order)[expert_ids]`.
+  link capacity into them (on a mesh, the middle). How the block uses it:
+  `MoEConfig(expert_placement=order)` with the expert weights in slot order,
+  `moe.place_experts(params, placement=order)` (`w_placed = w[order]`, sharded as before); it
+  routes with the original expert ids (router weights, bias and DeepSeek's expert groups
+  unchanged) and maps them to slots before sorting, `slot_ids = argsort(order)[expert_ids]`.
 
   Args:
     send_counts: [ep, E] expected rows each device routes to each expert (e.g. running counts).

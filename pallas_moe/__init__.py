@@ -16,6 +16,7 @@ from pallas_moe.moe import (
   init_params,
   moe_block,
   moe_layer,
+  place_experts,
 )
 from pallas_moe.ops import Tiling, gmm, tgmm
 from pallas_moe.quant import QuantizedWeights, dequantize, quantize
@@ -35,6 +36,7 @@ __all__ = [
   "init_params",
   "moe_block",
   "moe_layer",
+  "place_experts",
   "plan_from_group_sizes",
   "plan_from_send_counts",
   "quantize",

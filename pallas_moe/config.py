@@ -23,10 +23,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_moe.ops import Tiling
 
-__all__ = ["IGNORED_KEYS", "MoEConfig"]
+__all__ = ["IGNORED_KEYS", "MoEConfig", "check_expert_placement"]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
 _ACTIVATIONS = ("swiglu",)
@@ -96,6 +97,12 @@ class MoEConfig:
       `use_batch_split_schedule: false` (MaxText splits only when that is true).
       Buffers are per chunk (see `moe.buffer_rows_for`): dropless results equal the unsplit
       block's; with `buffer_factor`, each chunk drops on its own.
+    expert_placement: None (default: slot j holds expert j) or a permutation of
+      range(num_experts): weight slot j (device j // E_l, E_l = num_experts / expert axis size)
+      holds global expert `expert_placement[j]`. The router, its bias, DeepSeek's groups, the
+      aux loss and `expert_load` keep the original expert ids; only `wi`/`wo` are stored in slot
+      order (`moe.place_experts`). A list or numpy array is stored as a tuple of ints. Get one
+      from `bench.ep.topology_aware_placement` (README, "Overlapping the expert exchange").
   """
 
   num_experts: int
@@ -127,6 +134,7 @@ class MoEConfig:
   activation_quantization: str | None = None
   debug_nan_poison: bool = False
   batch_split: int | None = None
+  expert_placement: tuple[int, ...] | None = None
 
   def __post_init__(self):
     for name in ("num_experts", "top_k", "d_model", "expert_ffn_dim"):
@@ -181,6 +189,10 @@ class MoEConfig:
       )
     if self.data_axis == self.expert_axis:
       raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}.")
+    if self.expert_placement is not None:
+      # NOTE: frozen dataclass: store the checked tuple so the config stays hashable (jit keys).
+      placement = check_expert_placement(self.expert_placement, num_experts=self.num_experts)
+      object.__setattr__(self, "expert_placement", placement)
 
   def _check_routing(self) -> None:
     """Grouped-routing values that neither DeepSeek model defines raise, naming key and fix."""
@@ -347,6 +359,49 @@ class MoEConfig:
       hints = {f: [k for k, (t, _) in _ALIASES.items() if t == f] for f in missing}
       raise ValueError(f"MoEConfig.from_dict: missing {missing}; accepted names: {hints}.")
     return cls(**values)
+
+
+def check_expert_placement(placement, *, num_experts: int) -> tuple[int, ...]:
+  """Checks an expert placement (see `MoEConfig.expert_placement`) and returns it as a tuple.
+
+  Args:
+    placement: a sequence or 1-D integer array: slot j holds global expert placement[j].
+    num_experts: E; the placement must be a permutation of range(E).
+
+  Returns:
+    The placement as a tuple of Python ints.
+
+  Raises:
+    ValueError: not a 1-D sequence of ints, wrong length, or not a permutation (names the
+      missing and repeated experts).
+  """
+  fix = (
+    f"give a permutation of range({num_experts}) (e.g. bench.ep.topology_aware_placement's "
+    "order) or None"
+  )
+  if isinstance(placement, (str, bytes, Mapping)) or not hasattr(placement, "__len__"):
+    raise ValueError(
+      f"MoEConfig.expert_placement must be a sequence of ints, got {placement!r}; {fix}."
+    )
+  items = list(placement.tolist() if hasattr(placement, "tolist") else placement)
+  bad = [v for v in items if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
+  if bad:
+    raise ValueError(
+      f"MoEConfig.expert_placement must hold ints (expert ids), got {bad[0]!r}; {fix}."
+    )
+  if len(items) != num_experts:
+    raise ValueError(
+      f"MoEConfig.expert_placement has {len(items)} entries, num_experts is {num_experts}; {fix}."
+    )
+  got = [int(v) for v in items]
+  if sorted(got) != list(range(num_experts)):
+    missing = sorted(set(range(num_experts)) - set(got))
+    repeated = sorted({v for v in got if got.count(v) > 1 or not 0 <= v < num_experts})
+    raise ValueError(
+      f"MoEConfig.expert_placement is not a permutation of range({num_experts}): missing "
+      f"{missing}, repeated or out of range {repeated}; {fix}."
+    )
+  return tuple(got)
 
 
 def _check_choice(name: str, value, choices) -> None:

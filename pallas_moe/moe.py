@@ -15,6 +15,12 @@ Data flow on one device (inside `jax.shard_map` over a mesh with a data axis and
   unsort       an inverse-permutation gather back to (token, choice) order, then the weighted sum
                over the k choices (+ the shared-expert MLP)
 
+Expert placement (`config.expert_placement`, a permutation `placement` of range(E)): weight slot
+j (device j // E_l) holds global expert placement[j]; `place_experts` stores `wi`/`wo` that way.
+The router (weights, correction bias, DeepSeek's groups) keeps the original ids; right after the
+choice, `expert_slots` maps them to slots, and sort / dispatch / experts / combine run on slots.
+The aux loss and `expert_load` are in original expert order (`slot_counts_to_experts`).
+
 No dense [tokens, experts] one-hot matrix is built: group sizes are a bincount, sorting is an
 argsort, and every data movement is a gather/scatter of the rows' own size.
 
@@ -53,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_moe import batch_split as batch_split_lib
 from pallas_moe import collectives
 from pallas_moe import tiling as tiling_lib
-from pallas_moe.config import MoEConfig
+from pallas_moe.config import MoEConfig, check_expert_placement
 from pallas_moe.ops import gmm
 from pallas_moe.routing import BIAS_KEY, Routing, route, update_routed_bias
 
@@ -63,12 +69,15 @@ __all__ = [
   "buffer_rows_for",
   "default_batch_split",
   "dropless_buffer_rows",
+  "expert_slots",
   "init_params",
   "load_balance_loss",
   "moe_block",
   "moe_layer",
   "param_specs",
+  "place_experts",
   "route",
+  "slot_counts_to_experts",
   "sort_by_expert",
   "swiglu",
   "trainable",
@@ -76,6 +85,11 @@ __all__ = [
 ]
 
 _HIGHEST = jax.lax.Precision.HIGHEST
+
+# The params indexed by expert (leading axis E, split over the expert axis, stored in slot order
+# under `config.expert_placement`). The router and the correction bias are indexed by expert too,
+# but in the original order: they are not here.
+EXPERT_KEYS = ("wi", "wo")
 
 # WORKAROUND: makes gmm's CPU interpret mode lower inside shard_map(check_vma=True); see the module.
 
@@ -144,14 +158,45 @@ def param_specs(config: MoEConfig, params: dict | None = None) -> dict[str, P]:
     A dict of `PartitionSpec`s with the params' keys.
   """
   keys = params.keys() if params is not None else _param_keys(config)
-  expert = {"wi", "wo"}
-  return {k: (P(config.expert_axis) if k in expert else P()) for k in keys}
+  return {k: (P(config.expert_axis) if k in EXPERT_KEYS else P()) for k in keys}
 
 
 def _param_keys(config: MoEConfig) -> tuple[str, ...]:
   keys = ("router", "wi", "wo")
   keys += ("shared_wi", "shared_wo") if config.shared_width else ()
   return keys + ((BIAS_KEY,) if config.has_routed_bias else ())
+
+
+def place_experts(params: dict, *, placement, undo: bool = False) -> dict:
+  """Reorders the expert weights into (or, with `undo`, out of) an expert placement's slots.
+
+  Moves a checkpoint stored in expert order (`init_params`, Hugging Face, MaxText) to the slot
+  order a `MoEConfig(expert_placement=placement)` block reads: `wi[j]` and `wo[j]` become
+  expert placement[j]'s. The router and the correction bias stay in expert order (the block
+  routes with the original ids). Apply it to optimizer moments of the same keys too.
+
+  Args:
+    params: a dict like `init_params`'s (only the `EXPERT_KEYS` entries are moved; they must
+      have the whole E experts on their leading axis, i.e. unsharded or globally shaped).
+    placement: a permutation of range(E) (`MoEConfig.expert_placement`); None returns `params`.
+    undo: map slot-ordered weights back to expert order (e.g. to save a checkpoint, or to read
+      gradients per expert).
+
+  Returns:
+    A new dict with the same keys; the other entries are the same arrays.
+  """
+  if placement is None:
+    return dict(params)
+  out = dict(params)
+  for key in EXPERT_KEYS:
+    if key not in params:
+      continue
+    w = params[key]
+    order = np.asarray(check_expert_placement(placement, num_experts=w.shape[0]))
+    # NOTE: placing gathers by the placement (slot j <- expert order[j]); undoing gathers by its
+    # inverse (expert e <- slot argsort(order)[e]).
+    out[key] = w[np.argsort(order) if undo else order]
+  return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,6 +223,43 @@ def sort_by_expert(expert_ids: jax.Array, *, num_experts: int):
   inverse = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
   group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
   return order, inverse, group_sizes
+
+
+def expert_slots(expert_ids: jax.Array, *, placement: tuple[int, ...] | None) -> jax.Array:
+  """The weight slots that hold the routed experts under an expert placement.
+
+  Args:
+    expert_ids: [T, k] int original expert ids (the router's choice).
+    placement: `MoEConfig.expert_placement` (slot j holds expert placement[j]) or None.
+
+  Returns:
+    [T, k] int32 slot ids: `argsort(placement)[expert_ids]`; the ids themselves for None.
+  """
+  if placement is None:
+    return expert_ids
+  # NOTE: a static [E] table (the placement is part of the config), so a gather of T * k ints.
+  return _slot_of(placement)[expert_ids]
+
+
+def slot_counts_to_experts(slot_counts: jax.Array, *, placement: tuple[int, ...] | None):
+  """Per-slot counts (e.g. rows per slot) back in original expert order.
+
+  Args:
+    slot_counts: [E] values per slot.
+    placement: `MoEConfig.expert_placement` or None.
+
+  Returns:
+    [E] values per original expert: `out[placement[j]] = slot_counts[j]`.
+  """
+  if placement is None:
+    return slot_counts
+  # NOTE: expert e's count sits in slot slot_of[e] (the same table as `expert_slots`).
+  return slot_counts[_slot_of(placement)]
+
+
+def _slot_of(placement: tuple[int, ...]) -> jax.Array:
+  """[E] int32: the slot holding each expert, the inverse permutation `argsort(placement)`."""
+  return jnp.asarray(np.argsort(np.asarray(placement)), jnp.int32)
 
 
 def swiglu(h: jax.Array) -> jax.Array:
@@ -382,10 +464,10 @@ def batch_split_for(config: MoEConfig, *, tokens_per_device: int, expert_paralle
 def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int | None = None):
   """The MoE block on one device's tokens (call inside `jax.shard_map`, or plainly for ep = 1).
 
-  Expert weights are this device's shard (`E / ep` experts, contiguous); router and shared weights
-  are whole. Collectives run over `config.expert_axis` when that axis is bound with size > 1;
-  the load-balancing loss and counters are summed over whichever of the data and expert axes
-  are bound.
+  Expert weights are this device's shard (`E / ep` contiguous slots; slot j holds expert
+  `config.expert_placement[j]`, or j); router and shared weights are whole. Collectives run
+  over `config.expert_axis` when that axis is bound with size > 1; the load-balancing loss and
+  counters are summed over whichever of the data and expert axes are bound.
 
   With `S = batch_split_for(...)` > 1 chunks, the router runs once over all T tokens (so the
   load-balancing loss and `expert_load` are those of the whole batch), then each chunk of
@@ -405,8 +487,8 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     load-balancing loss), `dropped_rows` (global count of (token, choice) rows that did not fit,
     over all chunks), `needed_rows` (the largest receive count of any device and chunk: the
     exact dropless buffer of a chunk), `buffer_rows` (the static buffer of a chunk); and
-    `expert_load` [E] int32, the rows routed to each expert over the global batch (for
-    `update_routed_bias`).
+    `expert_load` [E] int32, the rows routed to each expert over the global batch, in original
+    expert order whatever `config.expert_placement` is (for `update_routed_bias`).
   """
   dt = config.compute_dtype
   k, num_experts = config.top_k, config.num_experts
@@ -425,6 +507,8 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
   tc = t // split
   x = x.astype(dt)
   routing = route(x, params["router"], config=config, bias=params.get(BIAS_KEY))
+  # NOTE: routing in original ids; from here on rows go to weight slots (`expert_slots`).
+  slot_ids = expert_slots(routing.expert_ids, placement=config.expert_placement)
   wi, wo = params["wi"].astype(dt), params["wo"].astype(dt)
   rows_b = buffer_rows_for(
     config, tokens_per_device=tc, expert_parallelism=ep, buffer_rows=buffer_rows
@@ -435,7 +519,7 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
   ]
   for c, ch in enumerate(chunks):
     with _chunk_scope(c, split):
-      _sort_chunk(ch, routing.expert_ids[c * tc : (c + 1) * tc], config=config)
+      _sort_chunk(ch, slot_ids[c * tc : (c + 1) * tc], config=config)
   if ep == 1:
     for c, ch in enumerate(chunks):
       with _chunk_scope(c, split):
@@ -454,7 +538,11 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
   dropped = [ch.dropped for ch in chunks]
   needed = [ch.needed for ch in chunks]
   y = ys[0] if split == 1 else jnp.concatenate(ys, axis=0)
-  group_sizes = functools.reduce(jnp.add, sizes)
+  # NOTE: the chunks' group sizes are per slot; the aux loss pairs them with the router's probs
+  # and `update_routed_bias` with its bias, both in original expert order.
+  group_sizes = slot_counts_to_experts(
+    functools.reduce(jnp.add, sizes), placement=config.expert_placement
+  )
   if config.shared_width:
     y = y + shared_mlp(x, params["shared_wi"].astype(dt), params["shared_wo"].astype(dt)).astype(
       jnp.float32
@@ -493,15 +581,17 @@ def _chunk_scope(c: int, split: int):
   return jax.named_scope(f"batch_split_{c}") if split > 1 else contextlib.nullcontext()
 
 
-def _sort_chunk(ch: _Chunk, expert_ids, *, config: MoEConfig) -> None:
-  """Sorts a chunk's (token, choice) rows by expert; fills order, inverse, sizes, rows."""
+def _sort_chunk(ch: _Chunk, slot_ids, *, config: MoEConfig) -> None:
+  """Sorts a chunk's (token, choice) rows by weight slot; fills order, inverse, sizes, rows."""
   k = config.top_k
-  ch.order, ch.inverse, ch.group_sizes = sort_by_expert(expert_ids, num_experts=config.num_experts)
+  # NOTE: slots, not expert ids (`expert_slots`): the group sizes, the plan and the received
+  # groups follow the weights' order. Without a placement they are the same.
+  ch.order, ch.inverse, ch.group_sizes = sort_by_expert(slot_ids, num_experts=config.num_experts)
   # NOTE: sorted row i is flat row order[i] = t * k + j, i.e. token order[i] // k.
   ch.rows = ch.x[ch.order // k]
   # NOTE: the expert of each sorted row, by a gather (a searchsorted over the group ends is a
   # while loop on TPU, which XLA's scheduler then places under the exchanges).
-  ch.sorted_expert = expert_ids.reshape(-1)[ch.order].astype(jnp.int32)
+  ch.sorted_expert = slot_ids.reshape(-1)[ch.order].astype(jnp.int32)
 
 
 def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buffer_rows: int):
@@ -547,8 +637,8 @@ def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buff
 
 def _mask_dropped(back, plan, sorted_expert):
   """Rows the receiver's buffer dropped come back as exactly 0."""
-  # NOTE: sorted row i belongs to expert e = sorted_expert[i]; it was sent in chunk e (experts
-  # are contiguous per device, so chunk index = expert) of which only the first send_sizes[e]
+  # NOTE: sorted row i belongs to slot e = sorted_expert[i]; it was sent in chunk e (slots
+  # are contiguous per device, so chunk index = slot) of which only the first send_sizes[e]
   # rows were delivered. Rows past that were dropped: force them to exactly 0.
   input_offsets, send_sizes = plan.dispatch_args[0], plan.dispatch_args[1]
   i = jnp.arange(back.shape[0], dtype=jnp.int32)
@@ -644,6 +734,9 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
   ep = _check_mesh(mesh, config)
   data = mesh.shape[config.data_axis]
   ids = np.asarray(_router_ids(config, mesh)(params["router"], params.get(BIAS_KEY), x))
+  if config.expert_placement is not None:
+    # NOTE: a row goes to the device holding its expert's slot (`expert_slots`).
+    ids = np.argsort(np.asarray(config.expert_placement))[ids]
   t = ids.shape[0] // (data * ep)
   split = batch_split_for(config, tokens_per_device=t, expert_parallelism=ep)
   # NOTE: with chunks the buffer is a chunk's: chunk c of every device is its tokens
