@@ -77,6 +77,8 @@ import time
 
 import numpy as np
 
+from bench.tables import format_table
+
 __all__ = [
   "CHIPS",
   "DEFAULT_BATCH_SPLIT",
@@ -763,19 +765,6 @@ _COLUMNS = (
 )
 
 
-def _table(title: str, columns, body, *, markdown: bool) -> str:
-  if not body:
-    return ""
-  if markdown:
-    out = [f"### {title}\n", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    out.extend("| " + " | ".join(r) + " |" for r in body)
-  else:
-    w = [max(len(c), *(len(r[i]) for r in body)) for i, c in enumerate(columns)]
-    out = [f"== {title}", "  ".join(c.rjust(x) for c, x in zip(columns, w, strict=True))]
-    out.extend("  ".join(v.rjust(x) for v, x in zip(r, w, strict=True)) for r in body)
-  return "\n".join(out) + "\n"
-
-
 def step_table(rows: list[dict], *, markdown: bool, title: str) -> str:
   """Formats `case_row` rows.
 
@@ -808,7 +797,7 @@ def step_table(rows: list[dict], *, markdown: bool, title: str) -> str:
     ]
     for r in rows
   ]
-  return _table(title, _COLUMNS, body, markdown=markdown)
+  return format_table(title, _COLUMNS, body, markdown=markdown)
 
 
 def chunk_table(rows: list[dict], *, markdown: bool) -> str:
@@ -821,7 +810,9 @@ def chunk_table(rows: list[dict], *, markdown: bool) -> str:
     for r in rows
     if not r["fp8_dispatch"]
   ]
-  return _table("Chunked step µs per chunk count c (fwd + bwd)", cols, body, markdown=markdown)
+  return format_table(
+    "Chunked step µs per chunk count c (fwd + bwd)", cols, body, markdown=markdown
+  )
 
 
 def placement_table(rows: list[dict], *, markdown: bool) -> str:
@@ -849,7 +840,7 @@ def placement_table(rows: list[dict], *, markdown: bool) -> str:
     ]
     for p in rows
   ]
-  return _table("Topology-aware expert placement (modeled)", cols, body, markdown=markdown)
+  return format_table("Topology-aware expert placement (modeled)", cols, body, markdown=markdown)
 
 
 def _placement_row(r: dict, *, wraparound) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from bench.ep_cases import EpShape
+from bench.tables import format_table
 from pallas_moe.tiling import get_generation
 
 __all__ = [
@@ -174,20 +175,6 @@ def _pf(x) -> str:
   return "-" if x is None else ("pass" if x else "FAIL")
 
 
-def _table(title: str, columns, rows, *, markdown: bool) -> str:
-  if not rows:
-    return ""
-  if markdown:
-    out = [f"### {title}\n", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    out.extend("| " + " | ".join(row) + " |" for row in rows)
-  else:
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
-    out = [f"== {title}"]
-    out.append("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-    out.extend("  ".join(x.rjust(w) for x, w in zip(row, widths, strict=True)) for row in rows)
-  return "\n".join(out) + "\n"
-
-
 def targets_table(rows: list[dict], *, markdown: bool) -> str:
   """Formats `targets` rows, with a pass count per target at the end.
 
@@ -221,7 +208,7 @@ def targets_table(rows: list[dict], *, markdown: bool) -> str:
     ]
     for t in rows
   ]
-  text = _table(
+  text = format_table(
     "Issue 14 targets (acceptance 3), ours, modeled", _TARGET_COLUMNS, body, markdown=markdown
   )
   summary = []
@@ -362,7 +349,7 @@ def block_table(rows: list[dict], *, markdown: bool) -> str:
       ]
     )
   title = "MoE block, gmm kernels per layer (up, down x fwd, dlhs, drhs), modeled"
-  return _table(title, _BLOCK_COLUMNS, body, markdown=markdown)
+  return format_table(title, _BLOCK_COLUMNS, body, markdown=markdown)
 
 
 def slack_table(records: list[dict], *, markdown: bool) -> str:
@@ -403,7 +390,7 @@ def slack_table(records: list[dict], *, markdown: bool) -> str:
       row.append(_fmt(r["modeled_us"], 0) if r else "-")
     body.append(row)
   title = "EP cases: ours per buffer policy (µs, slack) and the references, modeled"
-  return _table(title, columns, body, markdown=markdown)
+  return format_table(title, columns, body, markdown=markdown)
 
 
 # ----------------------------------------------------------------------------------------------
