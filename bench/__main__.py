@@ -522,11 +522,11 @@ def main(argv) -> None:
     extra_text.append(ep_report.slack_table(records, markdown=False))
     extra_md.append(ep_report.slack_table(records, markdown=True))
     if _TARGETS.value:
-      ours = [i for i in ep_report.OURS_VARIANTS if any(r["impl"] == i for r in records)]
+      ours = ep_report.ours_in(records)
       _log(f"targets: {', '.join(ours)} at slack 1")
       slack1 = run_cases(cases=ep_report.slack1_cases(cases), impl_names=ours, **common)
       out["ep_slack1"] = slack1
-      rows = [t for o in ours for t in ep_report.targets(records, slack1, ours=o)]
+      rows = ep_report.targets_of_ours(records, slack1)
       out["ep_targets"] = rows
       extra_text.append(ep_report.targets_table(rows, markdown=False))
       extra_md.append(ep_report.targets_table(rows, markdown=True))

@@ -19,11 +19,13 @@ __all__ = [
   "block_table",
   "block_totals",
   "merge_runs",
+  "ours_in",
   "render",
   "slack_table",
   "slack1_cases",
   "tail_write_us",
   "targets",
+  "targets_of_ours",
   "targets_table",
 ]
 
@@ -143,6 +145,16 @@ def targets(
       )
     )
   return out
+
+
+def ours_in(records: list[dict]) -> list[str]:
+  """Which of our variants (`OURS_VARIANTS`, in that order) the records hold."""
+  return [o for o in OURS_VARIANTS if any(r["impl"] == o for r in records)]
+
+
+def targets_of_ours(records: list[dict], slack1: list[dict]) -> list[dict]:
+  """`targets` rows of every variant of ours that `slack1` holds, variant by variant."""
+  return [t for o in ours_in(slack1) for t in targets(records, slack1, ours=o)]
 
 
 _TARGET_COLUMNS = (
@@ -436,8 +448,7 @@ def render(merged: dict[str, list[dict]], *, markdown: bool) -> str:
   if merged["modeled"]:
     parts.append(slack_table(merged["modeled"], markdown=markdown))
   if merged["ep_slack1"]:
-    ours = [o for o in OURS_VARIANTS if any(r["impl"] == o for r in merged["ep_slack1"])]
-    rows = [t for o in ours for t in targets(merged["modeled"], merged["ep_slack1"], ours=o)]
+    rows = targets_of_ours(merged["modeled"], merged["ep_slack1"])
     parts.append(targets_table(rows, markdown=markdown))
   if merged["block"]:
     parts.append(block_table(block_totals(merged["block"]), markdown=markdown))

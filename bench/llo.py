@@ -1169,6 +1169,12 @@ def _sorted(records):
   )
 
 
+def _tiling_label(record: dict[str, Any]) -> str:
+  """ "tmxtkxtn", with " (rs)" when the kernel runs `rows_stationary`."""
+  form = " (rs)" if record.get("form") == "rowtile-rows-stationary" else ""
+  return "x".join(str(t) for t in record.get("tiling") or ()) + form
+
+
 def restated_table(records: Sequence[dict[str, Any]]) -> str:
   """Markdown: the model's time with and without the compiled excess, against the bound.
 
@@ -1178,15 +1184,16 @@ def restated_table(records: Sequence[dict[str, Any]]) -> str:
   Returns:
     Markdown.
   """
+  from bench import costmodel
+
   cols = (
     "shape | op | chip | tiling | modeled µs | /ach | compiled excess µs | restated µs |"
     " restated/ach | inner loop issue/MXU"
   )
   out = ["| " + cols + " |", "|" + "---|" * len(cols.split(" | "))]
   for r in _sorted(records):
-    form = " (rs)" if r.get("form") == "rowtile-rows-stationary" else ""
-    tiling = "x".join(str(t) for t in r.get("tiling") or ()) + form
-    excess = max(0.0, r["bound_us"] - r["mxu_us"])
+    tiling = _tiling_label(r)
+    excess = costmodel.compiled_excess_us(bound_us=r["bound_us"], mxu_us=r["mxu_us"])
     label = f"{r['shape']}@{r.get('tokens') or 'native'}"
     out.append(
       f"| {label} | {r['op']} | {r['generation']} | {tiling} | {r['model_us']:,.0f} |"
@@ -1211,8 +1218,7 @@ def markdown_table(records: Sequence[dict[str, Any]]) -> str:
   )
   out = ["| " + cols + " |", "|" + "---|" * len(cols.split(" | "))]
   for r in _sorted(records):
-    form = {"rowtile": "", "rowtile-rows-stationary": " (rs)"}.get(r.get("form") or "", "")
-    tiling = "x".join(str(t) for t in r.get("tiling") or ()) + form
+    tiling = _tiling_label(r)
     top = ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in r["top_non_mxu"])
     diff = r["bound_us"] - r["model_mxu_us"]
     out.append(
