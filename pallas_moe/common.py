@@ -412,3 +412,104 @@ def result_dtype(lhs, rhs, preferred_element_type) -> jnp.dtype:
   if preferred_element_type is None:
     return jnp.dtype(jnp.promote_types(lhs.dtype, rhs.dtype))
   return jnp.dtype(preferred_element_type)
+
+
+def row_granule(dtype: Any, *, lanes: bool = False) -> int:
+  """Rows a manual DMA along an operand's m axis moves at a time (its alignment).
+
+  NOTE: a dynamic offset along a tiled dim must be a multiple of the dim's tile: 8 sublanes of
+  32 bits, so 16 rows of bf16 and 32 of 8-bit types; 128 when m is the lane dim (tgmm's lhs^T).
+  """
+  if lanes:
+    return LANE
+  return SUBLANE * max(1, 4 // jnp.dtype(dtype).itemsize)
+
+
+def tile_row_copies(
+  *,
+  hbm_rows: Callable[[Any, int], Any],
+  vmem_rows: Callable[[Any, int], Any],
+  sem: Any,
+  row0: Any,
+  lo: Any,
+  hi: Any,
+  tm: int,
+  m: int,
+  granule: int,
+  to_hbm: bool = False,
+) -> list[tuple[Any, Any]]:
+  """The DMAs that move rows [lo, hi) of the m-tile at `row0` (offsets within the tile), rounded
+  out to `granule`, between an operand's HBM rows and a [tm, ...] VMEM block at the same offsets.
+
+  A row-tile kernel fetches (or writes back) only the rows of a tile that hold local rows: the
+  first and last visited tiles of an expert-parallel receive buffer hold few of them. Mosaic
+  DMAs have static shapes (interpret mode too), so a range of dynamic length L is moved as the
+  binary decomposition of L / granule: at most log2(tm / granule) + 1 copies of static
+  power-of-two sizes, each at an offset aligned to its granule, plus one static copy of the
+  operand's last m % granule rows when the range reaches m. Rows of the block outside the range
+  are left as they were. A tm that the granule does not divide (a tile of all m rows) falls back
+  to the whole tile (static, clipped at m).
+
+  Args:
+    hbm_rows: (start, size) -> the operand's HBM ref indexed to rows [start, start + size).
+    vmem_rows: (offset, size) -> the VMEM block indexed to rows [offset, offset + size).
+    sem: the DMA semaphore every copy signals.
+    row0: first row of the tile (a multiple of tm).
+    lo: first row to move, relative to row0 (0 <= lo < hi).
+    hi: end of the rows to move, relative to row0 (hi <= min(tm, m - row0)).
+    tm: rows per tile.
+    m: rows of the operand.
+    granule: the row alignment (`row_granule`).
+    to_hbm: write the VMEM rows to HBM (default: fetch HBM rows into VMEM).
+
+  Returns:
+    [(predicate, descriptor)]: start (or wait for) each descriptor under its predicate; the same
+    arguments give the same list, so a later step can wait for what an earlier one started.
+  """
+
+  def copy(offset, size, start=None):
+    src = hbm_rows(row0 + offset if start is None else start, size)
+    dst = vmem_rows(offset, size)
+    if to_hbm:
+      src, dst = dst, src
+    return pltpu.make_async_copy(src, dst, sem)
+
+  tiles_m = -(-m // tm)
+  last_rows = m - (tiles_m - 1) * tm
+  if tm % granule:
+    # NOTE: unaligned tile (only a tile of all m rows): the whole tile, ragged when it is m's end.
+    if tiles_m == 1:
+      return [(True, copy(0, last_rows))]
+    last = row0 == (tiles_m - 1) * tm
+    return [(~last, copy(0, tm)), (last, copy(0, last_rows))]
+  tail = m % granule
+  aligned_end = m - tail - row0  # rows of this tile before m's unaligned tail
+  first = (lo // granule) * granule
+  end = jnp.minimum(-(-hi // granule) * granule, aligned_end)
+  units = jnp.maximum(end - first, 0) // granule
+  copies = []
+  top = max(0, (tm // granule).bit_length() - 1)
+  for bit in range(top, -1, -1):
+    size = granule << bit
+    if size > m - tail:
+      continue  # NOTE: never moved (the range has at most m - tail aligned rows)
+    # NOTE: the copy for bit j starts after the copies of the higher bits: at first + the units
+    # of bits above j, a multiple of granule * 2^(j+1), so its offset is aligned.
+    offset = pl.multiple_of(first + ((units >> (bit + 1)) << (bit + 1)) * granule, granule)
+    copies.append((((units >> bit) & 1) == 1, copy(offset, size)))
+  if tail:
+    # NOTE: m's last `tail` rows, only in m's last tile (row0 static there); moved when the
+    # range reaches past the aligned rows.
+    offset = m - tail - (tiles_m - 1) * tm
+    copies.append((hi > aligned_end, copy(offset, tail, start=m - tail)))
+  return copies
+
+
+def run_copies(copies: list[tuple[Any, Any]], *, wait: bool) -> None:
+  """Starts (or waits for) each copy of `tile_row_copies` under its predicate."""
+  for pred, desc in copies:
+    action = desc.wait if wait else desc.start
+    if pred is True:
+      action()
+    else:
+      pl.when(pred)(action)
