@@ -114,6 +114,7 @@ def _resolve_tiles(
   allow_rowtile: bool = True,
   narrow_dot: bool = False,
   expected_rows: int | None = None,
+  unowned_rows: str = "zero",
 ) -> KernelTiling:
   """Tiles (and the kernel) for one call: the heuristic, a LUT lookup, or the user's, checked.
 
@@ -134,6 +135,8 @@ def _resolve_tiles(
     narrow_dot: the gmm multiplies 8-bit lhs and rhs natively (w8a8 where the chip can): the
       heuristic scores MXU time at that rate (`dtypes` are then the 8-bit ones).
     expected_rows: the caller's expectation of sum(group_sizes) (see `gmm`), for the heuristic.
+    unowned_rows: gmm's option (see `gmm`), for the heuristic: whether the visited tiles'
+      output is written whole or only their local rows.
   """
   m, k, n = dims
   lhs_dtype, rhs_dtype, out_dtype = dtypes
@@ -154,6 +157,7 @@ def _resolve_tiles(
       generation=generation,
       narrow_dot=narrow_dot,
       expected_rows=expected_rows,
+      unowned_rows=unowned_rows,
     )
   if picked is not None:
     spec = picked
@@ -784,6 +788,8 @@ def gmm(
     interpret=interpret,
     expected_rows=expected_rows,
   )
+  # NOTE: existing_out is written whole in the visited tiles, like the zero fill's buffer.
+  gmm_unowned = "existing" if existing_out is not None else unowned_rows
   compute_dtype = jnp.promote_types(lhs.dtype, rhs_for_tiles.dtype)
   # NOTE: with transpose_rhs the weight gradient is [G, n, k]: tgmm's (tk, tn) tile (n, k).
   if transpose_rhs:
@@ -809,7 +815,14 @@ def gmm(
   static = _GmmStatic(
     out_dtype=out_dtype,
     fwd=dataclasses.replace(
-      resolve(tilings.fwd, dims=(m, k, n), kind="gmm", dtypes=fwd_dtypes, narrow_dot=narrow_dot),
+      resolve(
+        tilings.fwd,
+        dims=(m, k, n),
+        kind="gmm",
+        dtypes=fwd_dtypes,
+        narrow_dot=narrow_dot,
+        unowned_rows=gmm_unowned,
+      ),
       fill_unowned=fill,
     ),
     dlhs=dataclasses.replace(
@@ -818,6 +831,7 @@ def gmm(
         dims=(m, n, k),
         kind="gmm",
         dtypes=(compute_dtype, rhs_for_tiles.dtype, lhs.dtype),
+        unowned_rows=unowned_rows,
       ),
       fill_unowned=fill,
     ),

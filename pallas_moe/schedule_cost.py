@@ -224,6 +224,74 @@ def rowtile_manual_dma(
   return over.reshape(-1), exposed.reshape(-1)
 
 
+def row_granule_of(itemsize: int, *, lanes: bool = False) -> int:
+  """`common.row_granule` from an element size: rows a manual DMA along m moves at a time (8
+  sublanes of 32 bits: f32 8, bf16 16, 8-bit 32; 128 when m is the lane axis)."""
+  return 128 if lanes else 8 * max(1, 4 // int(itemsize))
+
+
+def tile_rows_moved(*, row0, lo, hi, tm: int, m: int, granule: int) -> np.ndarray:
+  """Rows a row-tile kernel's manual DMA moves for rows [lo, hi) of the tile at `row0` (relative
+  to it): the range rounded out to the granule and clipped at m, or the whole tile clipped at m
+  when the granule does not divide tm (`common.tile_row_copies`; numpy, elementwise)."""
+  row0, lo, hi = (np.asarray(x, np.int64) for x in (row0, lo, hi))
+  if tm % granule:
+    return np.maximum(np.minimum(tm, m - row0), 0)
+  first = (lo // granule) * granule
+  end = np.minimum(-(-hi // granule) * granule, m - row0)
+  return np.where(hi > lo, np.maximum(end - first, 0), 0)
+
+
+def rowtile_row_dma(
+  *,
+  fetches,
+  writes,
+  sweeps: int,
+  sequential_sweeps: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Per grid step: bytes of the row-tile kernels' manual row-block DMAs (gmm's lhs and output,
+  tgmm's lhs and rhs), split into overlapped and exposed.
+
+  The kernels double-buffer these blocks by hand along a chain of grid steps: the whole grid
+  with `sequential_sweeps` (one core runs it in order), else each sweep. A step's blocks are
+  fetched during the previous step of the chain (overlapped with its work: counted there); the
+  chain's first step fetches its own and waits (exposed). A block equal to the previous step's
+  (same key: one visited tile across a chain of sweeps) is not fetched again. A step's output
+  block is written back during the next step of the chain (counted there); the chain's last
+  write is drained with nothing to overlap (exposed).
+
+  Args:
+    fetches: [(bytes, key)], one per fetched operand: [steps] bytes its block moves at each step
+      (the tile's rows, `tile_rows_moved`) and [steps] int keys identifying the block.
+    writes: [steps] bytes written back after each step (zeros: none).
+    sweeps: chains of equal length without `sequential_sweeps` (the grid's other axes).
+    sequential_sweeps: the kernels' option.
+
+  Returns:
+    (overlapped, exposed), each [steps] in grid-step order.
+  """
+  writes = np.asarray(writes, np.float64)
+  steps = writes.size
+  over = np.zeros(steps)
+  exposed = np.zeros(steps)
+  if steps == 0:
+    return over, exposed
+  chain_len = steps if sequential_sweeps else steps // max(sweeps, 1)
+  pos = np.arange(steps) % chain_len
+  first, last = pos == 0, pos == chain_len - 1
+  for nbytes, key in fetches:
+    nbytes = np.broadcast_to(np.asarray(nbytes, np.float64), (steps,))
+    key = np.broadcast_to(np.asarray(key), (steps,))
+    moved = first.copy()
+    moved[1:] |= key[1:] != key[:-1]
+    b = np.where(moved, nbytes, 0.0)
+    exposed += np.where(first, b, 0.0)
+    over[:-1] += np.where(first[1:], 0.0, b[1:])
+  exposed += np.where(last, writes, 0.0)
+  over[1:] += np.where(last[:-1], 0.0, writes[:-1])
+  return over, exposed
+
+
 def rowtile_step_costs(
   *,
   group_sizes,
@@ -239,13 +307,17 @@ def rowtile_step_costs(
   generation: str | TpuGeneration,
   peak_flops: float | None = None,
   buffer_rows: int | None = None,
+  unowned_rows: str = "zero",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Per-step MXU seconds and HBM bytes of a row-tile kernel's whole grid.
 
-  The same accounting as `bench.costmodel` applies to the real kernel (pipelined blocks, plus the
-  manual per-group DMAs spread over the work they overlap, `rowtile_manual_dma`), in closed form
-  from the group sizes: the picker's model. The kernels' `sequential_sweeps` follows the
-  generation, as in `pallas_moe.ops`.
+  The same accounting as `bench.costmodel` applies to the real kernel (its manual DMAs: the
+  per-group weight loads / output writes spread over the work they overlap,
+  `rowtile_manual_dma`, and the row blocks double-buffered along the grid, `rowtile_row_dma`), in
+  closed form from the group sizes: the picker's model. The local groups hold the operands'
+  first sum(group_sizes) rows (a receive buffer's layout). The kernels' `sequential_sweeps`
+  follows the generation, as in `pallas_moe.ops`. The zero fill of gmm's unvisited rows (a
+  separate kernel) is not a step here: `rowtile_fill_bytes`.
 
   Args:
     group_sizes: rows per local group (numpy).
@@ -261,13 +333,21 @@ def rowtile_step_costs(
     generation: TPU generation.
     peak_flops: the dot's MXU rate (default the bf16 peak; `narrow_peak` for a narrow dot).
     buffer_rows: the operands' m when it exceeds sum(group_sizes) (a receive buffer with slack).
-      The grid visits only the tiles holding rows, but the last one's blocks are fetched (and
-      written) whole up to the buffer's end, not only its real rows.
+      The grid visits only the tiles holding rows and moves only their real rows, rounded out to
+      the DMA granule (`row_granule_of`) and clipped at the buffer's end; but see unowned_rows.
+    unowned_rows: gmm only: "undefined" (`gmm(unowned_rows="undefined")`, the MoE block): only
+      the local rows of a tile are written back (rounded to the output's granule); "zero" (the
+      default) or "existing" (an `existing_out`): rows outside them are part of the result, so
+      every visited tile is written whole (clipped at the buffer's end).
 
   Returns:
     (mxu_seconds, overlapped_bytes, exposed_bytes), each [sweeps * tiles_m] in grid-step order:
     a step takes max(mxu, overlapped / bandwidth) + exposed / bandwidth.
   """
+  if unowned_rows not in ("zero", "undefined", "existing"):
+    raise ValueError(
+      f"unowned_rows must be 'zero', 'undefined' or 'existing', got {unowned_rows!r}"
+    )
   gen = get_generation(generation)
   mxu = gen.mxu_size
   sub = rows_per_pass(tm, mxu)
@@ -286,16 +366,39 @@ def rowtile_step_costs(
   macs = _dot_macs(**shape, mxu=mxu)
   peak = gen.peak_bf16_flops if peak_flops is None else peak_flops
   mxu_s = np.bincount(t, hits * 2.0 * macs, tiles_m) / peak
-  # NOTE: a block is clipped only at the operand's end: the buffer's, when it has slack.
+  # NOTE: the row blocks move the tile's local rows [0, m) rounded out to the granule and
+  # clipped at the operands' end (the buffer's, when it has slack).
   end = m if buffer_rows is None else max(m, buffer_rows)
-  rows = np.minimum(end, (np.arange(tiles_m) + 1) * tm) - np.arange(tiles_m) * tm
-  sweeps = (k // tk) * (n // tn)
+  row0 = np.arange(tiles_m) * tm
+  lo, hi = np.zeros(tiles_m, np.int64), np.minimum(m - row0, tm)
+  moved = lambda g: tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=end, granule=g)  # noqa: E731
+  tiles_k, tiles_n = k // tk, n // tn
+  sweeps = tiles_k * tiles_n
+  sweep = np.repeat(np.arange(sweeps), tiles_m)
+  tile = np.tile(np.arange(tiles_m), sweeps)
   if kind == "gmm":
-    pipelined = rows * (k * lhs_itemsize + tn * out_itemsize)
+    out_rows = (
+      moved(row_granule_of(out_itemsize))
+      if unowned_rows == "undefined"
+      else np.minimum(end - row0, tm)
+    )
+    fetches = [(np.tile(moved(row_granule_of(lhs_itemsize)) * k * lhs_itemsize, sweeps), tile)]
+    writes = np.tile(out_rows * tn * out_itemsize, sweeps)
     block = k * tn * rhs_itemsize
   else:
-    pipelined = rows * (tk * lhs_itemsize + tn * rhs_itemsize)
+    k_i, n_i = sweep // tiles_n, sweep % tiles_n
+    fetches = [
+      (np.tile(moved(row_granule_of(lhs_itemsize, lanes=True)) * tk * lhs_itemsize, sweeps),
+       k_i * tiles_m + tile),
+      (np.tile(moved(row_granule_of(rhs_itemsize)) * tn * rhs_itemsize, sweeps),
+       n_i * tiles_m + tile),
+    ]  # fmt: skip
+    writes = np.zeros(sweeps * tiles_m)
     block = tk * tn * out_itemsize
+  seq = sequential_sweeps(gen)
+  row_over, row_exposed = rowtile_row_dma(
+    fetches=fetches, writes=writes, sweeps=sweeps, sequential_sweeps=seq
+  )
   over, exposed = rowtile_manual_dma(
     starts=starts,
     ends=ends,
@@ -305,18 +408,41 @@ def rowtile_step_costs(
     kind=kind,
     sweeps=sweeps,
     block_bytes=block,
-    sequential_sweeps=sequential_sweeps(gen),
+    sequential_sweeps=seq,
   )
-  return np.tile(mxu_s, sweeps), np.tile(pipelined.astype(np.float64), sweeps) + over, exposed
+  return np.tile(mxu_s, sweeps), over + row_over, exposed + row_exposed
+
+
+def rowtile_fill_bytes(
+  *, group_sizes, n: int, tm: int, out_itemsize: int, buffer_rows: int | None = None
+) -> int:
+  """Bytes gmm's zero fill (`unowned_rows="zero"`, a one-step kernel before the row-tile one)
+  writes: the buffer's rows past the visited tiles, [buffer_rows - visited tiles x tm, n)."""
+  total = int(np.maximum(np.asarray(group_sizes, np.int64), 0).sum())
+  end = total if buffer_rows is None else max(total, buffer_rows)
+  visited = max(1, -(-total // tm)) * tm
+  return max(end - visited, 0) * n * out_itemsize
 
 
 def rowtile_modeled_seconds(*, step_overhead_s: float = 0.35e-6, **step_costs_kwargs: Any) -> float:
   """Modeled time of a row-tile kernel's whole grid: Σ over steps of max(MXU, overlapped HBM
   time) + exposed HBM time + per-step overhead (DESIGN.md), from `rowtile_step_costs` (same
-  keyword arguments)."""
+  keyword arguments); for gmm with `unowned_rows="zero"` (the default) plus its zero fill's one
+  step (`rowtile_fill_bytes` at HBM bandwidth)."""
   gen = get_generation(step_costs_kwargs["generation"])
   mxu_s, over, exposed = rowtile_step_costs(**step_costs_kwargs)
   bw = gen.hbm_bytes_per_s
-  return float(
+  total = float(
     np.maximum(mxu_s, over / bw).sum() + exposed.sum() / bw + step_overhead_s * mxu_s.size
   )
+  kw = step_costs_kwargs
+  if kw["kind"] == "gmm" and kw.get("unowned_rows", "zero") == "zero":
+    fill = rowtile_fill_bytes(
+      group_sizes=kw["group_sizes"],
+      n=kw["n"],
+      tm=kw["tm"],
+      out_itemsize=kw["out_itemsize"],
+      buffer_rows=kw.get("buffer_rows"),
+    )
+    total += fill / bw + step_overhead_s
+  return total

@@ -162,6 +162,7 @@ def pick_rowtile_tiling(
   step_overhead_s: float = 0.35e-6,
   narrow_dot: bool = False,
   expected_rows: int | None = None,
+  unowned_rows: str = "zero",
 ) -> tuple[int, int, int] | None:
   """Chooses (tm, tk, tn) for a row-tile kernel, or None when none fits VMEM.
 
@@ -189,7 +190,11 @@ def pick_rowtile_tiling(
       int8 / fp8 rate: less MXU time per step shifts the balance towards fewer, larger steps.
     expected_rows: rows the caller expects sum(group_sizes) to be (default m). An expert-parallel
       receive buffer holds fewer real rows than m; the kernels visit only the m-tiles that hold
-      them, so the tiles are scored on that many rows (the last, partly filled tile included).
+      them, so the tiles are scored on that many rows (the last, partly filled tile included:
+      its lhs rows are moved only up to the real rows, rounded to the DMA granule).
+    unowned_rows: gmm's `unowned_rows` ("zero", "undefined"; "existing" for an `existing_out`):
+      whether the visited tiles' output is written whole (and the rest zero-filled) or only
+      their real rows (`rowtile_step_costs`).
 
   Returns:
     (tm, tk, tn), or None.
@@ -205,9 +210,10 @@ def pick_rowtile_tiling(
   # draw stands in for the routing the kernel will see.
   rows = m if expected_rows is None else max(1, min(int(expected_rows), m))
   # NOTE: with slack, where the real rows end relative to the tile boundaries decides how much of
-  # the last visited tile is fetched for nothing (it is fetched whole, up to the buffer's end).
-  # The real count varies around the expectation, so each tiling is scored at a few ends spread
-  # over the largest tm (not multiples of any smaller one): an even chance for every tm.
+  # the last visited tile's MXU sub-blocks (and, where the output is written whole, its output
+  # rows) do no real work. The real count varies around the expectation, so each tiling is scored
+  # at a few ends spread over the largest tm (not multiples of any smaller one): an even chance
+  # for every tm.
   ends = [rows] if rows == m else sorted({min(m, rows + j * _FILL_SPREAD) for j in range(5)})
   draws = [
     np.random.default_rng(_PICKER_SEED).multinomial(r, np.full(num_groups, 1 / num_groups))
@@ -252,6 +258,7 @@ def pick_rowtile_tiling(
             peak_flops=peak,
             step_overhead_s=step_overhead_s,
             buffer_rows=m,
+            unowned_rows=unowned_rows,
           )
           for sizes in draws
         ) / len(draws)

@@ -6,7 +6,8 @@
 - `pallas_moe.vmem`: VMEM accounting (`vmem_estimate_bytes`, `check_fits_vmem`,
   `usable_vmem_bytes`, `vmem_limit_for`).
 - `pallas_moe.schedule_cost`: the row-tile kernels' analytic schedule cost
-  (`rows_stationary_pays`, `rowtile_manual_dma`, `rowtile_step_costs`, `rowtile_modeled_seconds`).
+  (`rows_stationary_pays`, `rowtile_manual_dma`, `rowtile_row_dma`, `rowtile_step_costs`,
+  `rowtile_modeled_seconds`, `rowtile_fill_bytes`, `tile_rows_moved`, `row_granule_of`).
 - `pallas_moe.tile_pickers`: the default tiles (`pick_tiling`, `pick_rowtile_tiling`).
 
 Every name stays importable from here (`pallas_moe.tiling.use_generation`, ...), where users and
@@ -24,10 +25,14 @@ from pallas_moe.generations import (
   use_generation,
 )
 from pallas_moe.schedule_cost import (
+  row_granule_of,
   rows_stationary_pays,
+  rowtile_fill_bytes,
   rowtile_manual_dma,
   rowtile_modeled_seconds,
+  rowtile_row_dma,
   rowtile_step_costs,
+  tile_rows_moved,
 )
 from pallas_moe.tile_pickers import pick_rowtile_tiling, pick_tiling
 from pallas_moe.vmem import check_fits_vmem, usable_vmem_bytes, vmem_estimate_bytes, vmem_limit_for
@@ -46,6 +51,10 @@ __all__ = [
   "pick_rowtile_tiling",
   "rowtile_manual_dma",
   "rowtile_modeled_seconds",
+  "rowtile_row_dma",
+  "rowtile_fill_bytes",
+  "tile_rows_moved",
+  "row_granule_of",
   "narrow_peak",
   "rows_per_pass",
   "rows_stationary_pays",

@@ -319,9 +319,10 @@ def test_unowned_rows_undefined_matches_on_owned_rows_and_saves_the_fill():
 
 def test_expected_rows_picks_tiles_for_the_real_rows_and_changes_nothing_else():
   """`expected_rows` is a hint for the default tiles of a receive buffer with slack: on
-  mixtral's EP weight gradient (one expert, 8,192 of 16,384 rows) the picker stops fetching a
-  whole 4,096-row tile for a few rows; results are identical with and without it; bad values are
-  refused by name."""
+  mixtral's EP weight gradient (one expert, 8,192 of 16,384 rows) the picker scores the tiles on
+  the rows the grid really visits (three 4,096-row tiles, the last nearly empty, balance worse
+  than 1,024-row ones; the slack itself costs nothing since the kernels move only real rows);
+  results are identical with and without it; bad values are refused by name."""
   from pallas_moe import tiling
 
   kw = dict(
