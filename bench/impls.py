@@ -720,6 +720,9 @@ def rowtile_hooks(
   out_itemsize: int = 2,
   mxu: int = 128,
   interior_subs: int = INTERIOR_SUBS,
+  lhs_itemsize: int = 2,
+  rhs_itemsize: int = 2,
+  unowned_rows: str = "zero",
 ):
   """Cost-model hooks of the row-tile kernels, from their prefetched schedule.
 
@@ -731,7 +734,11 @@ def rowtile_hooks(
   over the body's (one of each). Manual DMA:
   gmm loads a group's [k, tn] weight block, tgmm writes a group's [tk, tn] output block; each
   is spread over the sub-block work between the points the kernel starts and waits for it, or
-  exposed when there is none (`tiling.rowtile_manual_dma`).
+  exposed when there is none (`tiling.rowtile_manual_dma`). The row blocks (gmm's lhs and
+  output, tgmm's lhs and rhs) move by manual DMA too: only the rows of a visited tile that hold
+  local rows, rounded out to the DMA granule (`tiling.tile_rows_moved`), prefetched during the
+  previous step of the kernel's chain and written back during the next one, the chain's first
+  fetch and last write exposed (`tiling.rowtile_row_dma`).
 
   Args:
     op: "fwd"/"dlhs" (gmm prefetch: offsets, first, last, load_rank, load_group, num_loads,
@@ -744,11 +751,15 @@ def rowtile_hooks(
     itemsize: bytes per weight (gmm) / output (tgmm) element.
     block_bytes: bytes of one manual block (default tk * tn * itemsize); quantized weights add
       their [1, tn] f32 scales.
-    rows: gmm: the output's rows (m), for the zero fill of the unvisited tiles.
-    out_cols: gmm: the output's columns, likewise.
-    out_itemsize: gmm: bytes per output element, likewise.
+    rows: the operands' rows (m): where the row blocks are clipped; gmm: the zero fill's.
+    out_cols: gmm: the output's columns (the zero fill's).
+    out_itemsize: gmm: bytes per output element.
     mxu: tgmm: the MXU edge the cost model pads a dot's contraction to.
     interior_subs: tgmm: the kernel's sub-blocks per interior run.
+    lhs_itemsize: bytes per lhs element.
+    rhs_itemsize: tgmm: bytes per rhs element.
+    unowned_rows: gmm: "undefined" (`fill_unowned=False`, no existing_out: only a tile's local
+      rows are written back) or "zero" / "existing" (visited tiles are written whole).
 
   Returns:
     (step_scale, step_manual_bytes). They also cover the gmm's `pallas_moe_zero_fill` call: no
@@ -780,17 +791,53 @@ def rowtile_hooks(
     starts, ends = _local_groups(ctx)
     # NOTE: in the coordinates of the visited tiles (the grid starts at the first active one).
     shift = _first_active_tile(ctx) * tm
-    return tiling_lib.rowtile_manual_dma(
+    sweeps = math.prod(ctx.grid[:-1])
+    over, exposed = tiling_lib.rowtile_manual_dma(
       starts=starts - shift,
       ends=ends - shift,
       m=ctx.grid[-1] * tm,
       tm=tm,
       sub_m=sub_m,
       kind="tgmm" if op == "drhs" else "gmm",
-      sweeps=math.prod(ctx.grid[:-1]),
+      sweeps=sweeps,
       block_bytes=tk * tn * itemsize if block_bytes is None else block_bytes,
       sequential_sweeps=sequential_sweeps,
     )
+    row_over, row_exposed = tiling_lib.rowtile_row_dma(
+      **_rowtile_row_blocks(ctx, starts=starts, ends=ends), sweeps=sweeps,
+      sequential_sweeps=sequential_sweeps,
+    )  # fmt: skip
+    return over + row_over, exposed + row_exposed
+
+  def _rowtile_row_blocks(ctx: StepContext, *, starts, ends) -> dict:
+    """The row blocks each step moves (`tiling.rowtile_row_dma`'s fetches and writes)."""
+    if rows is None:
+      raise ValueError("rowtile_hooks(rows=) is needed to model the row blocks' DMAs.")
+    tile = ctx.program_ids[-1].astype(np.int64) + _first_active_tile(ctx)
+    row0 = tile * tm
+    # NOTE: the local rows [rows_start, rows_end) in the tile, relative to its first row.
+    lo = np.maximum(starts[0] - row0, 0) if starts.size else np.zeros_like(row0)
+    hi = np.minimum(ends[-1] - row0, tm) if ends.size else np.zeros_like(row0)
+
+    def moved(granule):
+      return tiling_lib.tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=rows, granule=granule)
+
+    if op == "drhs":
+      k_i, n_i = ctx.program_ids[0].astype(np.int64), ctx.program_ids[1].astype(np.int64)
+      lhs_rows = moved(tiling_lib.row_granule_of(lhs_itemsize, lanes=True))
+      rhs_rows = moved(tiling_lib.row_granule_of(rhs_itemsize))
+      big = int(tile.max(initial=0)) + 1
+      fetches = [
+        (lhs_rows * tk * lhs_itemsize, k_i * big + tile),
+        (rhs_rows * tn * rhs_itemsize, n_i * big + tile),
+      ]
+      return dict(fetches=fetches, writes=np.zeros(tile.size))
+    lhs_rows = moved(tiling_lib.row_granule_of(lhs_itemsize))
+    if unowned_rows == "undefined":
+      out_rows = moved(tiling_lib.row_granule_of(out_itemsize))
+    else:
+      out_rows = np.maximum(np.minimum(rows - row0, tm), 0)
+    return dict(fetches=[(lhs_rows * tk * lhs_itemsize, tile)], writes=out_rows * tn * out_itemsize)
 
   return scale, manual
 
@@ -887,6 +934,7 @@ def _pallas_moe_build(
           rows=m,
           out_cols=dn,
           mxu=mxu,
+          unowned_rows=unowned_rows,
         )
         # Tiling(fwd=) only: the single-op bench never runs the backward passes.
         tl = ops.Tiling(fwd=til, dlhs=(128, 128, 128), drhs=(128, 128, 128))
@@ -1082,6 +1130,7 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
         block_bytes=dk * tn * jnp.dtype(dtype).itemsize + (dk if dlhs else tn) * 4,
         rows=m,
         out_cols=dn,
+        lhs_itemsize=jnp.dtype(lhs.dtype).itemsize,
       )
       return Case(
         fn=_in_generation(rowtile_fn, generation),
