@@ -287,8 +287,10 @@ def test_pallas_moe_rows_equal_floor_rows(op):
 @pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
 def test_pallas_moe_default_rowtile_rows_and_bytes(op):
   """The default impl runs the row-tile kernels: one step per (k, n) tile and m-tile, rows
-  executed = floor_rows, and with the manual-DMA hook the bytes moved are the minimum (each
-  operand read once, weights once per n-tile, output written once)."""
+  executed = floor_rows, and with the manual-DMA hook the bytes moved are the minimum: the row
+  operands' real rows read once (rounded to the DMA granule: 700 -> 704 rows, tgmm's lhs^T 768
+  along lanes), weights once per n-tile, the output written once (gmm: whole visited tiles, the
+  unowned rows are zeros)."""
   m, k, n = 1024, 256, 384
   shape = _tiny_shape(m=m, k=k, n=n, g=len(_GS))
   case = IMPLS["pallas_moe"].build(op=op, shape=shape, group_sizes=_GS, generation=V5E)
@@ -300,14 +302,16 @@ def test_pallas_moe_default_rowtile_rows_and_bytes(op):
   contract, out_cols = (n, k) if op == "dlhs" else (k, n)
   rep = cm.cost([s], generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=int(_GS.sum()))
   assert rep.mxu_rows_executed == pytest.approx(cm.floor_rows(_GS, 128))
+  rows = -(-int(_GS.sum()) // 16) * 16  # bf16's 16-row granule
   if op == "drhs":
     assert s.grid == (k // tk, n // tn, -(-m // tm))
-    want = m * k * 2 * (n // tn) + m * n * 2 * (k // tk) + len(_GS) * k * n * 2
+    lanes = -(-int(_GS.sum()) // 128) * 128
+    want = lanes * k * 2 * (n // tn) + rows * n * 2 * (k // tk) + len(_GS) * k * n * 2
   else:
     assert s.grid == (out_cols // tn, -(-m // tm))
     nonempty = int(np.sum(_GS > 0))
     want = (
-      m * contract * 2 * (out_cols // tn) + nonempty * contract * out_cols * 2 + m * out_cols * 2
+      rows * contract * 2 * (out_cols // tn) + nonempty * contract * out_cols * 2 + m * out_cols * 2
     )
   assert s.hbm_bytes == want
 
