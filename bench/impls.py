@@ -823,14 +823,11 @@ def rowtile_hooks(
       return tiling_lib.tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=rows, granule=granule)
 
     if op == "drhs":
-      k_i, n_i = ctx.program_ids[0].astype(np.int64), ctx.program_ids[1].astype(np.int64)
+      # NOTE: both fetched every step (a single visited tile too: the k, n windows change).
       lhs_rows = moved(tiling_lib.row_granule_of(lhs_itemsize, lanes=True))
       rhs_rows = moved(tiling_lib.row_granule_of(rhs_itemsize))
-      big = int(tile.max(initial=0)) + 1
-      fetches = [
-        (lhs_rows * tk * lhs_itemsize, k_i * big + tile),
-        (rhs_rows * tn * rhs_itemsize, n_i * big + tile),
-      ]
+      every = np.arange(tile.size)
+      fetches = [(lhs_rows * tk * lhs_itemsize, every), (rhs_rows * tn * rhs_itemsize, every)]
       return dict(fetches=fetches, writes=np.zeros(tile.size))
     lhs_rows = moved(tiling_lib.row_granule_of(lhs_itemsize))
     if unowned_rows == "undefined":

@@ -374,7 +374,6 @@ def rowtile_step_costs(
   moved = lambda g: tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=end, granule=g)  # noqa: E731
   tiles_k, tiles_n = k // tk, n // tn
   sweeps = tiles_k * tiles_n
-  sweep = np.repeat(np.arange(sweeps), tiles_m)
   tile = np.tile(np.arange(tiles_m), sweeps)
   if kind == "gmm":
     out_rows = (
@@ -386,13 +385,13 @@ def rowtile_step_costs(
     writes = np.tile(out_rows * tn * out_itemsize, sweeps)
     block = k * tn * rhs_itemsize
   else:
-    k_i, n_i = sweep // tiles_n, sweep % tiles_n
+    # NOTE: tgmm fetches both every step (a single visited tile too: its k and n windows
+    # change with the sweep).
+    every = np.arange(sweeps * tiles_m)
     fetches = [
-      (np.tile(moved(row_granule_of(lhs_itemsize, lanes=True)) * tk * lhs_itemsize, sweeps),
-       k_i * tiles_m + tile),
-      (np.tile(moved(row_granule_of(rhs_itemsize)) * tn * rhs_itemsize, sweeps),
-       n_i * tiles_m + tile),
-    ]  # fmt: skip
+      (np.tile(moved(row_granule_of(lhs_itemsize, lanes=True)) * tk * lhs_itemsize, sweeps), every),
+      (np.tile(moved(row_granule_of(rhs_itemsize)) * tn * rhs_itemsize, sweeps), every),
+    ]
     writes = np.zeros(sweeps * tiles_m)
     block = tk * tn * out_itemsize
   seq = sequential_sweeps(gen)

@@ -427,6 +427,8 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
     rows=m,
     out_cols=n if op == "fwd" else k,
     out_itemsize=4,
+    lhs_itemsize=4,
+    rhs_itemsize=4,
   )
   contexts = []
 
@@ -488,12 +490,24 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
   else:
     np.testing.assert_array_equal(sched.step_scale * sub_m, counts[:, 0])
   block = tk * tn * 4
-  np.testing.assert_allclose(sched.operand_bytes["manual"], counts[:, 1].sum() * block)
-  waits = counts[:, 1] > 0
+  # NOTE: the row blocks the kernel moved per step (count_rows): gmm's lhs rows fetched and
+  # output rows written (the whole tile: the unowned rows are zeros here); tgmm's rhs and lhs
+  # rows fetched. Each chain's first fetch and last write are exposed.
+  sweeps = 2 if op != "drhs" else 4
+  row_bytes = counts[:, 2:] * (np.array([k, tn]) if op != "drhs" else np.array([tn, tk])) * 4
+  steps = counts.shape[0]
+  chain = np.arange(steps) % (steps if sequential else steps // sweeps)
+  first, last = chain == 0, chain == chain.max()
+  row_exposed = row_bytes[first, 0].sum() + (row_bytes[last, 1].sum() if op != "drhs" else 0)
+  if op == "drhs":
+    row_exposed += row_bytes[first, 1].sum()
+  np.testing.assert_allclose(
+    sched.operand_bytes["manual"], counts[:, 1].sum() * block + row_bytes.sum()
+  )
+  waits = (counts[:, 1] > 0) | first | (last if op != "drhs" else False)
   assert not np.any(sched.step_exposed_bytes[~waits])
   # Without crossing sweeps, each sweep's first load (gmm) / last write (tgmm) is exposed.
-  sweeps = 2 if op != "drhs" else 4
-  exposed_blocks = sched.step_exposed_bytes.sum() / block
+  exposed_blocks = (sched.step_exposed_bytes.sum() - row_exposed) / block
   assert exposed_blocks == (1 if sequential else sweeps)
 
 

@@ -135,8 +135,8 @@ def test_bench_model_slack_costs_the_slack1_bytes(op):
   s1 = _bench_schedule(op, buffer_rows=_ROWS, unowned_rows=unowned, generation=gen)
   assert s.grid == s1.grid
   sweeps = s.steps // 3
-  width = 512 if op == "fwd" else 256  # gmm's contraction (lhs row)
-  per_sweep = 4 * (width + 128) * 2 if op != "drhs" else (68 * 256 + 4 * 128) * 2
+  width = 512 if op != "dlhs" else 256  # gmm's contraction, tgmm's tk (an lhs row)
+  per_sweep = 4 * (width + 128) * 2 if op != "drhs" else (68 * width + 4 * 128) * 2
   assert s.hbm_bytes - s1.hbm_bytes == sweeps * per_sweep
   # The closed form (the picker's) step by step.
   kind = "tgmm" if op == "drhs" else "gmm"
