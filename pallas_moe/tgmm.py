@@ -749,6 +749,8 @@ def tgmm_rowtile_pallas(
     else ("parallel", "parallel", "arbitrary"),
     vmem_limit_bytes=vmem_limit_bytes,
     flops=2 * m * k * n,
+    # NOTE: an upper bound: all m rows, though the kernel reads only the local rows (their count
+    # is not static).
     bytes_accessed=_bytes_accessed(
       lhs,
       rhs,
