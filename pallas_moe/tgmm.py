@@ -398,6 +398,14 @@ def tgmm_rowtile_pallas(
   compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
   lhs_granule = common.row_granule(lhs.dtype, lanes=True)
   rhs_granule = common.row_granule(rhs.dtype)
+  # NOTE: m's last m % 128 columns of lhs cannot be DMAed into the lane-tiled [tk, tm] slot: a
+  # slice of a VMEM ref along its lane dim must span whole 128-lane tiles (Mosaic rejects a
+  # 104-lane window). They go to a [tk, lhs_tail] buffer of their own (a whole-dim window) and
+  # are copied into the slot as values. `common.tile_row_copies` moves the aligned columns
+  # before them (it is told lhs has lhs_m columns). A tm of all m columns that is not a multiple
+  # of 128 is fetched whole and has no separate tail.
+  lhs_tail = m % lhs_granule if tm % lhs_granule == 0 else 0
+  lhs_m = m - lhs_tail
   groups = metadata.make_tile_groups(
     group_sizes=group_sizes,
     group_offset=group_offset,
@@ -418,10 +426,11 @@ def tgmm_rowtile_pallas(
 
   def kernel(offsets_ref, first_ref, last_ref, fin_ref, active_ref, goff_ref, *refs):
     ins, outs, scratch = common.split_refs(
-      refs, inputs=(True, True, has_existing), outputs=1 + count_rows, scratch=7
+      refs, inputs=(True, True, has_existing), outputs=1 + count_rows, scratch=7 + bool(lhs_tail)
     )
     lhs_hbm, rhs_hbm, existing_hbm = ins
-    lhs_vmem, rhs_vmem, in_sems, acc_ref, staging, ex_vmem, sems = scratch
+    lhs_vmem, rhs_vmem, in_sems, acc_ref, staging, ex_vmem, sems = scratch[:7]
+    lhs_tail_vmem = scratch[7] if lhs_tail else None
     out_hbm, counts_ref = outs[0], (outs[1] if count_rows else None)
     # NOTE: the grid visits only the tiles holding local rows (`active_tiles`); t is the m-tile.
     k_i, n_i, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -455,9 +464,9 @@ def tgmm_rowtile_pallas(
       lo, hi = jnp.where(some, lo, 0), jnp.where(some, hi, 0)
       w_k0 = pl.multiple_of(k_idx * tk, tk)
       w_n0 = pl.multiple_of(n_idx * tn, tn)
-      rows = dict(row0=tile_row0, lo=lo, hi=hi, tm=tm, m=m)
       # NOTE: m is lhs's lane (last) dim: its rows move in lane granules of 128; rhs's m is its
       # sublane dim (8 rows of 32 bits). `common.window` keeps a window of a whole dim static.
+      lhs_hi = jnp.minimum(hi, lhs_m - tile_row0) if lhs_tail else hi
       lhs_copies = common.tile_row_copies(
         hbm_rows=lambda start, size: lhs_hbm.at[
           common.window(w_k0, tk, k), common.window(start, size, m)
@@ -465,8 +474,17 @@ def tgmm_rowtile_pallas(
         vmem_rows=lambda off, size: lhs_vmem.at[slot, :, common.window(off, size, tm)],
         sem=in_sems.at[0, slot],
         granule=lhs_granule,
-        **rows,
+        row0=tile_row0,
+        lo=lo,
+        hi=lhs_hi,
+        tm=tm,
+        m=lhs_m,
       )
+      if lhs_tail:
+        # NOTE: the tail columns [lhs_m, m), in m's last tile only, when the rows reach them.
+        tail_src = lhs_hbm.at[common.window(w_k0, tk, k), pl.ds(lhs_m, lhs_tail)]
+        tail_copy = pltpu.make_async_copy(tail_src, lhs_tail_vmem.at[slot], in_sems.at[0, slot])
+        lhs_copies.append((hi > lhs_m - tile_row0, tail_copy))
       rhs_copies = common.tile_row_copies(
         hbm_rows=lambda start, size: rhs_hbm.at[
           common.window(start, size, m), common.window(w_n0, tn, n)
@@ -474,7 +492,11 @@ def tgmm_rowtile_pallas(
         vmem_rows=lambda off, size: rhs_vmem.at[slot, common.window(off, size, tm), :],
         sem=in_sems.at[1, slot],
         granule=rhs_granule,
-        **rows,
+        row0=tile_row0,
+        lo=lo,
+        hi=hi,
+        tm=tm,
+        m=m,
       )
       return lhs_copies, rhs_copies
 
@@ -509,6 +531,14 @@ def tgmm_rowtile_pallas(
     lhs_copies, rhs_copies = tile_fetches(tile=t, k_idx=k_i, n_idx=n_i, slot=slot)
     common.run_copies(lhs_copies, wait=True)
     common.run_copies(rhs_copies, wait=True)
+    if lhs_tail:
+      # NOTE: a static, 128-aligned offset into the slot: the tail's place in m's last tile.
+      tail_at = lhs_m - (tiles_m - 1) * tm
+
+      @pl.when(lhs_copies[-1][0])
+      def _place_lhs_tail():
+        lhs_vmem[slot, :, pl.ds(tail_at, lhs_tail)] = lhs_tail_vmem[slot]
+
     # NOTE: rows of the slots outside the fetched range hold other tiles' rows or uninitialized
     # memory (NaN under interpret mode): `product` reads them only masked (see its NOTEs).
     lhs_ref, rhs_ref = lhs_vmem.at[slot], rhs_vmem.at[slot]
@@ -712,12 +742,15 @@ def tgmm_rowtile_pallas(
       pltpu.VMEM((2, tk, tn), out_dtype),
       pltpu.VMEM((tk, tn), out_dtype),
       pltpu.SemaphoreType.DMA((3,)),
-    ],
+    ]
+    + ([pltpu.VMEM((2, tk, lhs_tail), lhs.dtype)] if lhs_tail else []),
     dimension_semantics=("arbitrary",) * 3
     if sequential_sweeps
     else ("parallel", "parallel", "arbitrary"),
     vmem_limit_bytes=vmem_limit_bytes,
     flops=2 * m * k * n,
+    # NOTE: an upper bound: all m rows, though the kernel reads only the local rows (their count
+    # is not static).
     bytes_accessed=_bytes_accessed(
       lhs,
       rhs,

@@ -846,3 +846,95 @@ def test_zero_fill_writes_only_the_unvisited_rows():
     outside[lo:hi] = False
     assert np.all(buf[outside] == 0), active
     assert np.all(np.isnan(buf[~outside])), active
+
+
+# ------------------------------------------------------------------------------------------------
+# The row-tile tgmm fetches only the local rows of each visited tile (manual lhs / rhs DMAs).
+
+# NOTE: bf16 operands (rhs rows move in granules of 16, lhs columns of 128 lanes), tm = 256 so the
+# lane granule is visible, m = 1000 (m % 128 = 104, m % 16 = 8: the static tail copies), two
+# n-tiles. (name, m, tm, sub_m, sizes, offset, local)
+FETCH_CASES = [
+  # A shard (groups 1..3, rows 300..560) of a receive buffer with slack (600 of 1000 rows real):
+  # its first tile starts mid-tile, its last holds 48 rows.
+  ("shard", 1000, 256, 64, [300, 50, 200, 10, 40], 1, 3),
+  # Rows up to m: the last tile's 232 rows end in m's unaligned tail.
+  ("full", 1000, 256, 64, [500, 0, 500], 0, 3),
+  # One tile of all m rows (tm = m = 208): lhs's 208 lanes are not a multiple of 128, fetched
+  # whole; rhs's rows are, fetched by range with a static row0.
+  ("one-tile", 208, 208, 208, [50, 0, 20], 0, 3),
+]
+# NOTE: (case, interpret mode, sequential_sweeps, rows_stationary): each static configuration
+# compiles once; both sweep modes and MXU orientations in both interpret modes.
+FETCH_PARAMS = [
+  (FETCH_CASES[0], "hlo", False, False),
+  (FETCH_CASES[0], "tpu", True, True),
+  (FETCH_CASES[1], "hlo", True, False),
+  (FETCH_CASES[1], "tpu", False, True),
+  (FETCH_CASES[2], "hlo", True, True),
+]
+
+
+def _expected_fetch(sizes, offset, local, *, m, tm, granule):
+  """Rows fetched per m-tile: [floor(lo), min(ceil(hi), m - row0)) of the tile's local rows
+  [lo, hi) in `granule`s; a tile that the granule does not divide whole (clipped at m)."""
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  rows_start, rows_end = bounds[offset], bounds[offset + local]
+  out = np.zeros(-(-m // tm), int)
+  for t in range(len(out)):
+    row0 = t * tm
+    lo, hi = max(rows_start - row0, 0), min(rows_end - row0, tm)
+    if lo >= hi:
+      continue
+    if tm % granule:
+      out[t] = min(tm, m - row0)
+    else:
+      out[t] = min(-(-hi // granule) * granule, m - row0) - lo // granule * granule
+  return out
+
+
+@pytest.mark.parametrize(
+  "case, mode, sequential, rows_stationary",
+  FETCH_PARAMS,
+  ids=[f"{c[0]}-{mode}{'-seq' if s else ''}{'-rs' if r else ''}" for c, mode, s, r in FETCH_PARAMS],
+)
+def test_tgmm_rowtile_fetches_only_local_rows(case, mode, sequential, rows_stationary):
+  """lhs / rhs rows outside the shard's rows (other shards', the buffer's slack) are never read
+  into a result: NaN there changes nothing. Each visited tile fetches its local rows rounded out
+  to the DMA granule (128 lhs lanes, 16 bf16 rhs rows), unvisited tiles nothing."""
+  _, m, tm, sub_m, sizes, offset, local = case
+  k, n, tk, tn = 16, 32, 16, 16
+  sizes = np.asarray(sizes, np.int32)
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  rows_start, rows_end = bounds[offset], bounds[offset + local]
+  lhs = random_array(11, (k, m), jnp.bfloat16)
+  rhs = random_array(12, (m, n), jnp.bfloat16)
+  outside = np.ones(m, bool)
+  outside[rows_start:rows_end] = False
+  poisoned_lhs = jnp.where(jnp.asarray(outside)[None, :], jnp.nan, lhs)
+  poisoned_rhs = jnp.where(jnp.asarray(outside)[:, None], jnp.nan, rhs)
+  fn = _jitted(
+    tgmm_rowtile_pallas,
+    tiling=(tm, tk, tn),
+    out_dtype=jnp.float32,
+    num_actual_groups=local,
+    sub_m=sub_m,
+    sequential_sweeps=sequential,
+    rows_stationary=rows_stationary,
+    count_rows=True,
+    interpret=INTERPRET_MODES[mode],
+  )
+  out, counts = fn(poisoned_lhs, poisoned_rhs, jnp.asarray(sizes), jnp.int32(offset), None)
+  got = np.asarray(out)
+  assert np.isfinite(got).all()
+  tol = tolerance(in_dtype=jnp.bfloat16, out_dtype=jnp.float32, k=m)
+  clean = dict(group_offset=offset, num_actual_groups=local)
+  expected = np_tgmm(rounded(lhs, jnp.bfloat16), rounded(rhs, jnp.bfloat16), sizes, **clean)
+  np.testing.assert_allclose(got, expected, **tol)
+  ref = reference.tgmm(lhs, rhs, jnp.asarray(sizes), jnp.float32, **clean)
+  np.testing.assert_allclose(got, np.asarray(ref), **tol)
+  assert not np.any(got[sizes[offset : offset + local] == 0])
+  counts = np.asarray(counts)
+  for index, granule in ((2, 16), (3, 128)):
+    want = _expected_fetch(sizes, offset, local, m=m, tm=tm, granule=granule)
+    np.testing.assert_array_equal(counts[..., index], np.broadcast_to(want, counts.shape[:3]))
