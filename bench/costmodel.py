@@ -110,12 +110,15 @@ class StepContext:
     grid: the resolved grid.
     program_ids: one int array [steps] per grid axis, in execution order.
     index_operands: the concrete scalar-prefetch operands (numpy).
+    pipelined: the operands the Pallas pipeline moves (BlockSpecs, counted by `analyze`), as
+      "in<i>" / "out<j>" (array operands in order): a manual-DMA hook leaves them out.
   """
 
   name: str
   grid: tuple[int, ...]
   program_ids: tuple[np.ndarray, ...]
   index_operands: tuple[np.ndarray, ...]
+  pipelined: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -468,7 +471,18 @@ def analyze(
         math.prod(bm.array_aval.shape) * np.dtype(bm.array_aval.dtype).itemsize
       )
     scale = None
-    ctx = StepContext(name=name, grid=grid, program_ids=pids, index_operands=index_operands)
+    pipelined = frozenset(
+      f"out{i - gm.num_inputs}" if i >= gm.num_inputs else f"in{i}"
+      for i, bm in enumerate(bms)
+      if _pipelined(bm)
+    )
+    ctx = StepContext(
+      name=name,
+      grid=grid,
+      program_ids=pids,
+      index_operands=index_operands,
+      pipelined=pipelined,
+    )
     if step_scale is not None and steps:
       scale = np.broadcast_to(np.asarray(step_scale(ctx), np.float64), (steps,))
     exposed = None

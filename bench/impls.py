@@ -822,19 +822,30 @@ def rowtile_hooks(
     def moved(granule):
       return tiling_lib.tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=rows, granule=granule)
 
+    def manual_dma(operand: str) -> int:
+      # NOTE: an operand the pipeline moves (a kernel version with BlockSpecs for it) is
+      # counted by `costmodel.analyze` already.
+      return int(operand not in ctx.pipelined)
+
     if op == "drhs":
       # NOTE: both fetched every step (a single visited tile too: the k, n windows change).
       lhs_rows = moved(tiling_lib.row_granule_of(lhs_itemsize, lanes=True))
       rhs_rows = moved(tiling_lib.row_granule_of(rhs_itemsize))
       every = np.arange(tile.size)
-      fetches = [(lhs_rows * tk * lhs_itemsize, every), (rhs_rows * tn * rhs_itemsize, every)]
+      fetches = [
+        (lhs_rows * tk * lhs_itemsize * manual_dma("in0"), every),
+        (rhs_rows * tn * rhs_itemsize * manual_dma("in1"), every),
+      ]
       return dict(fetches=fetches, writes=np.zeros(tile.size))
     lhs_rows = moved(tiling_lib.row_granule_of(lhs_itemsize))
     if unowned_rows == "undefined":
       out_rows = moved(tiling_lib.row_granule_of(out_itemsize))
     else:
       out_rows = np.maximum(np.minimum(rows - row0, tm), 0)
-    return dict(fetches=[(lhs_rows * tk * lhs_itemsize, tile)], writes=out_rows * tn * out_itemsize)
+    return dict(
+      fetches=[(lhs_rows * tk * lhs_itemsize * manual_dma("in0"), tile)],
+      writes=out_rows * tn * out_itemsize * manual_dma("out0"),
+    )
 
   return scale, manual
 
