@@ -916,6 +916,7 @@ def _pallas_moe_build(
           dtypes=(DTYPE, DTYPE, DTYPE),
           interpret=False,
           expected_rows=expected if expected is not None and expected < m else None,
+          unowned_rows=unowned_rows,
         )
       til = kt.tiles
     else:
