@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -425,6 +426,18 @@ def row_granule(dtype: Any, *, lanes: bool = False) -> int:
   return SUBLANE * max(1, 4 // jnp.dtype(dtype).itemsize)
 
 
+def tile_row_range(*, row0: Any, lo: Any, hi: Any, tm: int, m: int, granule: int):
+  """(first, end): the rows `tile_row_copies` moves for rows [lo, hi) of the tile at `row0`,
+  relative to row0: [lo, hi) rounded out to the granule and clipped at m (the whole tile, clipped
+  at m, when the granule does not divide tm). Works on traced values and on numpy arrays."""
+  if tm % granule:
+    return 0 * lo, jnp.minimum(tm, m - row0)
+  first = (lo // granule) * granule
+  # NOTE: an empty range (a visited tile of a shard without rows) moves nothing.
+  end = jnp.where(hi > lo, jnp.minimum(-(-hi // granule) * granule, m - row0), first)
+  return first, end
+
+
 def tile_row_copies(
   *,
   hbm_rows: Callable[[Any, int], Any],
@@ -467,14 +480,19 @@ def tile_row_copies(
     arguments give the same list, so a later step can wait for what an earlier one started.
   """
 
+  tiles_m = -(-m // tm)
+
   def copy(offset, size, start=None):
-    src = hbm_rows(row0 + offset if start is None else start, size)
+    if start is None:
+      # NOTE: Mosaic must prove a dynamic offset along the tiled row dim aligned (XLA may place
+      # a small `pl.ANY` operand in VMEM): a single tile's row0 is the static 0.
+      start = offset if tiles_m == 1 else pl.multiple_of(row0 + offset, math.gcd(tm, granule))
+    src = hbm_rows(start, size)
     dst = vmem_rows(offset, size)
     if to_hbm:
       src, dst = dst, src
     return pltpu.make_async_copy(src, dst, sem)
 
-  tiles_m = -(-m // tm)
   last_rows = m - (tiles_m - 1) * tm
   if tm % granule:
     # NOTE: unaligned tile (only a tile of all m rows): the whole tile, ragged when it is m's end.
@@ -484,9 +502,8 @@ def tile_row_copies(
     return [(~last, copy(0, tm)), (last, copy(0, last_rows))]
   tail = m % granule
   aligned_end = m - tail - row0  # rows of this tile before m's unaligned tail
-  first = (lo // granule) * granule
-  end = jnp.minimum(-(-hi // granule) * granule, aligned_end)
-  units = jnp.maximum(end - first, 0) // granule
+  first, end = tile_row_range(row0=row0, lo=lo, hi=hi, tm=tm, m=m, granule=granule)
+  units = jnp.maximum(jnp.minimum(end, aligned_end) - first, 0) // granule
   copies = []
   top = max(0, (tm // granule).bit_length() - 1)
   for bit in range(top, -1, -1):
@@ -501,7 +518,7 @@ def tile_row_copies(
     # NOTE: m's last `tail` rows, only in m's last tile (row0 static there); moved when the
     # range reaches past the aligned rows.
     offset = m - tail - (tiles_m - 1) * tm
-    copies.append((hi > aligned_end, copy(offset, tail, start=m - tail)))
+    copies.append((end > aligned_end, copy(offset, tail, start=m - tail)))
   return copies
 
 

@@ -8,8 +8,13 @@ module's name as a package attribute: reach the module with `from pallas_moe.gmm
 Two schedules compute the same thing:
 
 - `gmm_rowtile_pallas` (the default when its blocks fit VMEM): grid (tiles_n, visited tiles), one
-  step per m-tile that holds a row of a local group. The Pallas pipeline fetches the [tm, k] lhs
-  block (the whole k) and writes the [tm, tn] output block of each step. rhs stays in HBM
+  step per m-tile that holds a row of a local group. Each step's [tm, k] lhs block (the whole k)
+  is fetched, and its [tm, tn] output block written back, by manual DMAs double-buffered along
+  the grid (the next step's lhs is fetched while this one computes; a write-back completes while
+  the next step computes). They move only the tile's local rows, rounded out to the DMA granule
+  (`common.tile_row_copies`): the first and last visited tiles of an expert-parallel receive
+  buffer cost their real rows, not tm (the output's whole tile is written where its other rows
+  must hold zeros or existing_out). rhs stays in HBM
   (`pl.ANY`): the step loops over the local groups whose rows meet its tile
   (`metadata.make_tile_groups`) and multiplies only their MXU-row sub-blocks. Each group's [k, tn]
   weight block is DMA'd into one of two VMEM slots once per n-tile: a group that spans several
@@ -21,11 +26,14 @@ Two schedules compute the same thing:
   fewer MXU passes there).
   Rows outside the visited tiles (other shards' rows; rows past sum(group_sizes), the slack of an
   expert-parallel receive buffer) cost no grid step, no lhs fetch, no MXU pass and no output
-  write in this kernel: its output aliases a base buffer that already holds their values.
-  With `existing_out` that buffer is existing_out itself (untouched: 0 bytes; the first and
-  last visited tiles read their few foreign rows from it). Without, `_zeros_outside_active`
-  makes it: one grid step that DMAs zeros over exactly those rows, i.e. (m - visited rows) x n
-  x itemsize bytes written once at HBM bandwidth, and nothing else.
+  write in this kernel (nor do a visited tile's rows outside the local rows' DMA granules, but
+  for the write-back of a tile whose other rows must hold zeros or existing_out): its output
+  aliases a base buffer that already holds their values. With `existing_out` that buffer is
+  existing_out itself (untouched: 0 bytes; the first and last visited tiles read their few
+  foreign rows from it). Without, `_zeros_outside_active` makes it: one grid step that DMAs
+  zeros over exactly those rows, i.e. (m - visited rows) x n x itemsize bytes written once at
+  HBM bandwidth, and nothing else. With `fill_unowned=False` (the MoE block) there is no base
+  buffer and nothing is written outside the local rows' granules.
 - `gmm_pallas` (any tiles, quantized operands): grid (tiles_n, visits, tiles_k). The visit axis
   walks the schedule of `metadata.make_schedule`; k is innermost so one f32 accumulator block
   collects a visit's dot products. Every m-tile of the output is visited, so the kernel alone
@@ -541,11 +549,13 @@ def gmm_rowtile_pallas(
       `transpose_rhs`: its [tn, k] blocks are already w^T) and of each [tn, sub_m] f32 result.
       `tiling.rows_stationary_pays` says when it saves MXU work.
     fill_unowned: without `existing_out`, rows outside the local groups' tiles are exact zeros
-      (written by `_zeros_outside_active`). False leaves them undefined, at no cost: for callers
-      that never read them (the MoE block's receive buffer). Rows of the visited tiles that no
-      local group owns are zeros either way.
-    count_rows: interpret-mode instrumentation: also return [tiles_n, tiles_m, 2] int32: rows
-      pushed through the MXU and weight blocks loaded, per grid step.
+      (written by `_zeros_outside_active`; the visited tiles' other rows by this kernel). False
+      leaves every row outside the local rows (rounded out to the output's DMA granule, which
+      get zeros) undefined, at no cost: for callers that never read them (the MoE block's
+      receive buffer).
+    count_rows: interpret-mode instrumentation: also return [tiles_n, tiles_m, 4] int32 per grid
+      step: rows pushed through the MXU, weight blocks loaded, lhs rows fetched (0 when the
+      tile's block is kept from an earlier step) and output rows written back.
     interpret: see `common.run_kernel`.
 
   Returns:
@@ -614,6 +624,10 @@ def gmm_rowtile_pallas(
       vary_like=(lhs, rhs, group_sizes, group_offset, rhs_scales, lhs_scales),
     )
   present = (True, True, quantized, lhs_quantized, aliased)
+  lhs_granule, out_granule = common.row_granule(lhs.dtype), common.row_granule(out_dtype)
+  # NOTE: where the rows of a visited tile outside the local rows must hold zeros or
+  # existing_out's values, the whole tile is written back; otherwise only the local rows.
+  write_whole_tiles = aliased
   w_block = (tn, k) if transpose_rhs else (k, tn)
   prep_block = (tn, k) if rows_stationary else w_block
   # NOTE: rhs blocks are [k, tn], or [tn, k] when transposed; contract lhs's k with rhs's k. With
@@ -627,16 +641,104 @@ def gmm_rowtile_pallas(
     offsets_ref, first_ref, last_ref, rank_ref, load_ref, nloads_ref, active_ref, goff_ref, *refs
   ):
     ins, outs, scratch = common.split_refs(
-      refs, inputs=present, outputs=1 + count_rows, scratch=2 + quantized + prepare
+      refs, inputs=present, outputs=1 + count_rows, scratch=5 + quantized + prepare
     )
-    lhs_ref, rhs_hbm, scales_hbm, lhs_scales_ref, base_hbm = ins
-    out_ref, counts_ref = outs[0], (outs[1] if count_rows else None)
+    lhs_hbm, rhs_hbm, scales_hbm, lhs_scales_ref, base_hbm = ins
+    out_hbm, counts_ref = outs[0], (outs[1] if count_rows else None)
     w_vmem, sems = scratch[0], scratch[1]
     s_vmem = scratch[2] if quantized else None
-    w_prep = scratch[-1] if prepare else None
+    w_prep = scratch[2 + quantized] if prepare else None
+    lhs_vmem, out_vmem, io_sems = scratch[-3:]
     # NOTE: the grid visits only the tiles holding local rows (`active_tiles`); t is the m-tile.
-    n_i, t = pl.program_id(0), active_ref[0] + pl.program_id(1)
+    n_i, step = pl.program_id(0), pl.program_id(1)
+    num_steps = active_ref[1]
+    t = active_ref[0] + step
     row0 = t * tm
+    rows_start = offsets_ref[goff_ref[0]]
+    rows_end = offsets_ref[goff_ref[0] + num_local_groups]
+
+    # NOTE: lhs blocks and output blocks move by manual DMA, double-buffered along a chain of
+    # grid steps: the whole grid with `sequential_sweeps` (one core runs it in order), else each
+    # n sweep (sweeps may run on different TensorCores, so nothing is prefetched across them).
+    if sequential_sweeps:
+      chain, chain_len = n_i * num_steps + step, tiles_n * num_steps
+    else:
+      chain, chain_len = step, num_steps
+    slot = chain % 2
+    # NOTE: lhs does not depend on the n-tile: with one visited tile its block is fetched once
+    # per chain and kept in slot 0 (as the pipeline kept a block whose index did not change).
+    lhs_slot = jnp.where(num_steps > 1, slot, 0)
+
+    def local_rows(tile):
+      # NOTE: rows [lo, hi) of `tile`, relative to its first row, that hold local rows: all of
+      # them but in the first and last visited tiles (other shards' rows, a receive buffer's
+      # slack past sum(group_sizes)).
+      r0 = tile * tm
+      return r0, jnp.maximum(rows_start - r0, 0), jnp.minimum(rows_end - r0, tm)
+
+    def lhs_copies(tile, into):
+      r0, lo, hi = local_rows(tile)
+      return common.tile_row_copies(
+        hbm_rows=lambda start, size: lhs_hbm.at[pl.ds(start, size)],
+        vmem_rows=lambda off, size: lhs_vmem.at[into, pl.ds(off, size)],
+        sem=io_sems.at[into],
+        row0=r0,
+        lo=lo,
+        hi=hi,
+        tm=tm,
+        m=m,
+        granule=lhs_granule,
+      )
+
+    def out_copies(c):
+      # NOTE: the write-back of chain step c (from out slot c % 2): its tile and n-tile follow
+      # from c as the grid's order does. Rows: the tile's local rows when the rest are
+      # undefined, else the whole tile (zeros or existing_out there are part of the result).
+      if sequential_sweeps:
+        c_tile, c_col = active_ref[0] + c % num_steps, c // num_steps
+      else:
+        c_tile, c_col = active_ref[0] + c, n_i
+      r0, lo, hi = local_rows(c_tile)
+      if write_whole_tiles:
+        lo, hi = 0 * lo, jnp.minimum(tm, out_rows - r0)
+      col = pl.multiple_of(c_col * tn, tn)
+      return common.tile_row_copies(
+        hbm_rows=lambda start, size: out_hbm.at[pl.ds(start, size), common.window(col, tn, n)],
+        vmem_rows=lambda off, size: out_vmem.at[c % 2, pl.ds(off, size)],
+        sem=io_sems.at[2 + c % 2],
+        row0=r0,
+        lo=lo,
+        hi=hi,
+        tm=tm,
+        m=out_rows,
+        granule=out_granule,
+        to_hbm=True,
+      )
+
+    # NOTE: this step's lhs rows were prefetched by the previous step of the chain; the chain's
+    # first step fetches its own (exposed). Then the next step's are started into the other slot
+    # (the next tile, or with `sequential_sweeps` the next sweep's first tile) while this one
+    # computes. A single visited tile is fetched once per chain and not again.
+    if sequential_sweeps:
+      fetched = (chain == 0) | (num_steps > 1)
+    else:
+      fetched = True
+
+    @pl.when(chain == 0)
+    def _fetch_first():
+      common.run_copies(lhs_copies(t, lhs_slot), wait=False)
+
+    @pl.when((num_steps > 1) & (chain + 1 < chain_len))
+    def _prefetch_next():
+      common.run_copies(lhs_copies(active_ref[0] + (step + 1) % num_steps, 1 - slot), wait=False)
+
+    # NOTE: the out slot was last written back by chain step c - 2; that DMA must be done before
+    # the slot is reused.
+    @pl.when(chain >= 2)
+    def _wait_out_slot():
+      common.run_copies(out_copies(chain - 2), wait=True)
+
+    out_ref = out_vmem.at[slot]
 
     def slot_of(rank, sweep):
       # NOTE: loads alternate between the two slots in the order they are issued, counted
@@ -675,7 +777,7 @@ def gmm_rowtile_pallas(
     # Rows of other shards' groups and rows past sum(group_sizes) keep this value. Only the first
     # and last visited tiles can hold such rows (the local rows are contiguous); unvisited tiles
     # keep the aliased base buffer: existing_out, or zeros written by `_zeros_outside_active`.
-    out_ref[...] = jnp.zeros_like(out_ref)
+    out_ref[...] = jnp.zeros((tm, tn), out_dtype)
     if has_existing:
       rows_start = offsets_ref[goff_ref[0]]
       rows_end = offsets_ref[goff_ref[0] + num_local_groups]
@@ -701,6 +803,21 @@ def gmm_rowtile_pallas(
     if counts_ref is not None:
       counts_ref[n_i, t, 0] = 0
       counts_ref[n_i, t, 1] = 0
+      _, lo, hi = local_rows(t)
+      first, end = common.tile_row_range(row0=row0, lo=lo, hi=hi, tm=tm, m=m, granule=lhs_granule)
+      counts_ref[n_i, t, 2] = jnp.where(fetched, end - first, 0)
+      if write_whole_tiles:
+        lo, hi = 0 * lo, jnp.minimum(tm, out_rows - row0)
+      first, end = common.tile_row_range(
+        row0=row0, lo=lo, hi=hi, tm=tm, m=out_rows, granule=out_granule
+      )
+      counts_ref[n_i, t, 3] = end - first
+
+    @pl.when(fetched)
+    def _wait_lhs():
+      common.run_copies(lhs_copies(t, lhs_slot), wait=True)
+
+    lhs_ref = lhs_vmem.at[lhs_slot]
 
     def group_body(g, carry):
       start = offsets_ref[g + goff_ref[0]]
@@ -782,7 +899,7 @@ def gmm_rowtile_pallas(
             prod = prod * lhs_scales_ref[rows, :]
           row_ids = row0 + r0 + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
           mine = (row_ids >= start) & (row_ids < end)
-          out_ref[rows, :] = jnp.where(mine, prod.astype(out_ref.dtype), out_ref[rows, :])
+          out_ref[rows, :] = jnp.where(mine, prod.astype(out_dtype), out_ref[rows, :])
           return c
 
         lax.fori_loop(first_sub, last_sub + 1, sub_body, 0)
@@ -793,21 +910,30 @@ def gmm_rowtile_pallas(
 
     lax.fori_loop(first_ref[t], last_ref[t] + 1, group_body, 0)
 
+    common.run_copies(out_copies(chain), wait=False)
+
+    # NOTE: at the chain's end the last two write-backs are still in flight; nothing may be
+    # pending when the sweep (or, with `sequential_sweeps`, the grid) ends.
+    @pl.when(chain + 1 == chain_len)
+    def _drain():
+      @pl.when(chain >= 1)
+      def _previous():
+        common.run_copies(out_copies(chain - 1), wait=True)
+
+      common.run_copies(out_copies(chain), wait=True)
+
   # Index maps get (n_i, step, *prefetch refs).
-  def lhs_map(n_i, step, offsets, first, last, rank, load, nloads, active, goff):
+  def lhs_scales_map(n_i, step, offsets, first, last, rank, load, nloads, active, goff):
     # NOTE: step s of an n-tile is m-tile active[0] + s: unvisited tiles are never fetched.
     return active[0] + step, 0
-
-  def out_map(n_i, step, offsets, first, last, rank, load, nloads, active, goff):
-    return active[0] + step, n_i
 
   # NOTE: rhs and its scales stay in HBM; the kernel DMAs each group's blocks itself. The base
   # (last operand) is the output's buffer (aliased); the kernel only reads existing_out from it.
   operands, in_specs = common.present_operands(
-    (lhs, pl.BlockSpec((tm, k), lhs_map)),
+    (lhs, pl.BlockSpec(memory_space=pl.ANY)),
     (rhs, pl.BlockSpec(memory_space=pl.ANY)),
     (_f32(rhs_scales), pl.BlockSpec(memory_space=pl.ANY)),
-    (_f32(lhs_scales), pl.BlockSpec((tm, 1), lhs_map)),
+    (_f32(lhs_scales), pl.BlockSpec((tm, 1), lhs_scales_map)),
     (base, pl.BlockSpec(memory_space=pl.ANY)),
   )
   # NOTE: m-tiles run in order (a group's weights stay in their slot across tiles, and the next
@@ -838,21 +964,28 @@ def gmm_rowtile_pallas(
     prefetch=prefetch,
     operands=operands,
     in_specs=in_specs,
-    out_spec=pl.BlockSpec((tm, tn), out_map),
+    out_spec=pl.BlockSpec(memory_space=pl.ANY),
     scratch_shapes=[
       pltpu.VMEM((2, *w_block), rhs.dtype),
       # NOTE: two weight slots (+ two scale slots), and one for reading existing_out.
       pltpu.SemaphoreType.DMA((5 if quantized else 3,)),
     ]
     + ([pltpu.VMEM((2, *s_block), jnp.float32)] if quantized else [])
-    + ([pltpu.VMEM(prep_block, compute_dtype if upcast else rhs.dtype)] if prepare else []),
+    + ([pltpu.VMEM(prep_block, compute_dtype if upcast else rhs.dtype)] if prepare else [])
+    + [
+      # NOTE: two lhs slots and two output slots (the pipeline's double buffers, by hand), and
+      # their semaphores: lhs slots 0, 1, output slots 2, 3.
+      pltpu.VMEM((2, tm, k), lhs.dtype),
+      pltpu.VMEM((2, tm, tn), out_dtype),
+      pltpu.SemaphoreType.DMA((4,)),
+    ],
     dimension_semantics=("arbitrary", "arbitrary")
     if sequential_sweeps
     else ("parallel", "arbitrary"),
     vmem_limit_bytes=vmem_limit_bytes,
     interpret=interpret,
     **result_and_cost,
-    counts_shape=(tiles_n, tiles_m, 2) if count_rows else None,
+    counts_shape=(tiles_n, tiles_m, 4) if count_rows else None,
     # NOTE: counters of unvisited tiles are never written (and those tiles did no work).
     valid_counts=((visited >= 0) & (visited < groups.active_tiles[1]))[:, None],
   )

@@ -715,15 +715,15 @@ def gmm(
     activation_quantization: None, "int8" or "fp8": quantize lhs per row in the forward (see
       above). Needs quantized weights of the same dtype.
     unowned_rows: "zero" (the contract above: rows outside the local groups are 0, or keep
-      `existing_out`). "undefined": without `existing_out`, rows outside the m-tiles that hold
-      the local groups' rows are left unwritten (garbage), in the output and in the lhs
-      gradient, saving their zero writes ((m - rows) x n x itemsize bytes): for a caller that
-      never reads them, like an expert-parallel receive buffer's slack. Rows past
-      sum(group_sizes) inside those tiles are still 0.
+      `existing_out`). "undefined": without `existing_out`, rows outside the local groups' rows
+      are left unwritten (garbage), in the output and in the lhs gradient, saving their zero
+      writes ((m - rows) x n x itemsize bytes): for a caller that never reads them, like an
+      expert-parallel receive buffer's slack. The few rows just past the local rows that share
+      their DMA granule (8 rows of f32, 16 of bf16) are 0.
     expected_rows: a hint for the default tiles only (results never depend on it): the rows you
       expect sum(group_sizes) to be when m is a receive buffer with slack (e.g. tokens x top_k
-      per device under expert parallelism). The kernels visit only the m-tiles holding rows, but
-      fetch the last of them whole; tiles are then picked for that many rows. Default: m.
+      per device under expert parallelism). The kernels visit only the m-tiles holding rows and
+      move only those rows; tiles are picked for that many rows. Default: m.
 
   Returns:
     [m, n] array of `preferred_element_type`.
