@@ -8,19 +8,22 @@ attribute: reach the module with `from pallas_moe.tgmm import ...` or
 
 Two schedules compute the same thing:
 
-- `tgmm_rowtile_pallas` (the default when its blocks fit VMEM): grid (tiles_k, tiles_n, tiles_m),
-  one step per m-tile. The Pallas pipeline fetches one [tk, tm] lhs block and one [tm, tn] rhs
-  block per step. The output stays in HBM (`pl.ANY`): the step loops over the local groups of
-  its tile (`metadata.make_tile_groups`), reduces each group's MXU-row sub-blocks into one f32
-  accumulator (the group's first sub-block's product written into it, the sub-blocks wholly
-  inside the group in runs of `INTERIOR_SUBS` per dot, the others one masked dot each), and when
-  a group is complete (its last row is in this tile; empty groups in the tile of their
-  position) casts it into one of two VMEM staging slots and DMAs it to out[g] while the next
-  groups compute. Each output block is written once, lhs once per n-tile and rhs
-  once per k-tile. With `rows_stationary` the accumulator holds out^T = rhs^T @ lhs^T: the
-  [sub_m, tk] lhs^T rows are the MXU's stationary operand and the tn rhs columns stream through
-  it, so a tn that the MXU width does not divide is not padded to it; the sum is transposed once,
-  when the group is written.
+- `tgmm_rowtile_pallas` (the default when its blocks fit VMEM): grid (tiles_k, tiles_n, visited
+  m-tiles), one step per m-tile holding local rows. Each step reads one [tk, tm] lhs block and
+  one [tm, tn] rhs block from two VMEM slots that the kernel's own DMAs fill with only the
+  tile's local rows (rounded out to the DMA granule: 128 lhs lanes, 8 rhs sublanes of 32 bits),
+  so the partial first and last tiles of an expert-parallel receive buffer fetch no slack rows;
+  the next step's rows are fetched during the current step. The output stays in HBM (`pl.ANY`):
+  the step loops over the local groups of its tile (`metadata.make_tile_groups`), reduces each
+  group's MXU-row sub-blocks into one f32 accumulator (the group's first sub-block's product
+  written into it, the sub-blocks wholly inside the group in runs of `INTERIOR_SUBS` per dot,
+  the others one masked dot each), and when a group is complete (its last row is in this tile;
+  empty groups in the tile of their position) casts it into one of two VMEM staging slots and
+  DMAs it to out[g] while the next groups compute. Each output block is written once, lhs's
+  local rows are read once per n-tile and rhs's once per k-tile. With `rows_stationary` the
+  accumulator holds out^T = rhs^T @ lhs^T: the [sub_m, tk] lhs^T rows are the MXU's stationary
+  operand and the tn rhs columns stream through it, so a tn that the MXU width does not divide
+  is not padded to it; the sum is transposed once, when the group is written.
 - `tgmm_pallas` (any tiles, quantized operands): grid (tiles_k, tiles_n, visits). The visit axis
   is innermost: it reduces over the m-tiles of each local group into one f32 accumulator and
   writes the group's [tk, tn] block when the group's last visit ends. Every local group is
@@ -371,8 +374,9 @@ def tgmm_rowtile_pallas(
       The group's last sub-block (masked) and the sub-blocks left over from the runs are still
       multiplied one at a time, so MXU rows do not change. 1: every interior sub-block is its
       own unmasked dot.
-    count_rows: interpret-mode instrumentation: also return [tiles_k, tiles_n, tiles_m, 2] int32:
-      rows pushed through the MXU and output blocks written, per grid step.
+    count_rows: interpret-mode instrumentation: also return [tiles_k, tiles_n, tiles_m, 4] int32,
+      per grid step: rows pushed through the MXU, output blocks written, rhs rows fetched and
+      lhs rows (columns) fetched for the step's tile (whichever step started the DMAs).
     interpret: see `common.run_kernel`.
 
   Returns:
@@ -392,6 +396,16 @@ def tgmm_rowtile_pallas(
   # (sub_m == tm) its dynamic offset 0 would not be provably aligned (see `common.sub_block`).
   run_loop = sub_m < tm and tm // sub_m >= interior_subs
   compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  lhs_granule = common.row_granule(lhs.dtype, lanes=True)
+  rhs_granule = common.row_granule(rhs.dtype)
+  # NOTE: m's last m % 128 columns of lhs cannot be DMAed into the lane-tiled [tk, tm] slot: a
+  # slice of a VMEM ref along its lane dim must span whole 128-lane tiles (Mosaic rejects a
+  # 104-lane window). They go to a [tk, lhs_tail] buffer of their own (a whole-dim window) and
+  # are copied into the slot as values. `common.tile_row_copies` moves the aligned columns
+  # before them (it is told lhs has lhs_m columns). A tm of all m columns that is not a multiple
+  # of 128 is fetched whole and has no separate tail.
+  lhs_tail = m % lhs_granule if tm % lhs_granule == 0 else 0
+  lhs_m = m - lhs_tail
   groups = metadata.make_tile_groups(
     group_sizes=group_sizes,
     group_offset=group_offset,
@@ -411,17 +425,123 @@ def tgmm_rowtile_pallas(
   has_existing = existing_out is not None
 
   def kernel(offsets_ref, first_ref, last_ref, fin_ref, active_ref, goff_ref, *refs):
-    (lhs_ref, rhs_ref, existing_hbm), outs, (acc_ref, staging, ex_vmem, sems) = common.split_refs(
-      refs, inputs=(True, True, has_existing), outputs=1 + count_rows, scratch=4
+    ins, outs, scratch = common.split_refs(
+      refs, inputs=(True, True, has_existing), outputs=1 + count_rows, scratch=7 + bool(lhs_tail)
     )
+    lhs_hbm, rhs_hbm, existing_hbm = ins
+    lhs_vmem, rhs_vmem, in_sems, acc_ref, staging, ex_vmem, sems = scratch[:7]
+    lhs_tail_vmem = scratch[7] if lhs_tail else None
     out_hbm, counts_ref = outs[0], (outs[1] if count_rows else None)
     # NOTE: the grid visits only the tiles holding local rows (`active_tiles`); t is the m-tile.
-    k_i, n_i, t = pl.program_id(0), pl.program_id(1), active_ref[0] + pl.program_id(2)
+    k_i, n_i, step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    num_steps = pl.num_programs(2)
+    t = active_ref[0] + step
     row0 = t * tm
     k0 = pl.multiple_of(k_i * tk, tk)
     n0 = pl.multiple_of(n_i * tn, tn)
 
     sweep = k_i * tiles_n + n_i
+    # NOTE: the local groups' rows are one contiguous range [rows_start, rows_end).
+    rows_start = offsets_ref[goff_ref[0]]
+    rows_end = offsets_ref[goff_ref[0] + num_groups]
+
+    def tile_fetches(*, tile: Any, k_idx: Any, n_idx: Any, slot: Any) -> tuple[list, list]:
+      """The (lhs, rhs) DMAs (`common.tile_row_copies`) of m-tile `tile`'s local rows, for the
+      (k_idx, n_idx) output block, into VMEM slot `slot`.
+
+      NOTE: a function of its arguments only, so the step that waits for a fetch rebuilds the
+      descriptors the step that started it built (same rows, same predicates, same sizes).
+      """
+      # NOTE: with one m-tile the tile is 0: a static row0 keeps the whole-tile fallback (a tm of
+      # all m rows that the granule does not divide) a static slice.
+      tile_row0 = 0 if tiles_m == 1 else tile * tm
+      # NOTE: the tile's local rows [lo, hi), relative to its first row. A visited tile holds
+      # some (the grid skips the others); the one tile visited when the shard has no rows at all
+      # (to write its empty groups) fetches nothing.
+      lo = jnp.clip(rows_start - tile_row0, 0, tm)
+      hi = jnp.clip(rows_end - tile_row0, 0, tm)
+      some = hi > lo
+      lo, hi = jnp.where(some, lo, 0), jnp.where(some, hi, 0)
+      w_k0 = pl.multiple_of(k_idx * tk, tk)
+      w_n0 = pl.multiple_of(n_idx * tn, tn)
+      # NOTE: m is lhs's lane (last) dim: its rows move in lane granules of 128; rhs's m is its
+      # sublane dim (8 rows of 32 bits). `common.window` keeps a window of a whole dim static.
+      lhs_hi = jnp.minimum(hi, lhs_m - tile_row0) if lhs_tail else hi
+      lhs_copies = common.tile_row_copies(
+        hbm_rows=lambda start, size: lhs_hbm.at[
+          common.window(w_k0, tk, k), common.window(start, size, m)
+        ],
+        vmem_rows=lambda off, size: lhs_vmem.at[slot, :, common.window(off, size, tm)],
+        sem=in_sems.at[0, slot],
+        granule=lhs_granule,
+        row0=tile_row0,
+        lo=lo,
+        hi=lhs_hi,
+        tm=tm,
+        m=lhs_m,
+      )
+      if lhs_tail:
+        # NOTE: the tail columns [lhs_m, m), in m's last tile only, when the rows reach them.
+        tail_src = lhs_hbm.at[common.window(w_k0, tk, k), pl.ds(lhs_m, lhs_tail)]
+        tail_copy = pltpu.make_async_copy(tail_src, lhs_tail_vmem.at[slot], in_sems.at[0, slot])
+        lhs_copies.append((hi > lhs_m - tile_row0, tail_copy))
+      rhs_copies = common.tile_row_copies(
+        hbm_rows=lambda start, size: rhs_hbm.at[
+          common.window(start, size, m), common.window(w_n0, tn, n)
+        ],
+        vmem_rows=lambda off, size: rhs_vmem.at[slot, common.window(off, size, tm), :],
+        sem=in_sems.at[1, slot],
+        granule=rhs_granule,
+        row0=tile_row0,
+        lo=lo,
+        hi=hi,
+        tm=tm,
+        m=m,
+      )
+      return lhs_copies, rhs_copies
+
+    def start_fetches(**where):
+      for copies in tile_fetches(**where):
+        common.run_copies(copies, wait=False)
+
+    # NOTE: lhs and rhs are double-buffered along a chain of grid steps: with `sequential_sweeps`
+    # the whole grid in order (one TensorCore runs it), without it each (k, n) sweep alone
+    # (sweeps may run on different TensorCores: nothing is prefetched across them). Step c of
+    # the chain reads slot c % 2; it prefetches step c + 1's rows into the other slot, which
+    # step c - 1 read and is done with, and the chain's first step fetches its own (exposed).
+    chain = sweep * num_steps + step if sequential_sweeps else step
+    slot = chain % 2
+
+    @pl.when(chain == 0)
+    def _fetch_first():
+      start_fetches(tile=t, k_idx=k_i, n_idx=n_i, slot=slot)
+
+    @pl.when(step + 1 < num_steps)
+    def _prefetch_next_tile():
+      start_fetches(tile=t + 1, k_idx=k_i, n_idx=n_i, slot=1 - slot)
+
+    if sequential_sweeps:
+      # NOTE: the sweep's last step prefetches the next sweep's first visited tile, with that
+      # sweep's k and n windows (sweeps run k-major, like the grid).
+      @pl.when((step + 1 == num_steps) & (sweep + 1 < tiles_k * tiles_n))
+      def _prefetch_next_sweep():
+        nxt = sweep + 1
+        start_fetches(tile=active_ref[0], k_idx=nxt // tiles_n, n_idx=nxt % tiles_n, slot=1 - slot)
+
+    lhs_copies, rhs_copies = tile_fetches(tile=t, k_idx=k_i, n_idx=n_i, slot=slot)
+    common.run_copies(lhs_copies, wait=True)
+    common.run_copies(rhs_copies, wait=True)
+    if lhs_tail:
+      # NOTE: a static, 128-aligned offset into the slot: the tail's place in m's last tile.
+      tail_at = lhs_m - (tiles_m - 1) * tm
+
+      @pl.when(lhs_copies[-1][0])
+      def _place_lhs_tail():
+        lhs_vmem[slot, :, pl.ds(tail_at, lhs_tail)] = lhs_tail_vmem[slot]
+
+    # NOTE: rows of the slots outside the fetched range hold other tiles' rows or uninitialized
+    # memory (NaN under interpret mode): `product` reads them only masked (see its NOTEs).
+    lhs_ref, rhs_ref = lhs_vmem.at[slot], rhs_vmem.at[slot]
 
     def out_copy(w):
       # NOTE: writes are numbered in issue order across sweeps, w = sweep * G + g (groups are
@@ -435,6 +555,11 @@ def tgmm_rowtile_pallas(
     if counts_ref is not None:
       counts_ref[k_i, n_i, t, 0] = 0
       counts_ref[k_i, n_i, t, 1] = 0
+      # NOTE: the rows the step's DMAs moved (whoever started them): rhs rows, lhs columns.
+      for index, copies, axis in ((2, rhs_copies, 0), (3, lhs_copies, 1)):
+        counts_ref[k_i, n_i, t, index] = sum(
+          jnp.where(pred, desc.dst_ref.shape[axis], 0) for pred, desc in copies
+        )
 
     def product(*, sub: Any, subs: int, masked: bool, start: Any, end: Any) -> jax.Array:
       """The f32 product of `subs` consecutive sub-blocks from sub-block `sub` of the tile.
@@ -459,8 +584,10 @@ def tgmm_rowtile_pallas(
       lhs_blk, rhs_blk = lhs_ref[:, rows], rhs_ref[rows, :]
       if masked:
         # NOTE: rows are the contraction dim: only rows of the group contribute. Both operands
-        # are masked: rows past m in a ragged last tile are uninitialized (NaN under interpret
-        # mode) and 0 * NaN = NaN.
+        # are masked: rows of the slot outside the fetched range (past m in a ragged last tile,
+        # other shards' rows, a receive buffer's slack) hold stale or uninitialized data (NaN
+        # under interpret mode) and 0 * NaN = NaN. An unmasked run reads only sub-blocks wholly
+        # inside the group, which are fetched.
         lo = row0 + r0
         width = lhs_blk.shape[1]
         lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, width), 1)
@@ -584,19 +711,12 @@ def tgmm_rowtile_pallas(
         if in_flight - back >= 0:
           out_copy((sweep + 1) * num_groups - back).wait()
 
-  # Index maps get (k_i, n_i, step, *prefetch refs).
-  def lhs_map(k_i, n_i, step, offsets, first, last, fin, active, goff):
-    # NOTE: step s of a (k, n) sweep is m-tile active[0] + s: unvisited tiles are never fetched.
-    return k_i, active[0] + step
-
-  def rhs_map(k_i, n_i, step, offsets, first, last, fin, active, goff):
-    return active[0] + step, n_i
-
-  # NOTE: existing_out stays in HBM: a group's block is read only when the group is written.
+  # NOTE: every operand stays in HBM: lhs and rhs rows are fetched by the kernel's own DMAs
+  # (only the local rows of each visited tile), existing_out's block only when its group is
+  # written.
+  any_spec = pl.BlockSpec(memory_space=pl.ANY)
   operands, in_specs = common.present_operands(
-    (lhs, pl.BlockSpec((tk, tm), lhs_map)),
-    (rhs, pl.BlockSpec((tm, tn), rhs_map)),
-    (existing_out, pl.BlockSpec(memory_space=pl.ANY)),
+    (lhs, any_spec), (rhs, any_spec), (existing_out, any_spec)
   )
   visited = jnp.arange(tiles_m) - groups.active_tiles[0]
   # NOTE: m-tiles run in order (a group's partial sum crosses tiles). Without `sequential_sweeps`
@@ -614,16 +734,23 @@ def tgmm_rowtile_pallas(
     ),
     out_spec=pl.BlockSpec(memory_space=pl.ANY),
     scratch_shapes=[
+      pltpu.VMEM((2, tk, tm), lhs.dtype),
+      pltpu.VMEM((2, tm, tn), rhs.dtype),
+      # NOTE: one semaphore per operand and slot: [lhs, rhs] x [slot 0, slot 1].
+      pltpu.SemaphoreType.DMA((2, 2)),
       pltpu.VMEM((tn, tk) if rows_stationary else (tk, tn), jnp.float32),
       pltpu.VMEM((2, tk, tn), out_dtype),
       pltpu.VMEM((tk, tn), out_dtype),
       pltpu.SemaphoreType.DMA((3,)),
-    ],
+    ]
+    + ([pltpu.VMEM((2, tk, lhs_tail), lhs.dtype)] if lhs_tail else []),
     dimension_semantics=("arbitrary",) * 3
     if sequential_sweeps
     else ("parallel", "parallel", "arbitrary"),
     vmem_limit_bytes=vmem_limit_bytes,
     flops=2 * m * k * n,
+    # NOTE: an upper bound: all m rows, though the kernel reads only the local rows (their count
+    # is not static).
     bytes_accessed=_bytes_accessed(
       lhs,
       rhs,
@@ -635,7 +762,7 @@ def tgmm_rowtile_pallas(
       has_existing=has_existing,
     ),
     interpret=interpret,
-    counts_shape=(tiles_k, tiles_n, tiles_m, 2) if count_rows else None,
+    counts_shape=(tiles_k, tiles_n, tiles_m, 4) if count_rows else None,
     # NOTE: counters of unvisited tiles are never written (and those tiles did no work).
     valid_counts=((visited >= 0) & (visited < groups.active_tiles[1]))[:, None],
   )

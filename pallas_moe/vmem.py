@@ -111,9 +111,12 @@ def vmem_estimate_bytes(
     return int(blocks + temps + _ROWTILE_MARGIN)
   elif kind == "tgmm_rowtile":
     # NOTE: calibrated likewise: (1024, 2048, 1792) needs 45 MiB (64 with existing_out),
-    # (512, 1024, 1024) 13 MiB. Pipelined lhs [tk, tm] and rhs [tm, tn] blocks (x2), the f32
+    # (512, 1024, 1024) 13 MiB. Two slots each of lhs [tk, tm] and rhs [tm, tn] (filled by the
+    # kernel's row DMAs; the size of the pipeline's double buffers they replaced), the f32
     # accumulator, two staging slots, the existing_out buffer with its f32 sum (counted always:
     # the estimate does not know whether the call has one), and the masked sub-block operands.
+    # Not counted: the [2, tk, m % 128] lhs tail buffer of a ragged m (2 * tk * 128 elements
+    # with lane padding: 0.5 MiB at tk = 1024 in bf16; the estimate does not know m).
     gen = get_generation(generation) if generation is not None else None
     mxu = gen.mxu_size if gen is not None else _MAX_SUB_M
     sub = rows_per_pass(tm, mxu)

@@ -381,3 +381,47 @@ def test_rowtile_estimate_counts_both_weight_slots():
   assert est > tiling.usable_vmem_bytes("v6e")
   weight_slots = 2 * 14336 * 2048 * 2
   assert est > weight_slots
+
+
+# NOTE: the row-tile tgmm's manual lhs / rhs row DMAs (`common.tile_row_copies`) on real Mosaic:
+# a ragged m (m % 128 = 104, m % 16 = 8: the static tail copies along lhs's lanes and rhs's
+# sublanes), the DMA chain across (k, n) sweeps with `sequential_sweeps`, f32 rhs rows (8-row
+# granule), and a tile of all m rows (whole-tile fallback). (generation, m, tiles, sequential,
+# rows_stationary, dtype)
+_TGMM_ROWTILE_DMA = [
+  ("v5e", 1000, (256, 256, 128), False, False, BF16),
+  ("v5e", 1000, (256, 256, 128), True, False, BF16),
+  ("v6e", 1000, (512, 256, 256), True, True, BF16),
+  ("tpu7x", 1000, (256, 256, 128), True, False, jnp.float32),
+  ("tpu7x", 200, (200, 256, 128), False, True, BF16),
+]
+
+
+@pytest.mark.parametrize(
+  "gen, m, tiles, sequential, rows_stationary, dtype", _TGMM_ROWTILE_DMA, ids=str
+)
+def test_tgmm_rowtile_row_dmas_compile(gen, m, tiles, sequential, rows_stationary, dtype):
+  from pallas_moe.tgmm import tgmm_rowtile_pallas
+
+  tm, tk, tn = tiles
+  g, k, n = 4, 2 * tk, 2 * tn
+  fn = lambda a, b, gs: tgmm_rowtile_pallas(  # noqa: E731
+    a,
+    b,
+    gs,
+    tiling=tiles,
+    out_dtype=BF16,
+    group_offset=jnp.int32(1),
+    num_actual_groups=g - 1,
+    sub_m=min(tm, tiling.get_generation(gen).mxu_size),
+    sequential_sweeps=sequential,
+    rows_stationary=rows_stationary,
+    interpret=False,
+  )
+  _compile(
+    gen,
+    fn,
+    _sds(gen, k, m, dtype=dtype),
+    _sds(gen, m, n, dtype=dtype),
+    _sds(gen, g, dtype=jnp.int32),
+  )

@@ -886,32 +886,32 @@ def test_slack_rows_are_never_fetched_multiplied_or_written():
   # up to f32's 8-row granule; nothing for the 14 other tiles.
   np.testing.assert_array_equal(np.asarray(counts)[0, :, 2], [32, 24] + [0] * 14)
   assert not np.any(np.asarray(out)[50:]) and np.all(np.asarray(out)[:50] == k)
+  tgmm_fn = functools.partial(
+    tgmm_rowtile_pallas,
+    tiling=(tm, k, n),
+    out_dtype=jnp.float32,
+    num_actual_groups=3,
+    sub_m=sub_m,
+    interpret=True,
+  )
   (tgmm_sched,) = cm.analyze(
-    lambda x, y, gs, off: tgmm_rowtile_pallas(
-      x,
-      y,
-      gs,
-      tiling=(tm, k, n),
-      out_dtype=jnp.float32,
-      group_offset=off,
-      num_actual_groups=3,
-      sub_m=sub_m,
-      interpret=True,
-    ),
+    lambda x, y, gs, off: tgmm_fn(x, y, gs, group_offset=off),
     lhs.T,
     jnp.zeros((m, n)),
     jnp.asarray(sizes),
     jnp.int32(offset),
   )
   assert tgmm_sched.steps == 2
-  assert _bytes_of(tgmm_sched, "in0:") == 2 * tm * k * 4
-  assert _bytes_of(tgmm_sched, "in1:") == 2 * tm * n * 4
-
-
-def _bytes_of(schedule, prefix: str) -> int:
-  """Bytes the pipeline moved for one operand ("in0:" the first array operand, "out0:" ...)."""
-  (label,) = [name for name in schedule.operand_bytes if name.startswith(prefix)]
-  return schedule.operand_bytes[label]
+  # NOTE: the tgmm fetches lhs and rhs by manual DMA (not pipelined, not in the schedule's
+  # operand bytes): its instrumentation counts the rows each step fetched, rhs then lhs.
+  _, counts = tgmm_fn(
+    lhs.T, jnp.zeros((m, n)), jnp.asarray(sizes), group_offset=jnp.int32(offset), count_rows=True
+  )
+  # NOTE: rhs rows of tile 1 are its 18 local rows rounded to f32's 8; lhs (m on lanes, granule
+  # 128 > tm) is fetched as whole tiles.
+  fetched = np.zeros((m // tm, 2), int)
+  fetched[:2] = [[32, 32], [24, 32]]
+  np.testing.assert_array_equal(np.asarray(counts)[0, 0, :, 2:], fetched)
 
 
 def test_zero_fill_writes_only_the_unvisited_rows():
@@ -936,3 +936,94 @@ def test_zero_fill_writes_only_the_unvisited_rows():
     outside[lo:hi] = False
     assert np.all(buf[outside] == 0), active
     assert np.all(np.isnan(buf[~outside])), active
+
+
+# ------------------------------------------------------------------------------------------------
+# The row-tile tgmm fetches only the local rows of each visited tile (manual lhs / rhs DMAs).
+
+# NOTE: bf16 operands (rhs rows move in granules of 16, lhs columns of 128 lanes), tm = 256 so the
+# lane granule is visible, m = 1000 (m % 128 = 104, m % 16 = 8: the static tail copies), two
+# n-tiles. (name, m, tm, sub_m, sizes, offset, local)
+FETCH_CASES = [
+  # A shard (groups 1..3, rows 300..560) of a receive buffer with slack (600 of 1000 rows real):
+  # its first tile starts mid-tile, its last holds 48 rows.
+  ("shard", 1000, 256, 64, [300, 50, 200, 10, 40], 1, 3),
+  # A shard from mid-tile (row 300) up to m: the last tile's 232 rows end in m's unaligned tail.
+  ("to-m", 1000, 256, 64, [300, 200, 0, 500], 1, 3),
+  # One tile of all m rows (tm = m = 208): lhs's 208 lanes are not a multiple of 128, fetched
+  # whole; rhs's rows are, fetched by range with a static row0.
+  ("one-tile", 208, 208, 208, [50, 0, 20], 0, 3),
+]
+# NOTE: (case, interpret mode, sequential_sweeps, rows_stationary): each static configuration
+# compiles once (~8 s); both sweep modes and MXU orientations, the slack case in both modes.
+FETCH_PARAMS = [
+  (FETCH_CASES[0], "hlo", False, False),
+  (FETCH_CASES[0], "tpu", True, True),
+  (FETCH_CASES[1], "hlo", True, True),
+  (FETCH_CASES[2], "tpu", False, True),
+]
+
+
+def _expected_fetch(sizes, offset, local, *, m, tm, granule):
+  """Rows fetched per m-tile: [floor(lo), min(ceil(hi), m - row0)) of the tile's local rows
+  [lo, hi) in `granule`s; a tile that the granule does not divide whole (clipped at m)."""
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  rows_start, rows_end = bounds[offset], bounds[offset + local]
+  out = np.zeros(-(-m // tm), int)
+  for t in range(len(out)):
+    row0 = t * tm
+    lo, hi = max(rows_start - row0, 0), min(rows_end - row0, tm)
+    if lo >= hi:
+      continue
+    if tm % granule:
+      out[t] = min(tm, m - row0)
+    else:
+      out[t] = min(-(-hi // granule) * granule, m - row0) - lo // granule * granule
+  return out
+
+
+@pytest.mark.parametrize(
+  "case, mode, sequential, rows_stationary",
+  FETCH_PARAMS,
+  ids=[f"{c[0]}-{mode}{'-seq' if s else ''}{'-rs' if r else ''}" for c, mode, s, r in FETCH_PARAMS],
+)
+def test_tgmm_rowtile_fetches_only_local_rows(case, mode, sequential, rows_stationary):
+  """lhs / rhs rows outside the shard's rows (other shards', the buffer's slack) are never read
+  into a result: NaN there changes nothing. Each visited tile fetches its local rows rounded out
+  to the DMA granule (128 lhs lanes, 16 bf16 rhs rows), unvisited tiles nothing."""
+  _, m, tm, sub_m, sizes, offset, local = case
+  k, n, tk, tn = 16, 32, 16, 16
+  sizes = np.asarray(sizes, np.int32)
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  rows_start, rows_end = bounds[offset], bounds[offset + local]
+  lhs = random_array(11, (k, m), jnp.bfloat16)
+  rhs = random_array(12, (m, n), jnp.bfloat16)
+  outside = np.ones(m, bool)
+  outside[rows_start:rows_end] = False
+  poisoned_lhs = jnp.where(jnp.asarray(outside)[None, :], jnp.nan, lhs)
+  poisoned_rhs = jnp.where(jnp.asarray(outside)[:, None], jnp.nan, rhs)
+  fn = _jitted(
+    tgmm_rowtile_pallas,
+    tiling=(tm, tk, tn),
+    out_dtype=jnp.float32,
+    num_actual_groups=local,
+    sub_m=sub_m,
+    sequential_sweeps=sequential,
+    rows_stationary=rows_stationary,
+    count_rows=True,
+    interpret=INTERPRET_MODES[mode],
+  )
+  out, counts = fn(poisoned_lhs, poisoned_rhs, jnp.asarray(sizes), jnp.int32(offset), None)
+  got = np.asarray(out)
+  assert np.isfinite(got).all()
+  tol = tolerance(in_dtype=jnp.bfloat16, out_dtype=jnp.float32, k=m)
+  clean = dict(group_offset=offset, num_actual_groups=local)
+  expected = np_tgmm(rounded(lhs, jnp.bfloat16), rounded(rhs, jnp.bfloat16), sizes, **clean)
+  np.testing.assert_allclose(got, expected, **tol)
+  ref = reference.tgmm(lhs, rhs, jnp.asarray(sizes), jnp.float32, **clean)
+  np.testing.assert_allclose(got, np.asarray(ref), **tol)
+  assert not np.any(got[sizes[offset : offset + local] == 0])
+  counts = np.asarray(counts)
+  for index, granule in ((2, 16), (3, 128)):
+    want = _expected_fetch(sizes, offset, local, m=m, tm=tm, granule=granule)
+    np.testing.assert_array_equal(counts[..., index], np.broadcast_to(want, counts.shape[:3]))
