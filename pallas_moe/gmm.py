@@ -724,19 +724,15 @@ def gmm_rowtile_pallas(
     else:
       fetched = True
 
-    @pl.when(chain == 0)
-    def _fetch_first():
-      common.run_copies(lhs_copies(t, lhs_slot), wait=False)
+    def start_fetch(j, carry):
+      # NOTE: the fetch for chain step chain + j (j = 0 only at the chain's start, j = 1 the
+      # prefetch): one loop body, so the kernel holds one copy of the row-chunk DMAs.
+      tile = active_ref[0] + (step + j) % num_steps
+      common.run_copies(lhs_copies(tile, jnp.where(num_steps > 1, (chain + j) % 2, 0)), wait=False)
+      return carry
 
-    @pl.when((num_steps > 1) & (chain + 1 < chain_len))
-    def _prefetch_next():
-      common.run_copies(lhs_copies(active_ref[0] + (step + 1) % num_steps, 1 - slot), wait=False)
-
-    # NOTE: the out slot was last written back by chain step c - 2; that DMA must be done before
-    # the slot is reused.
-    @pl.when(chain >= 2)
-    def _wait_out_slot():
-      common.run_copies(out_copies(chain - 2), wait=True)
+    prefetch = (num_steps > 1) & (chain + 1 < chain_len)
+    lax.fori_loop(jnp.where(chain == 0, 0, 1), jnp.where(prefetch, 2, 1), start_fetch, 0)
 
     out_ref = out_vmem.at[slot]
 
@@ -912,15 +908,16 @@ def gmm_rowtile_pallas(
 
     common.run_copies(out_copies(chain), wait=False)
 
-    # NOTE: at the chain's end the last two write-backs are still in flight; nothing may be
-    # pending when the sweep (or, with `sequential_sweeps`, the grid) ends.
-    @pl.when(chain + 1 == chain_len)
-    def _drain():
-      @pl.when(chain >= 1)
-      def _previous():
-        common.run_copies(out_copies(chain - 1), wait=True)
+    def wait_write(j, carry):
+      # NOTE: the previous step's write-back (j = 0), done while this step computed, before its
+      # slot is reused by the next step; at the chain's end also this step's own (j = 1), so
+      # that nothing is pending when the sweep (or, with `sequential_sweeps`, the grid) ends.
+      common.run_copies(out_copies(chain - 1 + j), wait=True)
+      return carry
 
-      common.run_copies(out_copies(chain), wait=True)
+    lax.fori_loop(
+      jnp.where(chain >= 1, 0, 1), jnp.where(chain + 1 == chain_len, 2, 1), wait_write, 0
+    )
 
   # Index maps get (n_i, step, *prefetch refs).
   def lhs_scales_map(n_i, step, offsets, first, last, rank, load, nloads, active, goff):

@@ -500,33 +500,36 @@ def tgmm_rowtile_pallas(
       )
       return lhs_copies, rhs_copies
 
-    def start_fetches(**where):
-      for copies in tile_fetches(**where):
-        common.run_copies(copies, wait=False)
-
     # NOTE: lhs and rhs are double-buffered along a chain of grid steps: with `sequential_sweeps`
     # the whole grid in order (one TensorCore runs it), without it each (k, n) sweep alone
     # (sweeps may run on different TensorCores: nothing is prefetched across them). Step c of
     # the chain reads slot c % 2; it prefetches step c + 1's rows into the other slot, which
     # step c - 1 read and is done with, and the chain's first step fetches its own (exposed).
-    chain = sweep * num_steps + step if sequential_sweeps else step
+    if sequential_sweeps:
+      chain, chain_len = sweep * num_steps + step, tiles_k * tiles_n * num_steps
+    else:
+      chain, chain_len = step, num_steps
     slot = chain % 2
 
-    @pl.when(chain == 0)
-    def _fetch_first():
-      start_fetches(tile=t, k_idx=k_i, n_idx=n_i, slot=slot)
+    def start_fetch(j, carry):
+      # NOTE: the fetches of chain step chain + j: j = 0 only at the chain's start, j = 1 the
+      # prefetch (the next tile, or with `sequential_sweeps` after a sweep's last step the next
+      # sweep's first visited tile, with that sweep's k and n windows; sweeps run k-major, like
+      # the grid). One loop body, so the kernel holds one copy of the row-chunk DMAs.
+      c = chain + j
+      if sequential_sweeps:
+        c_sweep, c_step = c // num_steps, c % num_steps
+        k_idx, n_idx = c_sweep // tiles_n, c_sweep % tiles_n
+      else:
+        c_step, k_idx, n_idx = c, k_i, n_i
+      where = dict(tile=active_ref[0] + c_step, k_idx=k_idx, n_idx=n_idx, slot=c % 2)
+      for copies in tile_fetches(**where):
+        common.run_copies(copies, wait=False)
+      return carry
 
-    @pl.when(step + 1 < num_steps)
-    def _prefetch_next_tile():
-      start_fetches(tile=t + 1, k_idx=k_i, n_idx=n_i, slot=1 - slot)
-
-    if sequential_sweeps:
-      # NOTE: the sweep's last step prefetches the next sweep's first visited tile, with that
-      # sweep's k and n windows (sweeps run k-major, like the grid).
-      @pl.when((step + 1 == num_steps) & (sweep + 1 < tiles_k * tiles_n))
-      def _prefetch_next_sweep():
-        nxt = sweep + 1
-        start_fetches(tile=active_ref[0], k_idx=nxt // tiles_n, n_idx=nxt % tiles_n, slot=1 - slot)
+    lax.fori_loop(
+      jnp.where(chain == 0, 0, 1), jnp.where(chain + 1 < chain_len, 2, 1), start_fetch, 0
+    )
 
     lhs_copies, rhs_copies = tile_fetches(tile=t, k_idx=k_i, n_idx=n_i, slot=slot)
     common.run_copies(lhs_copies, wait=True)
