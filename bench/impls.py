@@ -820,7 +820,11 @@ def rowtile_hooks(
     hi = np.minimum(ends[-1] - row0, tm) if ends.size else np.zeros_like(row0)
 
     def moved(granule):
-      return tiling_lib.tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=rows, granule=granule)
+      # NOTE: gmm pads its lhs and output rows to the granule (when the granule divides tm).
+      m = rows
+      if op != "drhs" and tm % granule == 0:
+        m = -(-rows // granule) * granule
+      return tiling_lib.tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=m, granule=granule)
 
     def manual_dma(operand: str) -> int:
       # NOTE: an operand the pipeline moves (a kernel version with BlockSpecs for it) is
@@ -841,7 +845,9 @@ def rowtile_hooks(
     if unowned_rows == "undefined":
       out_rows = moved(tiling_lib.row_granule_of(out_itemsize))
     else:
-      out_rows = np.maximum(np.minimum(rows - row0, tm), 0)
+      granule = tiling_lib.row_granule_of(out_itemsize)
+      padded = -(-rows // granule) * granule if tm % granule == 0 else rows
+      out_rows = np.maximum(np.minimum(padded - row0, tm), 0)
     return dict(
       fetches=[(lhs_rows * tk * lhs_itemsize * manual_dma("in0"), tile)],
       writes=out_rows * tn * out_itemsize * manual_dma("out0"),

@@ -435,6 +435,11 @@ def tile_row_range(*, row0: Any, lo: Any, hi: Any, tm: int, m: int, granule: int
   first = (lo // granule) * granule
   # NOTE: an empty range (a visited tile of a shard without rows) moves nothing.
   end = jnp.where(hi > lo, jnp.minimum(-(-hi // granule) * granule, m - row0), first)
+  tail = m % granule
+  if tail:
+    # NOTE: a range reaching m's unaligned tail moves the tile from its row 0 (see
+    # `tile_row_copies`).
+    first = jnp.where((hi > lo) & (end > m - tail - row0), 0, first)
   return first, end
 
 
@@ -458,10 +463,10 @@ def tile_row_copies(
   first and last visited tiles of an expert-parallel receive buffer hold few of them. Mosaic
   DMAs have static shapes (interpret mode too), so a range of dynamic length L is moved as the
   binary decomposition of L / granule: at most log2(tm / granule) + 1 copies of static
-  power-of-two sizes, each at an offset aligned to its granule, plus one static copy of the
-  operand's last m % granule rows when the range reaches m. Rows of the block outside the range
-  are left as they were. A tm that the granule does not divide (a tile of all m rows) falls back
-  to the whole tile (static, clipped at m).
+  power-of-two sizes, each at an offset aligned to its granule; a range that reaches m's
+  unaligned last m % granule rows is one static copy of the tile's rows from 0 instead. Rows of
+  the block outside the range are left as they were. A tm that the granule does not divide (a
+  tile of all m rows) falls back to the whole tile (static, clipped at m).
 
   Args:
     hbm_rows: (start, size) -> the operand's HBM ref indexed to rows [start, start + size).
@@ -503,7 +508,12 @@ def tile_row_copies(
   tail = m % granule
   aligned_end = m - tail - row0  # rows of this tile before m's unaligned tail
   first, end = tile_row_range(row0=row0, lo=lo, hi=hi, tm=tm, m=m, granule=granule)
-  units = jnp.maximum(jnp.minimum(end, aligned_end) - first, 0) // granule
+  # NOTE: Mosaic takes a VMEM slice whose row count is not a multiple of the tile only as a
+  # prefix of the block (offset 0). A range that reaches m's unaligned tail (only in m's last
+  # tile, whose row0 is static) is therefore moved as one static copy of the tile's rows
+  # [0, m - row0), the rows a whole-tile fetch would move; the chunks move nothing then.
+  to_tail = (hi > lo) & (end > aligned_end) if tail else False
+  units = jnp.where(to_tail, 0, jnp.maximum(end - first, 0) // granule)
   copies = []
   top = max(0, (tm // granule).bit_length() - 1)
   for bit in range(top, -1, -1):
@@ -515,10 +525,7 @@ def tile_row_copies(
     offset = pl.multiple_of(first + ((units >> (bit + 1)) << (bit + 1)) * granule, granule)
     copies.append((((units >> bit) & 1) == 1, copy(offset, size)))
   if tail:
-    # NOTE: m's last `tail` rows, only in m's last tile (row0 static there); moved when the
-    # range reaches past the aligned rows.
-    offset = m - tail - (tiles_m - 1) * tm
-    copies.append((end > aligned_end, copy(offset, tail, start=m - tail)))
+    copies.append((to_tail, copy(0, last_rows, start=(tiles_m - 1) * tm)))
   return copies
 
 

@@ -575,6 +575,17 @@ def gmm_rowtile_pallas(
   if n % tn:
     raise ValueError(f"tn={tn} must divide n={n} for the row-tile gmm.")
   tiles_n, tiles_m = n // tn, metadata.cdiv(m, tm)
+  # NOTE: lhs rows move in DMA granules (`common.tile_row_copies`); an m that is not a multiple
+  # of the granule (8 rows of f32, 16 of bf16) is padded, at the cost of one copy of lhs, since
+  # Mosaic rejects some VMEM slices of m % granule rows. Local rows end at or before m, so the
+  # padding rows are never read into a product.
+  lhs_granule = common.row_granule(lhs.dtype)
+  lhs_rows = m
+  if tm % lhs_granule == 0:
+    # NOTE: (a tm of all m rows that the granule does not divide moves its tile whole instead.)
+    lhs_rows = -(-m // lhs_granule) * lhs_granule
+  if lhs_rows != m:
+    lhs = jnp.pad(lhs, ((0, lhs_rows - m), (0, 0)))
   quantized, lhs_quantized = rhs_scales is not None, lhs_scales is not None
   upcast = quantized and not narrow_dot
   # NOTE: the weights the dot reads, prepared once per group load: upcast (quantized) and/or
@@ -604,10 +615,18 @@ def gmm_rowtile_pallas(
   )
   has_existing = existing_out is not None
   aliased = has_existing or fill_unowned
-  # NOTE: padded only for the TPU simulator, whose aliased outputs must not have a ragged last
-  # block (jax 0.10.2: "Out-of-bounds block index"); the result is sliced back to m rows.
+  # NOTE: the output is padded (and the result sliced back to m rows) for the TPU simulator,
+  # whose aliased outputs must not have a ragged last block (jax 0.10.2: "Out-of-bounds block
+  # index"), and to a multiple of the output's DMA granule: Mosaic rejects a write-back from a
+  # VMEM slice of m % granule rows at some widths (v5e, n = 200), so an m that is not a multiple
+  # of 8 rows (f32; 16 bf16) costs one copy of the output.
   simulated = isinstance(interpret, pltpu.InterpretParams)
-  out_rows = tiles_m * tm if simulated and aliased else m
+  out_granule = common.row_granule(out_dtype)
+  out_rows = m
+  if simulated and aliased:
+    out_rows = tiles_m * tm
+  elif tm % out_granule == 0:
+    out_rows = -(-m // out_granule) * out_granule
   base = None
   if has_existing:
     base = existing_out
@@ -624,7 +643,6 @@ def gmm_rowtile_pallas(
       vary_like=(lhs, rhs, group_sizes, group_offset, rhs_scales, lhs_scales),
     )
   present = (True, True, quantized, lhs_quantized, aliased)
-  lhs_granule, out_granule = common.row_granule(lhs.dtype), common.row_granule(out_dtype)
   # NOTE: where the rows of a visited tile outside the local rows must hold zeros or
   # existing_out's values, the whole tile is written back; otherwise only the local rows.
   write_whole_tiles = aliased
@@ -686,7 +704,7 @@ def gmm_rowtile_pallas(
         lo=lo,
         hi=hi,
         tm=tm,
-        m=m,
+        m=lhs_rows,
         granule=lhs_granule,
       )
 
@@ -800,7 +818,9 @@ def gmm_rowtile_pallas(
       counts_ref[n_i, t, 0] = 0
       counts_ref[n_i, t, 1] = 0
       _, lo, hi = local_rows(t)
-      first, end = common.tile_row_range(row0=row0, lo=lo, hi=hi, tm=tm, m=m, granule=lhs_granule)
+      first, end = common.tile_row_range(
+        row0=row0, lo=lo, hi=hi, tm=tm, m=lhs_rows, granule=lhs_granule
+      )
       counts_ref[n_i, t, 2] = jnp.where(fetched, end - first, 0)
       if write_whole_tiles:
         lo, hi = 0 * lo, jnp.minimum(tm, out_rows - row0)

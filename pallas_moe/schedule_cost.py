@@ -230,6 +230,11 @@ def row_granule_of(itemsize: int, *, lanes: bool = False) -> int:
   return 128 if lanes else 8 * max(1, 4 // int(itemsize))
 
 
+def _padded(rows: int, granule: int, tm: int) -> int:
+  """gmm's row count after padding to the DMA granule (when the granule divides tm)."""
+  return -(-rows // granule) * granule if tm % granule == 0 else rows
+
+
 def tile_rows_moved(*, row0, lo, hi, tm: int, m: int, granule: int) -> np.ndarray:
   """Rows a row-tile kernel's manual DMA moves for rows [lo, hi) of the tile at `row0` (relative
   to it): the range rounded out to the granule and clipped at m, or the whole tile clipped at m
@@ -239,6 +244,9 @@ def tile_rows_moved(*, row0, lo, hi, tm: int, m: int, granule: int) -> np.ndarra
     return np.maximum(np.minimum(tm, m - row0), 0)
   first = (lo // granule) * granule
   end = np.minimum(-(-hi // granule) * granule, m - row0)
+  if m % granule:
+    # NOTE: a range reaching m's unaligned tail moves the tile from its row 0 (Mosaic slices).
+    first = np.where(end > m - m % granule - row0, 0, first)
   return np.where(hi > lo, np.maximum(end - first, 0), 0)
 
 
@@ -371,7 +379,12 @@ def rowtile_step_costs(
   end = m if buffer_rows is None else max(m, buffer_rows)
   row0 = np.arange(tiles_m) * tm
   lo, hi = np.zeros(tiles_m, np.int64), np.minimum(m - row0, tm)
-  moved = lambda g: tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=end, granule=g)  # noqa: E731
+
+  def moved(g):
+    # NOTE: gmm pads its lhs and output rows to the granule (when the granule divides tm).
+    padded = _padded(end, g, tm) if kind == "gmm" else end
+    return tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=padded, granule=g)
+
   tiles_k, tiles_n = k // tk, n // tn
   sweeps = tiles_k * tiles_n
   tile = np.tile(np.arange(tiles_m), sweeps)
@@ -379,7 +392,7 @@ def rowtile_step_costs(
     out_rows = (
       moved(row_granule_of(out_itemsize))
       if unowned_rows == "undefined"
-      else np.minimum(end - row0, tm)
+      else np.minimum(_padded(end, row_granule_of(out_itemsize), tm) - row0, tm)
     )
     fetches = [(np.tile(moved(row_granule_of(lhs_itemsize)) * k * lhs_itemsize, sweeps), tile)]
     writes = np.tile(out_rows * tn * out_itemsize, sweeps)

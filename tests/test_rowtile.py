@@ -189,7 +189,10 @@ def check_gmm(
   # tile a shard without rows visits.
   # NOTE: the TPU simulator's output is padded to whole tiles (see gmm_rowtile_pallas).
   first_tile, visited = np.asarray(groups.active_tiles)
-  out_rows = counts.shape[1] * tm if isinstance(interpret, pltpu.InterpretParams) else m
+  granule = 8 * max(1, 4 // np.dtype(out_dtype).itemsize)
+  out_rows = -(-m // granule) * granule if tm % granule == 0 else m  # NOTE: see gmm_rowtile
+  if isinstance(interpret, pltpu.InterpretParams):
+    out_rows = counts.shape[1] * tm
   written = np.zeros(counts.shape[1], np.int64)
   for t in range(first_tile, first_tile + visited):
     written[t] = min(tm, out_rows - t * tm)
@@ -203,6 +206,8 @@ def _edge_rows(sizes, offset, local, *, m, tm, granule):
   ends = np.cumsum(sizes)
   start, end = (ends - sizes)[offset], ends[offset + local - 1]
   rows = np.zeros(-(-m // tm), np.int64)
+  if tm % granule == 0:
+    m = -(-m // granule) * granule  # NOTE: gmm pads its lhs and output to the granule
   for t in range(rows.size):
     row0 = t * tm
     lo, hi = max(start - row0, 0), min(end - row0, tm)
@@ -210,8 +215,10 @@ def _edge_rows(sizes, offset, local, *, m, tm, granule):
       continue
     if tm % granule:
       lo, hi = 0, tm
-    first, last = lo // granule * granule, -(-hi // granule) * granule
-    rows[t] = min(last, m - row0) - first
+    first, last = lo // granule * granule, min(-(-hi // granule) * granule, m - row0)
+    if m % granule and last > m - m % granule - row0:
+      first = 0  # NOTE: a range reaching m's unaligned tail moves the tile from row 0
+    rows[t] = last - first
   return rows
 
 
