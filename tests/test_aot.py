@@ -389,7 +389,6 @@ def test_rowtile_estimate_counts_both_weight_slots():
 # granule), and a tile of all m rows (whole-tile fallback). (generation, m, tiles, sequential,
 # rows_stationary, dtype)
 _TGMM_ROWTILE_DMA = [
-  ("v5e", 1000, (256, 256, 128), False, False, BF16),
   ("v5e", 1000, (256, 256, 128), True, False, BF16),
   ("v6e", 1000, (512, 256, 256), True, True, BF16),
   ("tpu7x", 1000, (256, 256, 128), True, False, jnp.float32),
