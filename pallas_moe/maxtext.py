@@ -7,8 +7,13 @@ has no CPU implementation. This module offers both under the names MaxText uses:
   from pallas_moe import maxtext as mblx      # was: from maxtext.kernels import megablox as mblx
   mblx.ragged_all_to_all(...)                 # was: jax.lax.ragged_all_to_all(...)
 
-`gmm` takes MaxText's arguments (positional order and keyword names of MaxText's `ops.gmm` at
-commit e591f30cbbf217ed67ef71263ec0538239f9c3b8, 2026-08-22, plus keywords of earlier versions):
+or, without editing MaxText's source, `swap_into(maxtext.layers.moe)` does both at run time.
+
+`gmm` takes MaxText's arguments: the positional order and keyword names of `ops.gmm` in MaxText
+0.2.5 (PyPI, `MAXTEXT_VERSION`), the keywords of commit e591f30 (`MAXTEXT_COMMIT`, 2026-08-22:
+the same without `use_gmm_v2_heuristic_tiling`, `partial_sum` at position 20, refused there with
+a TypeError saying to pass it by keyword) and of earlier versions. Any other keyword raises a
+TypeError naming it and these versions: a newer MaxText's new argument must fail loudly.
 
 - `tiling`: MaxText's 9 ints (fwd tm, tk, tn, dlhs tm, tk, tn, drhs tm, tk, tn). MaxText hands
   tiling[3:6] to a gmm with the transposed weights (tiles over m, n, k) and tiling[6:9] to tgmm
@@ -16,32 +21,54 @@ commit e591f30cbbf217ed67ef71263ec0538239f9c3b8, 2026-08-22, plus keywords of ea
   triples map one to one: Tiling(fwd=t[0:3], dlhs=t[3:6], drhs=t[6:9]). Tiles larger than a
   dimension are clamped to it. None picks pallas_moe's heuristic; a `Tiling`, one (tm, tk, tn) or
   a callable is passed through.
-- `lhs_quantize_dtype` / `rhs_quantize_dtype` (int8 or int4): MaxText's AQT-style rule, i.e. qwix
-  "absmax" calibration: activations with one scale per row, weights with one scale per output
-  channel shared by all experts (absmax over the groups and k), scale = absmax / (qmax + 0.5),
-  values = round(x / scale) saturated to the integer range. The weights run through pallas_moe's
-  quantized kernel as int8 values with f32 scales (int4 values are held in int8: same products,
-  twice the bytes of packed int4). Activations are quantized and dequantized in the wrapper
-  (pallas_moe's own activation path calibrates with absmax / 127, which is not MaxText's).
-  Gradients follow MaxText: the lhs gradient is dout @ dequantized(rhs)^T, the weight gradient
-  is tgmm(dequantized(lhs)^T, dout), both straight through to the float inputs.
+- `lhs_quantize_dtype` / `rhs_quantize_dtype` (jnp.int8, jnp.int4 or jnp.float8_e4m3fn, dtypes
+  or names; MaxText's quantization='int8' / int4 AQT configs / 'fp8' with
+  use_qwix_quantization=false): MaxText's rule, a qwix.QtRule with "absmax" calibration, as
+  `qwix.pallas.quantize` computes it (`quantize_absmax`): activations with one scale per row,
+  weights with one scale per output channel shared by all experts (absmax over the groups and
+  k); scale = absmax / bound in the operand's dtype, bound = qmax + 0.5 for integers and
+  finfo.max (448) for fp8; integer values round(x / scale) saturated, fp8 values x / scale
+  clipped and cast. The weights run through pallas_moe's quantized kernel (`QuantizedWeights`:
+  int8 or float8_e4m3fn values, f32 scales; int4 values held in int8: same products, twice the
+  bytes of packed int4). fp8 activations with fp8 weights run pallas_moe's fp8 x fp8 path
+  (`activation_quantization='fp8'`, whose per-row rule is qwix's: the activations are handed
+  over so that it reproduces qwix's values and scales exactly, also for bf16); integer
+  activations (pallas_moe's own int8 path calibrates with absmax / 127, not qwix's 127.5) and
+  fp8 activations with integer or float weights are quantized and dequantized in the wrapper.
+  Gradients follow MaxText's `_gmm_bwd`: the lhs gradient is (dout * weight scales) @ weight
+  values^T = dout @ dequantized(rhs)^T (pallas_moe's quantized kernel, transposed), the weight
+  gradient is lhs values^T @ (dout * lhs scales) = dequantized(lhs)^T @ dout (pallas_moe's tgmm,
+  on the fp8 values with per-token scales for fp8 x fp8), both straight through to the float
+  inputs.
+  float8_e4m3fnuz (quantization='nanoo_fp8', AMD GPUs) is refused: TPUs have no e4m3fnuz and
+  its values are not e4m3fn values (exponent bias 8), so pallas_moe's fp8 kernels cannot hold
+  them losslessly.
+- `use_qwix_quantization=True`: as MaxText, the rule is `qwix_rule`, else qwix's current rule for
+  "gmm" (`qwix.pallas.get_current_rule`, set by qwix's interception; only MaxText's
+  quantization="fp8_full" sets one), and the quantize dtypes are not used. Without a rule (e.g.
+  quantization 'fp8' or 'int8' under qwix, or qwix not installed) the gmm runs unquantized, as in
+  MaxText; a rule is refused with a ValueError saying what to use.
 - `weight_gather_axes` [(axis_name, dim), ...]: the float weights are all-gathered (tiled) over
-  each mesh axis along `dim` before the kernel, inside `shard_map`; the weight gradient is
-  reduce-scattered back by JAX's transpose of all_gather.
+  each mesh axis along `dim` before the kernel (and before quantization), inside `shard_map`;
+  the weight gradient is reduce-scattered back by JAX's transpose of all_gather. (MaxText 0.2.5
+  passes them only with a qwix "fixed" calibration rule, which is refused.)
 - `partial_sum` [m, n]: added to the output (MaxText's tokamax gmm v2 accumulates into it); its
   gradient is the output's.
 - `lhs_vma_axes`: the output is marked varying over these mesh axes (MaxText's `pcast`; pallas_moe
   outputs already vary over their operands' axes). `rhs_vma_axes`: the weight gradient's axes,
   which JAX's varying-axes typing already gives it; accepted, nothing to do.
 - Accepted and ignored (no meaning here): `use_tokamax_backend`, `use_gmm_v2` (backend choice:
-  pallas_moe is the backend), `input_buffer_count`, `combine_scopes` (keywords of MaxText's
-  2026-02..04 versions: megablox pipeline depth, tokamax named scopes), `use_manual_quantization`
-  without quantization, `qwix_rule` with `use_qwix_quantization=False` (MaxText ignores it too).
-- Refused with a ValueError saying what to use: `use_qwix_quantization=True` (qwix rules, e.g.
-  MaxText's quantization="fp8_full"), quantize dtypes other than int8 / int4, and
-  `use_manual_quantization=True` with quantization (MaxText's batch-split scheme).
+  pallas_moe is the backend), `use_gmm_v2_heuristic_tiling` (tokamax gmm v2 picks its own tiles
+  instead of `tiling`; pallas_moe picks tiles with `tiling=None`), `input_buffer_count`,
+  `combine_scopes` (keywords of MaxText's 2026-02..04 versions: megablox pipeline depth, tokamax
+  named scopes), `use_manual_quantization` without quantization, `qwix_rule` with
+  `use_qwix_quantization=False` (MaxText ignores it too).
+- Refused with a ValueError saying what to use: a qwix rule (above), quantize dtypes other than
+  int8 / int4 / float8_e4m3fn, `use_manual_quantization=True` with quantization (MaxText's
+  batch-split scheme), and pre-quantized qwix QArray operands (moe_quantize_token_all_gather).
 - `interpret`: None means compiled on TPU and interpret mode elsewhere (MaxText's None means
-  compiled); True, False or `pltpu.InterpretParams` are passed through.
+  compiled; its layer passes True off TPU); True, False or `pltpu.InterpretParams` are passed
+  through.
 """
 
 from __future__ import annotations
