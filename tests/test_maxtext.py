@@ -431,6 +431,36 @@ def test_aot_int4_weights_compile_for_v6e():
   assert "pallas_moe_zero_fill" in compiled.as_text()
 
 
+@pytest.mark.aot
+def test_aot_fp8_forward_and_grads_compile_for_v5e_and_tpu7x():
+  """quantization='fp8' on TPU: the forward (fp8 x fp8), dlhs and drhs kernels compile with fp8
+  operands for v5e (no fp8 MXU: upcast in VMEM) and tpu7x (fp8 MXU)."""
+  from jax.experimental import topologies
+
+  from pallas_moe import tiling
+
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  fp8 = jnp.float8_e4m3fn
+
+  def loss(x, w, gs):
+    out = mblx.gmm(x, w, gs, F32, lhs_quantize_dtype=fp8, rhs_quantize_dtype=fp8)
+    return jnp.sum(out)
+
+  for generation, topology in (("v5e", "v5e:2x2"), ("tpu7x", "tpu7x:2x2x1")):
+    device = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+    mesh = Mesh(np.array([device]), ("x",))
+
+    def sds(shape, dtype, mesh=mesh):
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+    args = (sds((512, 256), jnp.bfloat16), sds((4, 256, 512), jnp.bfloat16), sds((4,), jnp.int32))
+    with tiling.use_generation(generation), jax.default_device(device):
+      text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+    # NOTE: the gmm, the lhs-gradient gmm and the weight-gradient tgmm.
+    assert text.count('custom_call_target="tpu_custom_call"') == 3, generation
+    assert "f8e4m3fn" in text, generation
+
+
 # --- Part 2: the seed scenario, MaxText's sparse_matmul with megablox and EP ---------------------
 
 # deepseek2-16b (MaxText's configs/models/deepseek2-16b.yml) with base.yml's MoE keys, scaled
