@@ -13,8 +13,10 @@ this module is skipped with the reason printed.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -32,19 +34,35 @@ from jax.sharding import Mesh  # noqa: E402
 
 from pallas_moe import maxtext as mblx  # noqa: E402
 
-try:
-  import maxtext
-  from flax import nnx
-  from flax.linen import partitioning as nn_partitioning
-  from maxtext.configs import pyconfig
-  from maxtext.layers import initializers
-  from maxtext.layers import moe as maxtext_moe
-  from maxtext.utils import maxtext_utils
-except ImportError as e:  # NOTE: on 3.12 the test extra installs it: a missing one is a failure.
-  raise ImportError(
-    f"{e}: install the test extra (pip install -e '.[test]'), which pulls pallas_moe[maxtext] "
-    f"(maxtext=={mblx.MAXTEXT_VERSION} and its MoE layer's imports) on Python >= 3.12."
-  ) from e
+
+@functools.cache
+def _mt() -> types.SimpleNamespace:
+  """MaxText's modules, imported when a test runs (importing them takes ~15 s: not at collection).
+
+  NOTE: on Python >= 3.12 the test extra installs maxtext: a missing one is a failure.
+  """
+  try:
+    import maxtext
+    from flax import nnx
+    from flax.linen import partitioning
+    from maxtext.configs import pyconfig
+    from maxtext.layers import initializers, moe
+    from maxtext.utils import maxtext_utils
+  except ImportError as e:
+    raise ImportError(
+      f"{e}: install the test extra (pip install -e '.[test]'), which pulls pallas_moe[maxtext] "
+      f"(maxtext=={mblx.MAXTEXT_VERSION} and its MoE layer's imports) on Python >= 3.12."
+    ) from e
+  return types.SimpleNamespace(
+    maxtext=maxtext,
+    nnx=nnx,
+    partitioning=partitioning,
+    pyconfig=pyconfig,
+    initializers=initializers,
+    moe=moe,
+    maxtext_utils=maxtext_utils,
+  )
+
 
 F32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST
@@ -91,26 +109,27 @@ def layer(tmp_path_factory):
 
 def _build_layer(out_dir: str):
   """MaxText's RoutedMoE from its base.yml: (config, mesh, graphdef, params, other state)."""
-  base_yml = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
-  cfg = pyconfig.initialize([None, base_yml], base_output_directory=out_dir, **OVERRIDES)
+  mt = _mt()
+  base_yml = os.path.join(os.path.dirname(mt.maxtext.__file__), "configs", "base.yml")
+  cfg = mt.pyconfig.initialize([None, base_yml], base_output_directory=out_dir, **OVERRIDES)
   assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.routed_score_func) == (64, 6, "softmax")
   assert "deepseek" in str(cfg.decoder_block).lower() and not cfg.prefuse_moe_weights
-  mesh = Mesh(maxtext_utils.create_device_mesh(cfg), cfg.mesh_axes)
+  mesh = Mesh(mt.maxtext_utils.create_device_mesh(cfg), cfg.mesh_axes)
   assert dict(mesh.shape)["expert"] == 4 and dict(mesh.shape)["data"] == 2
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
-    model = maxtext_moe.RoutedMoE(
+  with jax.set_mesh(mesh), mt.partitioning.axis_rules(cfg.logical_axis_rules):
+    model = mt.moe.RoutedMoE(
       config=cfg,
       num_experts=cfg.num_experts,
       num_experts_per_tok=cfg.num_experts_per_tok,
       mesh=mesh,
-      kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
+      kernel_init=mt.initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
       kernel_axes=("embed", None),
       intermediate_dim=cfg.moe_mlp_dim,
       dtype=F32,
       weight_dtype=F32,
-      rngs=nnx.Rngs(0),
+      rngs=mt.nnx.Rngs(0),
     )
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, params, rest = mt.nnx.split(model, mt.nnx.Param, ...)
   return cfg, mesh, graphdef, params, rest
 
 
@@ -119,11 +138,11 @@ def _run(layer, x, params, cot, *, jit=jax.jit):
   cfg, mesh, graphdef, _, rest = layer
 
   def loss(x, params):
-    module = nnx.merge(graphdef, params, rest)
+    module = _mt().nnx.merge(graphdef, params, rest)
     out, _, _ = module(x)
     return jnp.sum(out * cot), out
 
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+  with jax.set_mesh(mesh), _mt().partitioning.axis_rules(cfg.logical_axis_rules):
     return jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, params)
 
 
@@ -160,15 +179,16 @@ def test_maxtext_routed_moe_with_pallas_moe_matches_dense(layer):
   """README's swap: RoutedMoE's forward and jax.grad (x and every weight) == dense f32 MoE."""
   cfg = layer[0]
   x, cot, params = _inputs(layer)
-  originals = mblx.swap_into(maxtext_moe)
+  moe = _mt().moe
+  originals = mblx.swap_into(moe)
   try:
-    assert maxtext_moe.mblx is mblx
-    assert maxtext_moe.jax.lax.ragged_all_to_all is mblx.ragged_all_to_all
+    assert moe.mblx is mblx
+    assert moe.jax.lax.ragged_all_to_all is mblx.ragged_all_to_all
     (_, out), (dx, dparams) = _run(layer, x, params, cot)
   finally:
     for name, value in originals.items():
-      setattr(maxtext_moe, name, value)
-  assert maxtext_moe.jax is jax  # restored
+      setattr(moe, name, value)
+  assert moe.jax is jax  # restored
 
   names = ("gate", "wi_0", "wi_1", "wo")
   weights = [params["gate"]["kernel"][...]] + [params[n][...] for n in names[1:]]
@@ -195,11 +215,11 @@ def test_stock_maxtext_routed_moe_fails_on_cpu(layer):
   """Without the swap, MaxText's layer calls jax.lax.ragged_all_to_all: no XLA:CPU kernel."""
   cfg, mesh, graphdef, params, rest = layer
   x, _, _ = _inputs(layer)
-  assert maxtext_moe.jax is jax and maxtext_moe.mblx is not mblx
+  assert _mt().moe.jax is jax and _mt().moe.mblx is not mblx
 
   def forward(params, x):
-    return nnx.merge(graphdef, params, rest)(x)[0]
+    return _mt().nnx.merge(graphdef, params, rest)(x)[0]
 
-  with jax.set_mesh(mesh), nn_partitioning.axis_rules(cfg.logical_axis_rules):
+  with jax.set_mesh(mesh), _mt().partitioning.axis_rules(cfg.logical_axis_rules):
     with pytest.raises(Exception, match="ragged-all-to-all"):
       jax.block_until_ready(jax.jit(forward)(params, x))
