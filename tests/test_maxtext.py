@@ -1,12 +1,15 @@
 """`pallas_moe.maxtext`: MaxText's megablox call verbatim; its sparse_matmul on a CPU mesh.
 
-Part 1 checks every argument of MaxText's `kernels/megablox/ops.gmm` against the references.
+Part 1 checks every argument of MaxText's `kernels/megablox/ops.gmm` (maxtext 0.2.5 and commit
+e591f30) against the references: 0.2.5's verbatim calls, int and fp8 quantization with qwix's
+rule and MaxText's gradients, qwix without a rule, refused and unknown arguments.
 Part 2 (the seed scenario) re-writes MaxText's `RoutedMoE.sparse_matmul` path with `megablox=True`
 and expert parallelism (`layers/moe.py` at `maxtext.MAXTEXT_COMMIT`: `permute`, `ra2a_and_route`
 with `get_all_to_all_params` and `local_permute`, `gmm_up`, the wo gmm, `unsort_output_and_ra2a`,
 `unpermute`) with its two imports swapped for `pallas_moe.maxtext`, and trains it (forward and
 `jax.grad`) on 8 CPU devices, data 2 x expert 4, with a scaled-down deepseek2-16b config. The same
 program with JAX's own `jax.lax.ragged_all_to_all` does not compile on CPU: asserted too.
+(tests/test_maxtext_layer.py runs MaxText 0.2.5's own layer on Python >= 3.12.)
 """
 
 from __future__ import annotations
