@@ -7,8 +7,13 @@ has no CPU implementation. This module offers both under the names MaxText uses:
   from pallas_moe import maxtext as mblx      # was: from maxtext.kernels import megablox as mblx
   mblx.ragged_all_to_all(...)                 # was: jax.lax.ragged_all_to_all(...)
 
-`gmm` takes MaxText's arguments (positional order and keyword names of MaxText's `ops.gmm` at
-commit e591f30cbbf217ed67ef71263ec0538239f9c3b8, 2026-08-22, plus keywords of earlier versions):
+or, without editing MaxText's source, `swap_into(maxtext.layers.moe)` does both at run time.
+
+`gmm` takes MaxText's arguments: the positional order and keyword names of `ops.gmm` in MaxText
+0.2.5 (PyPI, `MAXTEXT_VERSION`), the keywords of commit e591f30 (`MAXTEXT_COMMIT`, 2026-08-22:
+the same without `use_gmm_v2_heuristic_tiling`, `partial_sum` at position 20, refused there with
+a TypeError saying to pass it by keyword) and of earlier versions. Any other keyword raises a
+TypeError naming it and these versions: a newer MaxText's new argument must fail loudly.
 
 - `tiling`: MaxText's 9 ints (fwd tm, tk, tn, dlhs tm, tk, tn, drhs tm, tk, tn). MaxText hands
   tiling[3:6] to a gmm with the transposed weights (tiles over m, n, k) and tiling[6:9] to tgmm
@@ -16,38 +21,62 @@ commit e591f30cbbf217ed67ef71263ec0538239f9c3b8, 2026-08-22, plus keywords of ea
   triples map one to one: Tiling(fwd=t[0:3], dlhs=t[3:6], drhs=t[6:9]). Tiles larger than a
   dimension are clamped to it. None picks pallas_moe's heuristic; a `Tiling`, one (tm, tk, tn) or
   a callable is passed through.
-- `lhs_quantize_dtype` / `rhs_quantize_dtype` (int8 or int4): MaxText's AQT-style rule, i.e. qwix
-  "absmax" calibration: activations with one scale per row, weights with one scale per output
-  channel shared by all experts (absmax over the groups and k), scale = absmax / (qmax + 0.5),
-  values = round(x / scale) saturated to the integer range. The weights run through pallas_moe's
-  quantized kernel as int8 values with f32 scales (int4 values are held in int8: same products,
-  twice the bytes of packed int4). Activations are quantized and dequantized in the wrapper
-  (pallas_moe's own activation path calibrates with absmax / 127, which is not MaxText's).
-  Gradients follow MaxText: the lhs gradient is dout @ dequantized(rhs)^T, the weight gradient
-  is tgmm(dequantized(lhs)^T, dout), both straight through to the float inputs.
+- `lhs_quantize_dtype` / `rhs_quantize_dtype` (jnp.int8, jnp.int4 or jnp.float8_e4m3fn, dtypes
+  or names; MaxText's quantization='int8' / int4 AQT configs / 'fp8' with
+  use_qwix_quantization=false): MaxText's rule, a qwix.QtRule with "absmax" calibration, as
+  `qwix.pallas.quantize` computes it (`quantize_absmax`): activations with one scale per row,
+  weights with one scale per output channel shared by all experts (absmax over the groups and
+  k); scale = absmax / bound in the operand's dtype, bound = qmax + 0.5 for integers and
+  finfo.max (448) for fp8; integer values round(x / scale) saturated, fp8 values x / scale
+  clipped and cast. The weights run through pallas_moe's quantized kernel (`QuantizedWeights`:
+  int8 or float8_e4m3fn values, f32 scales; int4 values held in int8: same products, twice the
+  bytes of packed int4). fp8 activations with fp8 weights run pallas_moe's fp8 x fp8 path
+  (`activation_quantization='fp8'`, whose per-row rule is qwix's: the activations are handed
+  over so that it reproduces qwix's values and scales exactly, also for bf16); integer
+  activations (pallas_moe's own int8 path calibrates with absmax / 127, not qwix's 127.5) and
+  fp8 activations with integer or float weights are quantized and dequantized in the wrapper.
+  Gradients follow MaxText's `_gmm_bwd`: the lhs gradient is (dout * weight scales) @ weight
+  values^T = dout @ dequantized(rhs)^T (pallas_moe's quantized kernel, transposed), the weight
+  gradient is lhs values^T @ (dout * lhs scales) = dequantized(lhs)^T @ dout (pallas_moe's tgmm,
+  on the fp8 values with per-token scales for fp8 x fp8), both straight through to the float
+  inputs.
+  float8_e4m3fnuz (quantization='nanoo_fp8', AMD GPUs) is refused: TPUs have no e4m3fnuz and
+  its values are not e4m3fn values (exponent bias 8), so pallas_moe's fp8 kernels cannot hold
+  them losslessly.
+- `use_qwix_quantization=True`: as MaxText, the rule is `qwix_rule`, else qwix's current rule for
+  "gmm" (`qwix.pallas.get_current_rule`, set by qwix's interception; only MaxText's
+  quantization="fp8_full" sets one), and the quantize dtypes are not used. Without a rule (e.g.
+  quantization 'fp8' or 'int8' under qwix, or qwix not installed) the gmm runs unquantized, as in
+  MaxText; a rule is refused with a ValueError saying what to use.
 - `weight_gather_axes` [(axis_name, dim), ...]: the float weights are all-gathered (tiled) over
-  each mesh axis along `dim` before the kernel, inside `shard_map`; the weight gradient is
-  reduce-scattered back by JAX's transpose of all_gather.
+  each mesh axis along `dim` before the kernel (and before quantization), inside `shard_map`;
+  the weight gradient is reduce-scattered back by JAX's transpose of all_gather. (MaxText 0.2.5
+  passes them only with a qwix "fixed" calibration rule, which is refused.)
 - `partial_sum` [m, n]: added to the output (MaxText's tokamax gmm v2 accumulates into it); its
   gradient is the output's.
 - `lhs_vma_axes`: the output is marked varying over these mesh axes (MaxText's `pcast`; pallas_moe
   outputs already vary over their operands' axes). `rhs_vma_axes`: the weight gradient's axes,
   which JAX's varying-axes typing already gives it; accepted, nothing to do.
 - Accepted and ignored (no meaning here): `use_tokamax_backend`, `use_gmm_v2` (backend choice:
-  pallas_moe is the backend), `input_buffer_count`, `combine_scopes` (keywords of MaxText's
-  2026-02..04 versions: megablox pipeline depth, tokamax named scopes), `use_manual_quantization`
-  without quantization, `qwix_rule` with `use_qwix_quantization=False` (MaxText ignores it too).
-- Refused with a ValueError saying what to use: `use_qwix_quantization=True` (qwix rules, e.g.
-  MaxText's quantization="fp8_full"), quantize dtypes other than int8 / int4, and
-  `use_manual_quantization=True` with quantization (MaxText's batch-split scheme).
+  pallas_moe is the backend), `use_gmm_v2_heuristic_tiling` (tokamax gmm v2 picks its own tiles
+  instead of `tiling`; pallas_moe picks tiles with `tiling=None`), `input_buffer_count`,
+  `combine_scopes` (keywords of MaxText's 2026-02..04 versions: megablox pipeline depth, tokamax
+  named scopes), `use_manual_quantization` without quantization, `qwix_rule` with
+  `use_qwix_quantization=False` (MaxText ignores it too).
+- Refused with a ValueError saying what to use: a qwix rule (above), quantize dtypes other than
+  int8 / int4 / float8_e4m3fn, `use_manual_quantization=True` with quantization (MaxText's
+  batch-split scheme), and pre-quantized qwix QArray operands (moe_quantize_token_all_gather).
 - `interpret`: None means compiled on TPU and interpret mode elsewhere (MaxText's None means
-  compiled); True, False or `pltpu.InterpretParams` are passed through.
+  compiled; its layer passes True off TPU); True, False or `pltpu.InterpretParams` are passed
+  through.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
+import types
 from typing import Any
 
 import jax
@@ -56,59 +85,102 @@ import jax.numpy as jnp
 import pallas_moe as pm
 from pallas_moe import ragged_all_to_all
 
-__all__ = ["MAXTEXT_COMMIT", "gmm", "maxtext_tiling", "quantize_absmax", "ragged_all_to_all"]
+__all__ = [
+  "MAXTEXT_COMMIT",
+  "MAXTEXT_VERSION",
+  "gmm",
+  "maxtext_tiling",
+  "quantize_absmax",
+  "ragged_all_to_all",
+  "swap_into",
+]
 
-# The MaxText commit whose `kernels/megablox/ops.py` and `layers/moe.py` this module follows.
+# The MaxText release (PyPI `maxtext`) whose `kernels/megablox/ops.py` and `layers/moe.py` this
+# module follows, and the development commit it also follows (whose gmm lacks
+# `use_gmm_v2_heuristic_tiling` and puts `partial_sum` at position 20).
+MAXTEXT_VERSION = "0.2.5"
 MAXTEXT_COMMIT = "e591f30cbbf217ed67ef71263ec0538239f9c3b8"
+_SUPPORTED = f"MaxText {MAXTEXT_VERSION} (PyPI) and MaxText commit {MAXTEXT_COMMIT[:7]}"
 
 # qwix's symmetric integer bounds (`numerics.get_symmetric_bound`: qmax + 0.5) and value ranges.
 _INT_QUANT = {"int8": (127.5, -128, 127), "int4": (7.5, -8, 7)}
+# fp8: qwix's bound is finfo(dtype).max (448 for e4m3fn), values are x / scale clipped to the
+# finite range and cast (round to nearest even).
+_FP8 = "float8_e4m3fn"
+_FP8_FNUZ = "float8_e4m3fnuz"
 
 
 def _quant_name(dtype: Any, *, argument: str) -> str | None:
-  """The name "int8" / "int4" of MaxText's quantize dtype (a jnp dtype or its name), or None."""
+  """The name ("int8", "int4", "float8_e4m3fn") of MaxText's quantize dtype, or None.
+
+  Args:
+    dtype: None, a jnp dtype or its name.
+    argument: the argument's name, for the error.
+  """
   if dtype is None:
     return None
   try:
     name = jnp.dtype(dtype).name
   except TypeError:
     name = None
-  if name not in _INT_QUANT:
+  if name == _FP8_FNUZ:
     raise ValueError(
-      f"`{argument}`={dtype!r} is not supported: MaxText's megablox quantizes to jnp.int8 or "
-      "jnp.int4. For fp8 use pallas_moe.gmm(..., weight_quantization='fp8', "
-      "activation_quantization='fp8')."
+      f"`{argument}`=float8_e4m3fnuz (MaxText's quantization='nanoo_fp8', for AMD GPUs) is not "
+      "supported: TPUs have no e4m3fnuz arithmetic and pallas_moe's kernels hold fp8 values as "
+      "float8_e4m3fn, whose grid does not contain e4m3fnuz's (exponent bias 8: its smallest "
+      "numbers, e.g. 2**-10, are not e4m3fn numbers), so the values cannot be re-encoded "
+      "losslessly. Use quantization='fp8' (float8_e4m3fn)."
+    )
+  if name not in _INT_QUANT and name != _FP8:
+    raise ValueError(
+      f"`{argument}`={dtype!r} is not supported: MaxText's megablox quantizes to jnp.int8, "
+      "jnp.int4 or jnp.float8_e4m3fn (quantization='int8', 'int4' or 'fp8')."
     )
   return name
 
 
 def quantize_absmax(x: jax.Array, *, dtype: Any, channel_axes: tuple[int, ...]):
-  """qwix-style symmetric absmax quantization (MaxText's AQT-equivalent rule).
+  """qwix's symmetric absmax quantization (MaxText's rule for its quantize dtypes).
+
+  As `qwix.pallas.quantize(x, dtype, channelwise_axes=..., calibration_method="absmax")`: the
+  scale is absmax / bound in x's dtype, bound = qmax + 0.5 for integers (127.5, 7.5) and
+  finfo(dtype).max for fp8 (448); a scale below sqrt(finfo(x.dtype).tiny) is 1; values are
+  round(x / scale) saturated (integers) or x / scale clipped to the finite range and cast (fp8).
 
   Args:
     x: float array.
-    dtype: jnp.int8 or jnp.int4 (or their names).
+    dtype: jnp.int8, jnp.int4 or jnp.float8_e4m3fn (or their names).
     channel_axes: axes with their own scale; the absmax is taken over the others.
 
   Returns:
-    (values, scales): int8 `values` (int4 values lie in [-8, 7]) and `scales` in x's dtype with
-    size 1 on the reduced axes, so that `values * scales` approximates x.
+    (values, scales): `values` int8 (int4 values lie in [-8, 7]) or float8_e4m3fn, and `scales`
+    in x's dtype with size 1 on the reduced axes, so that `values * scales` approximates x.
   """
   name = _quant_name(dtype, argument="dtype")
-  bound, lo, hi = _INT_QUANT[name]
   reduce_axes = tuple(a for a in range(x.ndim) if a not in channel_axes)
   absmax = jnp.max(jnp.abs(x), axis=reduce_axes, keepdims=True)
-  # NOTE: as qwix: the scale is computed and kept in x's dtype; an all-zero channel gets scale 1.
+  bound = float(jnp.finfo(name).max) if name == _FP8 else _INT_QUANT[name][0]
+  # NOTE: as qwix: the scale is computed and kept in x's dtype; a (near-)zero channel gets 1.
   scales = absmax / jnp.asarray(bound, x.dtype)
-  scales = jnp.where(scales == 0, jnp.ones_like(scales), scales)
-  values = jnp.clip(jnp.round(x / scales), lo, hi).astype(jnp.int8)
-  return values, scales
+  tiny_sqrt = jnp.sqrt(jnp.finfo(scales.dtype).tiny)
+  scales = jnp.where(scales < tiny_sqrt, jnp.ones_like(scales), scales)
+  scaled = x / scales
+  if name == _FP8:
+    finfo = jnp.finfo(name)
+    lo, hi = jnp.asarray(finfo.min, x.dtype), jnp.asarray(finfo.max, x.dtype)
+    return jnp.clip(scaled, lo, hi).astype(name), scales
+  _, lo, hi = _INT_QUANT[name]
+  return jnp.clip(jnp.round(scaled), lo, hi).astype(jnp.int8), scales
+
+
+def _dequantize(values: jax.Array, scales: jax.Array, dtype: Any) -> jax.Array:
+  return (values.astype(scales.dtype) * scales).astype(dtype)
 
 
 def _fake_quantize_rows(lhs: jax.Array, name: str) -> jax.Array:
   """lhs quantized per row and dequantized, straight-through (d/dlhs taken as the identity)."""
   values, scales = quantize_absmax(lhs, dtype=name, channel_axes=(0,))
-  deq = values.astype(scales.dtype) * scales
+  deq = _dequantize(values, scales, lhs.dtype)
   return lhs + jax.lax.stop_gradient(deq - lhs)
 
 
@@ -194,6 +266,7 @@ class _QuantStatic:
   """The static part of a weight-quantized call (hashable: a custom_vjp nondiff argument)."""
 
   weight_dtype: str
+  activation_dtype: str | None
   preferred_element_type: Any
   tiling: pm.Tiling
   transpose_rhs: bool
@@ -212,7 +285,7 @@ def _scale_shape(shape, channel: int) -> tuple[int, ...]:
   return tuple(d if a in (0, channel) else 1 for a, d in enumerate(shape))
 
 
-def _frozen_gmm(static: _QuantStatic, lhs, q, group_sizes, group_offset, existing_out):
+def _frozen_gmm(static: _QuantStatic, lhs, q, group_sizes, group_offset, existing_out, **kw):
   return pm.gmm(
     lhs,
     q,
@@ -223,33 +296,74 @@ def _frozen_gmm(static: _QuantStatic, lhs, q, group_sizes, group_offset, existin
     existing_out,
     static.transpose_rhs,
     static.interpret,
+    **kw,
   )
+
+
+def _native_fp8(static: _QuantStatic) -> bool:
+  """fp8 activations with fp8 weights: pallas_moe's fp8 x fp8 kernel path."""
+  return static.activation_dtype == _FP8 and static.weight_dtype == _FP8
+
+
+def _quantized_forward(static, lhs, q, group_sizes, group_offset, existing_out):
+  """The forward on MaxText's quantized operands; also the lhs the weight gradient reads.
+
+  Returns:
+    (out, lhs_for_drhs) where lhs_for_drhs is lhs, its dequantized copy (integer activations)
+    or (fp8 values, f32 scales) of the activations (fp8).
+  """
+  if static.activation_dtype is None:
+    out = _frozen_gmm(static, lhs, q, group_sizes, group_offset, existing_out)
+    return out, lhs
+  values, scales = quantize_absmax(lhs, dtype=static.activation_dtype, channel_axes=(0,))
+  if not _native_fp8(static):
+    # NOTE: integer activations (and fp8 ones with integer weights) are dequantized in the
+    # wrapper: pallas_moe's int8 activation path calibrates with absmax / 127, not qwix's 127.5.
+    deq = _dequantize(values, scales, lhs.dtype)
+    return _frozen_gmm(static, deq, q, group_sizes, group_offset, existing_out), deq
+  # NOTE: pallas_moe's fp8 activation path quantizes each row as qwix does (absmax / 448, x /
+  # scale clipped and cast), in f32. An f32 lhs is handed over as is (the same computation). A
+  # bf16 / f16 lhs is handed over as its qwix quantization dequantized in f32, which is exact
+  # (an fp8 value times a scale of <= 11 significant bits) and re-quantizes to exactly qwix's
+  # values and scales (the row's absmax is 448 * scale).
+  lhs_in = lhs if lhs.dtype == jnp.float32 else _dequantize(values, scales, jnp.float32)
+  out = _frozen_gmm(
+    static, lhs_in, q, group_sizes, group_offset, existing_out, activation_quantization="fp8"
+  )
+  return out, (values, scales.astype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _quantized_gmm(static, lhs, rhs, group_sizes, group_offset, existing_out):
   q = _quantize_weights(static, rhs)
-  return _frozen_gmm(static, lhs, q, group_sizes, group_offset, existing_out)
+  return _quantized_forward(static, lhs, q, group_sizes, group_offset, existing_out)[0]
 
 
 def _quantized_gmm_fwd(static, lhs, rhs, group_sizes, group_offset, existing_out):
   q = _quantize_weights(static, rhs)
+  out, lhs_for_drhs = _quantized_forward(static, lhs, q, group_sizes, group_offset, existing_out)
+  rhs_dtype = jnp.zeros((0,), rhs.dtype)  # NOTE: a residual must be an array; this carries a dtype
+  lhs_zero = jnp.zeros((0,), lhs.dtype)
+  res = (q, lhs_for_drhs, lhs_zero, group_sizes, group_offset, existing_out, rhs_dtype)
+  return out, res
+
+
+def _quantized_gmm_bwd(static, residuals, dout):
+  q, lhs_for_drhs, lhs_zero, group_sizes, group_offset, existing_out, rhs_dtype = residuals
+  m = dout.shape[0]
+  k = q.values.shape[2] if static.transpose_rhs else q.values.shape[1]
 
   def run(lhs, existing_out):
     return _frozen_gmm(static, lhs, q, group_sizes, group_offset, existing_out)
 
-  # NOTE: the frozen-weights gmm's own VJP gives the lhs gradient against the quantized weights
-  # (pallas_moe's quantized kernel, transposed) and existing_out's; the weight gradient is below.
-  out, pull = jax.vjp(run, lhs, existing_out)
-  rhs_dtype = jnp.zeros((0,), rhs.dtype)  # NOTE: a residual must be an array; this carries a dtype
-  return out, (pull, lhs, group_sizes, group_offset, rhs_dtype, rhs.shape[0])
-
-
-def _quantized_gmm_bwd(static, residuals, dout):
-  pull, lhs, group_sizes, group_offset, rhs_dtype, num_groups = residuals
+  # NOTE: MaxText's dlhs is (dout * rhs scale) @ rhs values^T = dout @ dequantized(rhs)^T,
+  # straight through to the float lhs: the frozen-weights gmm's own VJP (pallas_moe's quantized
+  # kernel, transposed), which also gives existing_out's gradient. Its forward is not used.
+  lhs_like = jnp.zeros((m, k), lhs_zero.dtype)
+  _, pull = jax.vjp(run, lhs_like, existing_out)
   dlhs, dexisting = pull(dout)
   drhs = _weight_grad(
-    static, lhs, dout.astype(lhs.dtype), group_sizes, group_offset, num_groups, rhs_dtype.dtype
+    static, lhs_for_drhs, dout, group_sizes, group_offset, q.values.shape[0], rhs_dtype.dtype
   )
   return dlhs, drhs, None, None, dexisting
 
@@ -267,12 +381,29 @@ def _swap_kn(spec: Any) -> Any:
 
 
 def _weight_grad(static, lhs, dout, group_sizes, group_offset, num_groups, dtype):
-  """MaxText's drhs: tgmm of the (dequantized) lhs and dout, in the weights' layout."""
+  """MaxText's drhs: tgmm of the (quantized) lhs and dout, in the weights' layout.
+
+  Args:
+    lhs: the float lhs (or its dequantized copy), or (fp8 values, [m, 1] f32 scales): then as
+      MaxText, lhs values^T @ (dout * scales), run by pallas_moe's tgmm on the fp8 values with
+      per-token scales.
+  """
   spec = static.tiling.drhs
-  if static.transpose_rhs:
-    t_lhs, t_rhs, spec = dout.T, lhs, _swap_kn(spec)
+  scales = {}
+  if isinstance(lhs, tuple):
+    values, row_scales = lhs
+    if static.transpose_rhs:
+      t_lhs, t_rhs, spec = dout.T, values, _swap_kn(spec)
+      scales = dict(rhs_scales=row_scales)
+    else:
+      t_lhs, t_rhs = values.T, dout
+      scales = dict(lhs_scales=row_scales.reshape(1, -1))
   else:
-    t_lhs, t_rhs = lhs.T, dout
+    dout = dout.astype(lhs.dtype)
+    if static.transpose_rhs:
+      t_lhs, t_rhs, spec = dout.T, lhs, _swap_kn(spec)
+    else:
+      t_lhs, t_rhs = lhs.T, dout
   return pm.tgmm(
     t_lhs,
     t_rhs,
@@ -282,7 +413,27 @@ def _weight_grad(static, lhs, dout, group_sizes, group_offset, num_groups, dtype
     group_offset,
     num_groups,
     interpret=static.interpret,
+    **scales,
   )
+
+
+def _current_qwix_rule() -> Any:
+  """qwix's rule for "gmm" when qwix intercepts (MaxText's `qpl.get_current_rule`), else None."""
+  try:
+    import qwix.pallas as qpl  # noqa: PLC0415  (optional: qwix is MaxText's dependency)
+  except ImportError:
+    return None
+  return qpl.get_current_rule("gmm")
+
+
+def _refuse_qarray(x: Any, *, argument: str) -> None:
+  if hasattr(x, "qvalue") and hasattr(x, "scale"):
+    raise ValueError(
+      f"`{argument}` is a pre-quantized qwix QArray (MaxText's moe_quantize_token_all_gather or "
+      "quantized weight gathers), which pallas_moe.maxtext.gmm does not take: pass float arrays "
+      "(moe_quantize_token_all_gather: false) and quantize with lhs_quantize_dtype / "
+      "rhs_quantize_dtype."
+    )
 
 
 def gmm(
@@ -305,16 +456,19 @@ def gmm(
   qwix_rule: Any = None,
   use_manual_quantization: bool = False,
   use_gmm_v2: bool = False,
+  use_gmm_v2_heuristic_tiling: bool = False,
   partial_sum: jax.Array | None = None,
   *,
   input_buffer_count: Any = (2, 2, 2),
   combine_scopes: bool = False,
+  **unknown: Any,
 ) -> jax.Array:
   """MaxText's `kernels.megablox.ops.gmm`, run by pallas_moe's kernels. Differentiable.
 
-  Semantics of each argument: see the module docstring. Positional order is MaxText's at
-  `MAXTEXT_COMMIT`; `input_buffer_count` and `combine_scopes` (earlier MaxText versions, where
-  they sat in positions 15 and 16) are keyword-only here.
+  Semantics of each argument: see the module docstring. Positional order is MaxText 0.2.5's
+  (`MAXTEXT_VERSION`); commit `MAXTEXT_COMMIT` has the same keywords without
+  `use_gmm_v2_heuristic_tiling` (MaxText calls gmm by keyword). `input_buffer_count` and
+  `combine_scopes` (earlier MaxText versions, positions 15 and 16) are keyword-only here.
 
   Args:
     lhs: [m, k] float activations, rows sorted by group.
@@ -326,32 +480,62 @@ def gmm(
     existing_out: [m, n] output kept in rows outside the local groups.
     transpose_rhs: rhs is [G, n, k].
     interpret: None (compiled on TPU, interpret mode elsewhere), True, False or InterpretParams.
-    lhs_quantize_dtype: None, jnp.int8 or jnp.int4: quantize activations per row (absmax).
-    rhs_quantize_dtype: None, jnp.int8 or jnp.int4: quantize weights per output channel (absmax).
-    use_qwix_quantization: must be False (qwix rules are not supported).
+    lhs_quantize_dtype: None, jnp.int8, jnp.int4 or jnp.float8_e4m3fn: quantize activations per
+      row (qwix absmax).
+    rhs_quantize_dtype: None, jnp.int8, jnp.int4 or jnp.float8_e4m3fn: quantize weights per
+      output channel (qwix absmax).
+    use_qwix_quantization: take the rule from qwix (`qwix_rule`, else qwix's current rule for
+      "gmm"): without one, an unquantized gmm (as MaxText); a rule is refused.
     use_tokamax_backend: ignored.
     weight_gather_axes: [(mesh axis, weight dim)]: all-gather the weights first (in shard_map).
     lhs_vma_axes: mesh axes the output is marked varying over.
     rhs_vma_axes: accepted; the weight gradient's varying axes follow from JAX's typing.
-    qwix_rule: ignored unless use_qwix_quantization (which is refused).
+    qwix_rule: with use_qwix_quantization, refused; ignored otherwise (as MaxText).
     use_manual_quantization: must be False when quantizing; ignored otherwise.
     use_gmm_v2: ignored.
+    use_gmm_v2_heuristic_tiling: ignored (tokamax gmm v2's own tile choice).
     partial_sum: optional [m, n] added to the output.
     input_buffer_count: ignored.
     combine_scopes: ignored.
+    **unknown: any other keyword raises a TypeError naming it (a MaxText version this adapter
+      does not follow).
 
   Returns:
     [m, n] array of `preferred_element_type`.
   """
-  del use_tokamax_backend, use_gmm_v2, input_buffer_count, combine_scopes  # NOTE: see docstring.
-  if use_qwix_quantization:
-    raise ValueError(
-      "`use_qwix_quantization=True` (a qwix QtRule, qwix_rule="
-      f"{type(qwix_rule).__name__}) is not supported by pallas_moe.maxtext.gmm. Use "
-      "lhs_quantize_dtype / rhs_quantize_dtype=jnp.int8 or jnp.int4 (MaxText's AQT-style "
-      "quantization, e.g. quantization='int8' with use_qwix_quantization=false), or for fp8 "
-      "pallas_moe.gmm(..., weight_quantization='fp8', activation_quantization='fp8')."
+  if unknown:
+    names = ", ".join(f"`{name}`" for name in sorted(unknown))
+    raise TypeError(
+      f"pallas_moe.maxtext.gmm() got unexpected keyword argument(s) {names}: it takes the "
+      f"arguments of `kernels.megablox.ops.gmm` in {_SUPPORTED}. A newer MaxText added an "
+      "argument whose meaning this adapter does not know; use a supported MaxText version or "
+      "update pallas_moe."
     )
+  if hasattr(use_gmm_v2_heuristic_tiling, "shape"):
+    raise TypeError(
+      "Positional argument 20 is `use_gmm_v2_heuristic_tiling` (a bool, MaxText 0.2.5's order), "
+      "got an array: pass `partial_sum` by keyword (MaxText commit "
+      f"{MAXTEXT_COMMIT[:7]} has it at position 20)."
+    )
+  # NOTE: see the module docstring: backend choices and pipeline knobs of MaxText's kernels.
+  del use_tokamax_backend, use_gmm_v2, use_gmm_v2_heuristic_tiling
+  del input_buffer_count, combine_scopes
+  _refuse_qarray(lhs, argument="lhs")
+  _refuse_qarray(rhs, argument="rhs")
+  if use_qwix_quantization:
+    # NOTE: as MaxText: the rule is qwix_rule, else qwix's intercepted rule for "gmm" (only
+    # quantization="fp8_full" sets one), and the quantize dtypes are not used.
+    rule = qwix_rule if qwix_rule else _current_qwix_rule()
+    if rule:
+      raise ValueError(
+        "`use_qwix_quantization=True` with a qwix rule for the gmm (qwix_rule="
+        f"{type(rule).__name__}, e.g. MaxText's quantization='fp8_full') is not supported by "
+        "pallas_moe.maxtext.gmm. Use use_qwix_quantization=false with quantization='int8', "
+        "'int4' or 'fp8' (MaxText then passes lhs_quantize_dtype / rhs_quantize_dtype, which "
+        "run here), or pallas_moe.gmm(..., weight_quantization='fp8', "
+        "activation_quantization='fp8')."
+      )
+    lhs_quantize_dtype = rhs_quantize_dtype = None
   lhs_q = _quant_name(lhs_quantize_dtype, argument="lhs_quantize_dtype")
   rhs_q = _quant_name(rhs_quantize_dtype, argument="rhs_quantize_dtype")
   if use_manual_quantization and (lhs_q or rhs_q):
@@ -368,9 +552,9 @@ def gmm(
   for name, dim in gather_axes:
     # NOTE: gathered in float before any quantization, so the calibration sees every shard.
     rhs = jax.lax.all_gather(rhs, name, axis=dim, tiled=True)
-  if lhs_q is not None:
-    lhs = _fake_quantize_rows(lhs, lhs_q)
   if rhs_q is None:
+    if lhs_q is not None:
+      lhs = _fake_quantize_rows(lhs, lhs_q)
     out = pm.gmm(
       lhs,
       rhs,
@@ -383,14 +567,14 @@ def gmm(
       interpret,
     )
   else:
-    if not hasattr(rhs, "dtype") or not jnp.issubdtype(rhs.dtype, jnp.floating):
-      raise TypeError(
-        f"`rhs` must be a float array to quantize with rhs_quantize_dtype, got {type(rhs)}."
-      )
-    if rhs.ndim != 3:
-      raise ValueError(f"`rhs` must be [G, k, n] (or [G, n, k]), got shape {tuple(rhs.shape)}.")
+    for argument, x, ndim in (("lhs", lhs, 2), ("rhs", rhs, 3)):
+      if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"`{argument}` must be a float array to quantize, got {type(x)}.")
+      if x.ndim != ndim:
+        raise ValueError(f"`{argument}` must be {ndim}-d, got shape {tuple(x.shape)}.")
     static = _QuantStatic(
       weight_dtype=rhs_q,
+      activation_dtype=lhs_q,
       preferred_element_type=preferred_element_type,
       tiling=pm.Tiling.of(tiling),
       transpose_rhs=bool(transpose_rhs),
@@ -407,3 +591,43 @@ def gmm(
       )
     out = out + partial_sum.astype(out.dtype)
   return _vary_over(out, lhs_vma_axes)
+
+
+class _Delegate(types.ModuleType):
+  """A module object answering with its own attributes first, then `target`'s."""
+
+  def __init__(self, name: str, target: types.ModuleType, **overrides: Any):
+    super().__init__(name)
+    self._target = target
+    self.__dict__.update(overrides)
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._target, name)
+
+
+def swap_into(moe_module: types.ModuleType) -> dict[str, Any]:
+  """Switches MaxText's MoE layer module to pallas_moe, as the README's two-line edit does.
+
+  Replaces the module's `mblx` (MaxText's megablox) by this module and makes its
+  `jax.lax.ragged_all_to_all` calls call `pallas_moe.ragged_all_to_all`: the module's global
+  `jax` becomes a stand-in whose `lax.ragged_all_to_all` is pallas_moe's and whose every other
+  attribute is JAX's own. Nothing outside that module changes.
+
+  Args:
+    moe_module: `maxtext.layers.moe` (imported).
+
+  Returns:
+    The replaced globals {name: original}, to restore them (`setattr(moe_module, name, value)`).
+  """
+  for name in ("mblx", "jax"):
+    if not hasattr(moe_module, name):
+      raise ValueError(
+        f"`moe_module` {getattr(moe_module, '__name__', moe_module)!r} has no global `{name}`: "
+        "pass maxtext.layers.moe (MaxText " + _SUPPORTED + ")."
+      )
+  originals = {"mblx": moe_module.mblx, "jax": moe_module.jax}
+  real_jax = originals["jax"]
+  lax = _Delegate("jax.lax", real_jax.lax, ragged_all_to_all=ragged_all_to_all)
+  moe_module.mblx = sys.modules[__name__]
+  moe_module.jax = _Delegate("jax", real_jax, lax=lax)
+  return originals

@@ -1,12 +1,15 @@
 """`pallas_moe.maxtext`: MaxText's megablox call verbatim; its sparse_matmul on a CPU mesh.
 
-Part 1 checks every argument of MaxText's `kernels/megablox/ops.gmm` against the references.
+Part 1 checks every argument of MaxText's `kernels/megablox/ops.gmm` (maxtext 0.2.5 and commit
+e591f30) against the references: 0.2.5's verbatim calls, int and fp8 quantization with qwix's
+rule and MaxText's gradients, qwix without a rule, refused and unknown arguments.
 Part 2 (the seed scenario) re-writes MaxText's `RoutedMoE.sparse_matmul` path with `megablox=True`
 and expert parallelism (`layers/moe.py` at `maxtext.MAXTEXT_COMMIT`: `permute`, `ra2a_and_route`
 with `get_all_to_all_params` and `local_permute`, `gmm_up`, the wo gmm, `unsort_output_and_ra2a`,
 `unpermute`) with its two imports swapped for `pallas_moe.maxtext`, and trains it (forward and
 `jax.grad`) on 8 CPU devices, data 2 x expert 4, with a scaled-down deepseek2-16b config. The same
 program with JAX's own `jax.lax.ragged_all_to_all` does not compile on CPU: asserted too.
+(tests/test_maxtext_layer.py runs MaxText 0.2.5's own layer on Python >= 3.12.)
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def test_issue_calls_run_and_match_reference():
     tiling=(128,) * 9,
     use_tokamax_backend=True,
     use_gmm_v2=True,
+    use_gmm_v2_heuristic_tiling=True,
     input_buffer_count=(3, 3, 3),
     combine_scopes=True,
     qwix_rule=object(),  # MaxText ignores it too without use_qwix_quantization
@@ -70,6 +74,79 @@ def test_issue_calls_run_and_match_reference():
   )
   assert ignored.dtype == F32  # MaxText's default preferred_element_type
   _close(ignored, want)
+
+
+def test_maxtext_0_2_5_calls_verbatim():
+  """layers/moe.py's keyword call in MaxText 0.2.5, and ops.gmm's 0.2.5 positional order."""
+  x, w, gs = _operands()
+  partial = jnp.sin(jnp.arange(M * N, dtype=F32)).reshape(M, N)
+  want = reference.gmm(x, w, gs, F32)
+  # NOTE: the call of MaxText 0.2.5's RoutedMoE.sparse_matmul (no quantization, megablox).
+  out = mblx.gmm(
+    lhs=x,
+    rhs=w,
+    group_sizes=gs,
+    preferred_element_type=F32,
+    tiling=(128,) * 9,
+    group_offset=None,
+    lhs_quantize_dtype=None,
+    rhs_quantize_dtype=None,
+    use_qwix_quantization=False,
+    use_tokamax_backend=False,
+    weight_gather_axes=[],
+    lhs_vma_axes=(),
+    rhs_vma_axes=(),
+    use_gmm_v2=False,
+    use_gmm_v2_heuristic_tiling=False,
+    partial_sum=partial,
+    interpret=True,
+  )
+  _close(out, want + partial)
+  # 0.2.5's positional order: ..., qwix_rule, use_manual_quantization, use_gmm_v2,
+  # use_gmm_v2_heuristic_tiling, partial_sum.
+  positional = (x, w, gs, F32, (128,) * 9, None, None, False, None, None, None, False, False, None)
+  positional += ((), (), None, False, False, True, partial)
+  _close(mblx.gmm(*positional), want + partial)
+  # e591f30's position 20 is partial_sum: refused there, with the keyword to use.
+  with pytest.raises(TypeError, match="pass `partial_sum` by keyword"):
+    mblx.gmm(*positional[:19], partial)
+
+
+def test_unknown_keyword_names_supported_maxtext_versions():
+  x, w, gs = _operands()
+  with pytest.raises(TypeError, match=r"`use_gmm_v3`.*MaxText 0\.2\.5.*e591f30"):
+    mblx.gmm(x, w, gs, use_gmm_v3=True)
+  assert mblx.MAXTEXT_VERSION == "0.2.5" and mblx.MAXTEXT_COMMIT.startswith("e591f30")
+
+
+def test_qwix_quantization_without_rule_is_unquantized(monkeypatch):
+  """use_qwix_quantization: MaxText's rule is qwix_rule, else qwix's current rule for "gmm";
+  with none (quantization 'fp8' / 'int8' under qwix) the gmm runs unquantized, quantize dtypes
+  unused. A rule, explicit or intercepted, is refused."""
+  x, w, gs = _operands()
+  want = reference.gmm(x, w, gs, F32)
+  out = mblx.gmm(
+    x, w, gs, F32, lhs_quantize_dtype=jnp.int8, rhs_quantize_dtype=jnp.int8,
+    use_qwix_quantization=True,
+  )  # fmt: skip
+  _close(out, want)
+  with pytest.raises(ValueError, match="use_qwix_quantization=True` with a qwix rule.*'fp8'"):
+    mblx.gmm(x, w, gs, use_qwix_quantization=True, qwix_rule=object())
+  try:
+    import qwix.pallas as qpl
+  except ImportError:  # NOTE: without qwix there is no interception: no rule.
+    assert mblx._current_qwix_rule() is None
+  else:
+    assert mblx._current_qwix_rule() is None  # not intercepted
+    asked = []
+    monkeypatch.setattr(qpl, "get_current_rule", lambda op: asked.append(op) or "QtRule")
+    with pytest.raises(ValueError, match="qwix rule"):
+      mblx.gmm(x, w, gs, use_qwix_quantization=True)
+    assert asked == ["gmm"]
+  monkeypatch.setattr(mblx, "_current_qwix_rule", lambda: "QtRule")
+  with pytest.raises(ValueError, match="qwix rule"):
+    mblx.gmm(x, w, gs, use_qwix_quantization=True)
+  _close(mblx.gmm(x, w, gs, use_qwix_quantization=False), want)  # not consulted without it
 
 
 def test_tiling_nine_ints_map_to_passes():
@@ -163,6 +240,89 @@ def test_quantized_forward_and_grads_follow_maxtext(case):
   assert abs(float(want(x, w, existing)) - float(value)) > 1e-3 * abs(float(value))
 
 
+def _qwix_fp8(x, channel_axes):
+  """qwix absmax to float8_e4m3fn written out (scale in x's dtype), dequantized exactly in f32."""
+  axes = tuple(a for a in range(x.ndim) if a not in channel_axes)
+  scale = jnp.max(jnp.abs(x), axis=axes, keepdims=True) / jnp.asarray(448.0, x.dtype)
+  scale = jnp.where(scale < jnp.sqrt(jnp.finfo(x.dtype).tiny), jnp.ones_like(scale), scale)
+  max_ = jnp.asarray(448.0, x.dtype)
+  values = jnp.clip(x / scale, -max_, max_).astype(jnp.float8_e4m3fn)
+  return values, scale
+
+
+def test_quantize_absmax_fp8_is_qwix_rule():
+  """fp8: scale = absmax / 448 in x's dtype; x / scale clipped and cast; as qwix (if present)."""
+  x, w, _ = _operands()
+  for dtype in (F32, jnp.bfloat16):
+    for a, axes in ((x.astype(dtype), (0,)), (w.astype(dtype), (2,))):
+      values, scales = mblx.quantize_absmax(a, dtype="float8_e4m3fn", channel_axes=axes)
+      want_v, want_s = _qwix_fp8(a, axes)
+      assert values.dtype == jnp.float8_e4m3fn and scales.dtype == dtype
+      np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(want_v, np.float32))
+      np.testing.assert_array_equal(np.asarray(scales, np.float32), np.asarray(want_s, np.float32))
+      assert float(jnp.max(jnp.abs(values.astype(F32)))) == 448.0
+      try:
+        import qwix.pallas as qpl
+      except ImportError:
+        continue
+      q = qpl.quantize(
+        a, jnp.float8_e4m3fn, channelwise_axes=list(axes), calibration_method="absmax"
+      )
+      np.testing.assert_array_equal(
+        np.asarray(values, np.float32), np.asarray(q.qvalue, np.float32)
+      )
+      np.testing.assert_array_equal(np.asarray(scales, np.float32), np.asarray(q.scale, np.float32))
+
+
+FP8_CASES = {
+  # f32 operands, an expert shard chained with existing_out
+  "f32-shard": dict(dtype=F32, transpose_rhs=False, shard=True),
+  # bf16 operands (MaxText's usual), weights [G, n, k]
+  "bf16-transposed": dict(dtype=jnp.bfloat16, transpose_rhs=True, shard=False),
+}
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_fp8_forward_and_grads_follow_maxtext(case):
+  """quantization='fp8': float8_e4m3fn activations (per row) and weights (per output channel) run
+  pallas_moe's fp8 kernels; out = deq(lhs) @ deq(rhs) in f32; dlhs = dout @ deq(rhs)^T and
+  drhs = deq(lhs)^T @ dout (MaxText's _gmm_bwd)."""
+  dtype, transpose_rhs, shard = FP8_CASES[case].values()
+  x, w, gs = _operands(transpose_rhs=transpose_rhs)
+  offset = 1 if shard else 0
+  x, w = x.astype(dtype), w[offset:].astype(dtype)
+  existing = jax.random.normal(jax.random.key(3), (M, N), F32) if shard else None
+  xv, xs = _qwix_fp8(x, (0,))
+  wv, ws = _qwix_fp8(w, (1,) if transpose_rhs else (2,))
+  x_deq = xv.astype(F32) * xs.astype(F32)
+  w_deq = wv.astype(F32) * ws.astype(F32)
+  cot = jnp.cos(jnp.arange(M * N, dtype=F32)).reshape(M, N)
+
+  def got(x, w, existing):
+    out = mblx.gmm(
+      x, w, gs, F32, None, offset, existing, transpose_rhs,
+      lhs_quantize_dtype=jnp.float8_e4m3fn, rhs_quantize_dtype="float8_e4m3fn",
+    )  # fmt: skip
+    return jnp.sum(out * cot)
+
+  def want(x, w, existing):
+    out = reference.gmm(x, w, gs, F32, offset, existing, transpose_rhs=transpose_rhs)
+    return jnp.sum(out * cot)
+
+  argnums = (0, 1, 2) if shard else (0, 1)
+  value, grads = jax.jit(jax.value_and_grad(got, argnums=argnums))(x, w, existing)
+  value_ref, grads_ref = jax.value_and_grad(want, argnums=argnums)(x_deq, w_deq, existing)
+  _close(value, value_ref)
+  assert grads[0].dtype == dtype and grads[1].dtype == dtype
+  # NOTE: bf16 gradients are bf16 results (MaxText's too): one rounding, 2**-8.
+  tol = 1e-4 if dtype == F32 else 1e-2
+  for a, b in zip(grads, grads_ref, strict=True):
+    _close(a, b, tol=tol)
+  # NOTE: the quantization is real: the float operands give a different value.
+  plain = float(want(x.astype(F32), w.astype(F32), existing))
+  assert abs(plain - float(value)) > 1e-3 * abs(float(value))
+
+
 def test_weight_gather_partial_sum_vma_axes_in_shard_map():
   """weight_gather_axes all-gathers the weights (gradient reduce-scattered back), partial_sum is
   added, lhs_vma_axes marks the output varying; on a 2-device mesh."""
@@ -211,8 +371,18 @@ def test_refused_arguments_say_what_to_use():
   x, w, gs = _operands()
   with pytest.raises(ValueError, match="use_qwix_quantization.*lhs_quantize_dtype"):
     mblx.gmm(x, w, gs, use_qwix_quantization=True, qwix_rule=object())
-  with pytest.raises(ValueError, match="rhs_quantize_dtype.*weight_quantization='fp8'"):
-    mblx.gmm(x, w, gs, rhs_quantize_dtype=jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="rhs_quantize_dtype.*int8, jnp.int4 or jnp.float8_e4m3fn"):
+    mblx.gmm(x, w, gs, rhs_quantize_dtype=jnp.float8_e5m2)
+  # NOTE: MaxText's quantization='nanoo_fp8' (AMD GPUs): no TPU e4m3fnuz, not an e4m3fn subset.
+  for fnuz in (jnp.float8_e4m3fnuz, "float8_e4m3fnuz"):
+    with pytest.raises(ValueError, match="e4m3fnuz.*cannot be re-encoded losslessly"):
+      mblx.gmm(x, w, gs, lhs_quantize_dtype=fnuz, rhs_quantize_dtype=fnuz)
+
+  class QArray:  # qwix's pre-quantized operand (moe_quantize_token_all_gather)
+    qvalue, scale = x, None
+
+  with pytest.raises(ValueError, match="QArray.*moe_quantize_token_all_gather"):
+    mblx.gmm(QArray(), w, gs)
   with pytest.raises(ValueError, match="use_manual_quantization"):
     mblx.gmm(x, w, gs, lhs_quantize_dtype=jnp.int8, use_manual_quantization=True)
   with pytest.raises(ValueError, match="9 ints"):
@@ -262,6 +432,36 @@ def test_aot_int4_weights_compile_for_v6e():
   # NOTE: the gmm kernel and the zero fill of the rows outside its visited tiles.
   assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2
   assert "pallas_moe_zero_fill" in compiled.as_text()
+
+
+@pytest.mark.aot
+def test_aot_fp8_forward_and_grads_compile_for_v5e_and_tpu7x():
+  """quantization='fp8' on TPU: the forward (fp8 x fp8), dlhs and drhs kernels compile with fp8
+  operands for v5e (no fp8 MXU: upcast in VMEM) and tpu7x (fp8 MXU)."""
+  from jax.experimental import topologies
+
+  from pallas_moe import tiling
+
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  fp8 = jnp.float8_e4m3fn
+
+  def loss(x, w, gs):
+    out = mblx.gmm(x, w, gs, F32, lhs_quantize_dtype=fp8, rhs_quantize_dtype=fp8)
+    return jnp.sum(out)
+
+  for generation, topology in (("v5e", "v5e:2x2"), ("tpu7x", "tpu7x:2x2x1")):
+    device = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+    mesh = Mesh(np.array([device]), ("x",))
+
+    def sds(shape, dtype, mesh=mesh):
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+    args = (sds((512, 256), jnp.bfloat16), sds((4, 256, 512), jnp.bfloat16), sds((4,), jnp.int32))
+    with tiling.use_generation(generation), jax.default_device(device):
+      text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile().as_text()
+    # NOTE: the gmm, the lhs-gradient gmm and the weight-gradient tgmm.
+    assert text.count('custom_call_target="tpu_custom_call"') == 3, generation
+    assert "f8e4m3fn" in text, generation
 
 
 # --- Part 2: the seed scenario, MaxText's sparse_matmul with megablox and EP ---------------------
