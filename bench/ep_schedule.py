@@ -1,12 +1,15 @@
 """What the compiled EP training step overlaps: each exchange, async or not, kernels under it.
 
   python -m bench.ep_schedule [--topology v5e:2x4 v6e:2x4] [--batch_split 1 2] [--data 1]
+                              [--flags default "async a2a" sync]
 
 AOT-compiles `value_and_grad` of the MoE layer's loss (`bench.moe_memory.aot_step_compiled`) for
-each topology, batch split and flag set (the default program, and libtpu's async all-to-all
-flags `pallas_moe.schedule.ASYNC_COLLECTIVE_OPTIONS`), parses the scheduled HLO
-(`pallas_moe.schedule`) and prints one markdown row per (ragged) all-to-all of the entry
-computation in schedule order. Needs libtpu (the `tpu` extra); no TPU.
+each topology, batch split and flag set (the default program; libtpu's async all-to-all flags
+on, `pallas_moe.schedule.ASYNC_COLLECTIVE_OPTIONS`; the same flags off,
+`schedule.SYNC_COLLECTIVE_OPTIONS`), parses the scheduled HLO (`pallas_moe.schedule`) and prints
+the libtpu version and one markdown row per (ragged) all-to-all of the entry computation in
+schedule order. What the default program does depends on the libtpu version (see
+`pallas_moe.schedule`). Needs libtpu (the `tpu` extra); no TPU.
 """
 
 from __future__ import annotations
@@ -37,7 +40,11 @@ SMALL_EP = dict(
   buffer_factor=2.0,
 )
 TOKENS_PER_DEVICE = 1024
-FLAG_SETS = {"default": None, "async a2a": schedule.ASYNC_COLLECTIVE_OPTIONS}
+FLAG_SETS = {
+  "default": None,
+  "async a2a": schedule.ASYNC_COLLECTIVE_OPTIONS,
+  "sync": schedule.SYNC_COLLECTIVE_OPTIONS,
+}
 
 
 def compiled_schedule(
@@ -141,6 +148,7 @@ if __name__ == "__main__":
   parser.add_argument("--topology", nargs="+", default=["v5e:2x4", "v6e:2x4"])
   parser.add_argument("--batch_split", type=int, nargs="+", default=[1, 2])
   parser.add_argument("--data", type=int, default=1)
+  parser.add_argument("--flags", nargs="+", choices=list(FLAG_SETS), default=list(FLAG_SETS))
   parser.add_argument(
     "--fixture", help="write the trimmed v5e:2x4 async batch_split=2 program here, and stop"
   )
@@ -160,8 +168,11 @@ if __name__ == "__main__":
       f.write(text)
     raise SystemExit(0)
   rows = []
+  version = schedule.libtpu_version()
+  print(f"# libtpu {'.'.join(map(str, version)) if version else 'not installed'}")
   for topo in args.topology:
-    for flags, opts in FLAG_SETS.items():
+    for flags in args.flags:
+      opts = FLAG_SETS[flags]
       for split in args.batch_split:
         t0 = time.perf_counter()
         sched = compiled_schedule(

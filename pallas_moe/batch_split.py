@@ -1,17 +1,23 @@
-"""How many token chunks the EP block pipelines by default (issue 15; MaxText's
-`batch_split_factor`).
+"""How many token chunks the EP block pipelines by default (MaxText's `batch_split_factor`).
 
 Chunking pays only where the expert exchange runs asynchronously, so that one chunk's dispatch
-and combine can run under another chunk's expert matmuls. With libtpu 0.0.42.1's defaults the
-block's `ragged-all-to-all`s compile synchronous (nothing runs under them, chunked or not;
-`pallas_moe.schedule`, RESULTS.md "Issue 15: what the compiled EP step overlaps"); with
-`xla_tpu_enable_async_ragged_all_to_all` and `xla_tpu_enable_async_all_to_all` they become
-start/done pairs and the chunks overlap. So:
+and combine can run under another chunk's expert matmuls. Whether it does depends on libtpu
+(`pallas_moe.schedule`, RESULTS.md "what the compiled EP step overlaps"):
 
-- exchanges synchronous (the default): 1 chunk, since splitting only makes the matmuls smaller;
-- exchanges async (both flags in `LIBTPU_INIT_ARGS`, or the caller says so): the chunk count the
-  step model picked for the case (`MODELED_BATCH_SPLIT`, from `python -m bench.ep`, which models
-  the exchange on the slice's ICI and the gmm with `bench.costmodel`), else 1.
+- libtpu 0.0.42.1 (jax 0.10.2): the block's `ragged-all-to-all`s compile synchronous by default
+  (nothing runs under them, chunked or not); with `xla_tpu_enable_async_ragged_all_to_all` they
+  become start/done pairs and the chunks overlap.
+- libtpu 0.0.50.1 (jax 0.12.0.1's pin) and 0.0.52: they are start/done pairs by default and a
+  batch split of 2 overlaps the chunks in the forward and backward without any flag;
+  `xla_tpu_enable_async_ragged_all_to_all=false` makes them synchronous again.
+
+So the default is:
+
+- exchange synchronous (libtpu's default before 0.0.50, or no libtpu; or the ragged flag set
+  false in `LIBTPU_INIT_ARGS`): 1 chunk, since splitting only makes the matmuls smaller;
+- exchange async (libtpu's default from 0.0.50; or the ragged flag set true): the chunk count
+  the step model picked for the case (`MODELED_BATCH_SPLIT`, from `python -m bench.ep`, which
+  models the exchange on the slice's ICI and the gmm with `bench.costmodel`), else 1.
 
 The table is keyed by the layer's dims, not by a model name, so a config with DeepSeek-V3's dims
 gets DeepSeek-V3's choice whatever it is called. No jax at import.
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 import os
 
+from pallas_moe import schedule
+
 __all__ = [
   "ASYNC_EXCHANGE_FLAGS",
   "MODELED_BATCH_SPLIT",
@@ -28,12 +36,9 @@ __all__ = [
   "modeled_batch_split",
 ]
 
-# NOTE: the same flags as `pallas_moe.schedule.ASYNC_COLLECTIVE_OPTIONS` (that module parses
-# HLO and needs nothing from here; these are the names as LIBTPU_INIT_ARGS spells them).
-ASYNC_EXCHANGE_FLAGS = (
-  "xla_tpu_enable_async_ragged_all_to_all",
-  "xla_tpu_enable_async_all_to_all",
-)
+# NOTE: `schedule.ASYNC_COLLECTIVE_OPTIONS`'s flags as LIBTPU_INIT_ARGS spells them; the ragged
+# exchange's flag first.
+ASYNC_EXCHANGE_FLAGS = tuple(schedule.ASYNC_COLLECTIVE_OPTIONS)
 
 # (num_experts, top_k, d_model, expert_ffn_dim, expert parallelism, tokens per device,
 #  generation) -> chunks. From `bench.ep.DEFAULT_BATCH_SPLIT` (the best of 1, 2, 4, 8 chunks in
@@ -66,24 +71,35 @@ MODELED_BATCH_SPLIT: dict[tuple[int, int, int, int, int, int, str], int] = {
 }
 
 
-def async_exchange_enabled(environ=None) -> bool:
-  """Whether both async-exchange flags are on in `LIBTPU_INIT_ARGS`.
+def _flag_values(environ) -> dict[str, bool]:
+  """The boolean libtpu flags set in `LIBTPU_INIT_ARGS` (the last setting of a flag wins)."""
+  args = (os.environ if environ is None else environ).get("LIBTPU_INIT_ARGS", "")
+  values = {}
+  for token in args.split():
+    name, _, value = token.lstrip("-").partition("=")
+    values[name] = value.lower() in ("", "true", "1")
+  return values
+
+
+def async_exchange_enabled(environ=None, *, libtpu_version: tuple[int, ...] | None = None) -> bool:
+  """Whether the block's exchange compiles async: libtpu's default unless `LIBTPU_INIT_ARGS`
+  sets `xla_tpu_enable_async_ragged_all_to_all`.
 
   Args:
     environ: the environment to read (default `os.environ`).
+    libtpu_version: the libtpu to assume (`schedule.libtpu_version()` form; `()` for none);
+      None: the installed one.
 
   Returns:
-    True when every flag of `ASYNC_EXCHANGE_FLAGS` is set to true there.
+    The flag's value in `LIBTPU_INIT_ARGS` if set there (the last setting wins), else
+    `schedule.ragged_async_by_default(libtpu_version)` (True from libtpu 0.0.50).
   """
-  args = (os.environ if environ is None else environ).get("LIBTPU_INIT_ARGS", "")
-  on = set()
-  for token in args.split():
-    name, _, value = token.lstrip("-").partition("=")
-    if value.lower() in ("", "true", "1"):
-      on.add(name)
-    else:
-      on.discard(name)
-  return all(flag in on for flag in ASYNC_EXCHANGE_FLAGS)
+  # NOTE: only the ragged exchange's flag decides. `xla_tpu_enable_async_all_to_all` makes the
+  # small all-to-alls of the transpose async too, but the chunks overlapped the same without it
+  # (v5e:2x4, batch split 2: libtpu 0.0.42.1 with only the ragged flag, 0.0.50.1 by default).
+  values = _flag_values(environ)
+  flag = ASYNC_EXCHANGE_FLAGS[0]
+  return values[flag] if flag in values else schedule.ragged_async_by_default(libtpu_version)
 
 
 def modeled_batch_split(

@@ -403,17 +403,19 @@ def default_batch_split(
   """The number of token chunks `moe_block` uses when `config.batch_split` is None.
 
   Chunks pay only where the expert exchange compiles async (one chunk's dispatch and combine
-  under another chunk's matmuls). With libtpu's defaults it is synchronous, so the default is
-  1; with both async-exchange flags in `LIBTPU_INIT_ARGS` (`batch_split.ASYNC_EXCHANGE_FLAGS`)
-  it is the chunk count the modeled EP step picked for the layer's dims, expert parallelism,
-  tokens per device and the current TPU generation (`batch_split.MODELED_BATCH_SPLIT`; 1 for a
-  case the model has not seen). See `pallas_moe.batch_split`.
+  under another chunk's matmuls). Where it is synchronous (libtpu 0.0.42.1's default; see
+  `batch_split.async_exchange_enabled`) the default is 1; where it is async (libtpu >= 0.0.50's
+  default, or `xla_tpu_enable_async_ragged_all_to_all=true` in `LIBTPU_INIT_ARGS` on 0.0.42.1) it is
+  the chunk count the modeled EP step picked for the layer's dims, expert parallelism, tokens
+  per device and the current TPU generation (`batch_split.MODELED_BATCH_SPLIT`; 1 for a case the
+  model has not seen). See `pallas_moe.batch_split`.
 
   Args:
     config: the layer config.
     tokens_per_device: T, the tokens of one device.
     expert_parallelism: the expert-axis size.
-    async_exchange: whether the exchange compiles async; None reads `LIBTPU_INIT_ARGS`.
+    async_exchange: whether the exchange compiles async; None: `async_exchange_enabled()` (the
+      installed libtpu and `LIBTPU_INIT_ARGS`).
 
   Returns:
     An int >= 1 that divides `tokens_per_device`.

@@ -14,42 +14,102 @@ carries its `op_name` metadata, so callers can tell forward from backward
 (`transpose(jvp())` in the name) and, with `MoEConfig.batch_split`, which chunk it belongs to
 (`batch_split_<c>`), and which exchange (the `dispatch` / `combine` scopes of `moe`).
 
-Facts (jax/jaxlib 0.10.2, libtpu 0.0.42.1, v5e:2x4 and v6e:2x4 AOT): XLA:TPU lowers our
-`collectives.ragged_all_to_all` to the native `ragged-all-to-all`, which by default is
-synchronous, as are the small `all-to-all`s of its transpose; libtpu's
-`xla_tpu_enable_async_ragged_all_to_all` and `xla_tpu_enable_async_all_to_all` make them
-start/done pairs (`ASYNC_COLLECTIVE_OPTIONS`, for `compile(compiler_options=...)` or
-`LIBTPU_INIT_ARGS`).
+What XLA:TPU does with the MoE block's exchange depends on the libtpu version (AOT compiles of
+the EP training step for v5e:2x4 and v6e:2x4; bench/RESULTS.md, "what the compiled EP step
+overlaps"). On every version measured our `collectives.ragged_all_to_all` lowers to the native
+`ragged-all-to-all` (not decomposed into all-to-all / collective-permute, no custom call), and
+its transpose adds two small `all-to-all`s of offsets:
+- libtpu 0.0.42.1 (jax 0.10.2): synchronous by default, the `all-to-all`s too; libtpu's
+  `xla_tpu_enable_async_ragged_all_to_all` and `xla_tpu_enable_async_all_to_all` make them
+  `-start`/`-done` pairs (`ASYNC_COLLECTIVE_OPTIONS`).
+- libtpu 0.0.50.1 (what jax 0.12.0.1's `tpu` extra pins) and 0.0.52 (with jax 0.12.0.1): every
+  `ragged-all-to-all` is a `ragged-all-to-all-start`/`-done` pair by default (setting
+  `xla_tpu_enable_async_ragged_all_to_all=false` makes them synchronous again), and the
+  scheduler puts work under them (the weight gradients under the backward's dispatch; with a
+  batch split, another chunk's gmms); the `all-to-all`s stay synchronous unless
+  `xla_tpu_enable_async_all_to_all` is on. Both flags are still accepted;
+  `SYNC_COLLECTIVE_OPTIONS` (both false) brings back the synchronous program.
+Versions between 0.0.42.1 and 0.0.50.1 were not measured: `ragged_async_by_default` treats
+them as the older behaviour.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import re
 
 __all__ = [
   "ASYNC_COLLECTIVE_OPTIONS",
+  "ASYNC_RAGGED_DEFAULT_SINCE",
   "COLLECTIVE_KINDS",
   "AsyncCollective",
   "Instruction",
   "Schedule",
+  "SYNC_COLLECTIVE_OPTIONS",
   "SyncCollective",
   "chunk_of",
   "cross_chunk_overlaps",
   "exchange_of",
   "is_backward",
+  "libtpu_version",
   "parse_schedule",
+  "ragged_async_by_default",
   "summary",
 ]
 
-# NOTE: libtpu flags (off by default in libtpu 0.0.42.1) that turn the expert exchange into
-# start/done pairs the latency-hiding scheduler can put compute under. Pass as
-# `jax.jit(f).lower(...).compile(compiler_options=ASYNC_COLLECTIVE_OPTIONS)` or as
+# NOTE: libtpu flags that turn the expert exchange (and the small all-to-alls of its transpose)
+# into start/done pairs the latency-hiding scheduler can put compute under. Both off by default
+# in libtpu 0.0.42.1; from 0.0.50.1 the ragged one is on by default, the all-to-all one is not.
+# Pass as `jax.jit(f).lower(...).compile(compiler_options=ASYNC_COLLECTIVE_OPTIONS)` or as
 # `LIBTPU_INIT_ARGS="--xla_tpu_enable_async_ragged_all_to_all=true ..."` before jax loads libtpu.
 ASYNC_COLLECTIVE_OPTIONS = {
   "xla_tpu_enable_async_ragged_all_to_all": True,
   "xla_tpu_enable_async_all_to_all": True,
 }
+# NOTE: the same flags off: the synchronous exchange of libtpu 0.0.42.1's default program, on any
+# version that has the flags (0.0.42.1 .. 0.0.52 measured).
+SYNC_COLLECTIVE_OPTIONS = dict.fromkeys(ASYNC_COLLECTIVE_OPTIONS, False)
+# NOTE: the oldest libtpu measured to compile `ragged-all-to-all` async by default is 0.0.50.1
+# (0.0.42.1 did not; nothing in between was measured). Compared against the first three parts
+# of the version.
+ASYNC_RAGGED_DEFAULT_SINCE = (0, 0, 50)
+
+
+def libtpu_version() -> tuple[int, ...] | None:
+  """The installed libtpu's version as integers (e.g. (0, 0, 50, 1)), or None without libtpu.
+
+  Read from the package metadata (libtpu is not loaded). A suffix such as ".dev2025..." ends the
+  tuple.
+  """
+  for dist in ("libtpu", "libtpu-nightly"):
+    try:
+      text = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+      continue
+    parts = []
+    for p in text.split("."):
+      if not p.isdigit():
+        break
+      parts.append(int(p))
+    return tuple(parts)
+  return None
+
+
+def ragged_async_by_default(version: tuple[int, ...] | None = None) -> bool:
+  """Whether libtpu compiles `ragged-all-to-all` as a start/done pair without any flag.
+
+  Args:
+    version: a libtpu version (`libtpu_version()`); None: the installed one. Without libtpu there
+      is no TPU compiler: False.
+
+  Returns:
+    True from `ASYNC_RAGGED_DEFAULT_SINCE` (measured: 0.0.50.1, 0.0.52), False before (0.0.42.1).
+  """
+  if version is None:
+    version = libtpu_version()
+  return version is not None and tuple(version[:3]) >= ASYNC_RAGGED_DEFAULT_SINCE
+
 
 COLLECTIVE_KINDS = frozenset(
   {

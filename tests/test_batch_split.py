@@ -124,21 +124,33 @@ def test_config_name_alias_and_errors():
 
 def test_default_chunks_follow_the_model_only_where_the_exchange_is_async():
   """The library's table is `bench.ep`'s modeled choice, keyed by the layer's dims; it applies
-  only with both async-exchange flags (synchronous exchanges hide nothing under chunks)."""
+  only where the exchange compiles async (synchronous exchanges hide nothing under chunks):
+  libtpu's default from 0.0.50, else `xla_tpu_enable_async_ragged_all_to_all=true`."""
   from bench import ep as ep_model
   from bench.shapes import SHAPES
-  from pallas_moe import batch_split, tiling
+  from pallas_moe import batch_split, schedule, tiling
 
   mapped = {
     (SHAPES[m].num_groups, SHAPES[m].top_k, SHAPES[m].k, SHAPES[m].n, ep, t, chip): c
     for (m, ep, t, chip), c in ep_model.DEFAULT_BATCH_SPLIT.items()
   }
   assert batch_split.MODELED_BATCH_SPLIT == mapped
-  flags = " ".join(f"--{f}=true" for f in batch_split.ASYNC_EXCHANGE_FLAGS)
-  assert batch_split.async_exchange_enabled({"LIBTPU_INIT_ARGS": "--xla_foo=1 " + flags})
-  off = f"{flags} --{batch_split.ASYNC_EXCHANGE_FLAGS[0]}=false"
-  assert not batch_split.async_exchange_enabled({"LIBTPU_INIT_ARGS": off})
-  assert not batch_split.async_exchange_enabled({})
+  ragged, a2a = batch_split.ASYNC_EXCHANGE_FLAGS
+  env = lambda args: {"LIBTPU_INIT_ARGS": args}
+  # libtpu 0.0.42.1: synchronous unless the ragged exchange's flag is set true (the all-to-all
+  # flag alone changes nothing the chunks need).
+  old = (0, 0, 42, 1)
+  assert not batch_split.async_exchange_enabled({}, libtpu_version=old)
+  assert not batch_split.async_exchange_enabled(env(f"--{a2a}=true"), libtpu_version=old)
+  assert batch_split.async_exchange_enabled(env(f"--xla_foo=1 --{ragged}"), libtpu_version=old)
+  off = env(f"--{ragged}=true --{a2a}=true --{ragged}=false")
+  assert not batch_split.async_exchange_enabled(off, libtpu_version=old)
+  # libtpu 0.0.50.1 and 0.0.52: async unless set false; no libtpu: synchronous.
+  for new in ((0, 0, 50, 1), (0, 0, 52)):
+    assert batch_split.async_exchange_enabled({}, libtpu_version=new)
+    assert not batch_split.async_exchange_enabled(env(f"--{ragged}=false"), libtpu_version=new)
+  assert not batch_split.async_exchange_enabled({}, libtpu_version=())
+  assert batch_split.async_exchange_enabled({}) == schedule.ragged_async_by_default()
   v3 = MoEConfig(num_experts=256, top_k=8, d_model=7168, expert_ffn_dim=2048)
   kw = dict(config=v3, tokens_per_device=16384, expert_parallelism=32)
   with tiling.use_generation("v6e"):

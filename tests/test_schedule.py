@@ -2,16 +2,23 @@
 
 The parser tests read `tests/data/ep_step_v5e_split2_async.hlo.txt`: the entry computation of a
 real v5e:2x4 AOT compile of the EP training step (`bench.ep_schedule`'s config, batch_split=2,
-`schedule.ASYNC_COLLECTIVE_OPTIONS`), trimmed to its collectives, start/done pairs, while loops
-and kernels (backend configs and other instructions dropped; the order is the compiler's).
-Regenerate with `python -m bench.ep_schedule --fixture tests/data/ep_step_v5e_split2_async.hlo.txt`.
+`schedule.ASYNC_COLLECTIVE_OPTIONS`, jax 0.10.2 / libtpu 0.0.42.1), trimmed to its collectives,
+start/done pairs, while loops and kernels (backend configs and other instructions dropped; the
+order is the compiler's).
+Regenerate with `python -m bench.ep_schedule --fixture tests/data/ep_step_v5e_split2_async.hlo.txt`
+(on that stack: other versions name and order instructions differently).
 
-The AOT tests compile the step for v5e:2x4 and v6e:2x4 (ep=8, ~5-7 s per program) and pin:
-- the default program (no flags): every expert exchange (`ragged-all-to-all`) is synchronous;
-- with the async flags, unsplit: every exchange is a start/done pair, and the backward's last
-  exchange has the weight-gradient kernels (tgmm) under it;
-- with the async flags and batch_split=2: in the forward and in the backward, a chunk's
-  exchange is in flight while another chunk's gmm runs.
+The AOT tests compile the step for v5e:2x4 and v6e:2x4 (ep=8, ~5-7 s per program) and pin what
+the installed libtpu does (`schedule.ragged_async_by_default`):
+- libtpu 0.0.42.1: the default program's expert exchanges (`ragged-all-to-all`) are all
+  synchronous; with `schedule.ASYNC_COLLECTIVE_OPTIONS` they are start/done pairs and the
+  backward's last exchange has the weight-gradient kernels (tgmm) under it;
+- libtpu 0.0.50.1 and 0.0.52: the default program is already like that (every exchange a
+  start/done pair, the small all-to-alls synchronous), and `schedule.SYNC_COLLECTIVE_OPTIONS`
+  makes every exchange synchronous;
+- batch_split=2 in the program where the exchange is async (the flags on 0.0.42.1, the default
+  from 0.0.50): in the forward and in the backward, a chunk's exchange is in flight while
+  another chunk's gmm runs.
 """
 
 from __future__ import annotations
@@ -137,30 +144,71 @@ def _ragged(s: schedule.Schedule):
   ]
 
 
-@pytest.mark.aot
-@pytest.mark.parametrize("gen", GENERATIONS)
-def test_unsplit_step_exchanges(gen):
-  """Default flags: 4 synchronous exchanges (fwd dispatch, combine; their transposes). Async
-  flags: the weight gradients (tgmm) run under the backward's last exchange (the dispatch's
-  transpose, which returns dx while dW is computed). (XLA turns a start/done pair with nothing
-  between back into a synchronous op: on v6e 2 of the 4 stay synchronous.)"""
-  asyncs, syncs = _ragged(_step(gen, batch_split=1, options=None, **TINY))
-  assert (len(asyncs), len(syncs)) == (0, 4)
-  s = _step(gen, batch_split=1, options=schedule.ASYNC_COLLECTIVE_OPTIONS, **TINY)
+def test_libtpu_version_and_its_default():
+  import importlib.metadata
+
+  v = schedule.libtpu_version()
+  assert v is not None, "the test extra installs libtpu (jax[tpu])"
+  assert ".".join(map(str, v)) == importlib.metadata.version("libtpu")
+  assert not schedule.ragged_async_by_default((0, 0, 42, 1))
+  assert schedule.ragged_async_by_default((0, 0, 50, 1))
+  assert schedule.ragged_async_by_default((0, 0, 52))
+  assert not schedule.ragged_async_by_default(())
+  # NOTE: jax 0.10.2 pins libtpu 0.0.42.1, jax 0.12.0.1 pins 0.0.50.1.
+  assert schedule.ragged_async_by_default() == (v[:3] >= (0, 0, 50))
+
+
+# NOTE: from libtpu 0.0.50 the exchange is async in the default program (measured: 0.0.50.1,
+# 0.0.52); 0.0.42.1 needs the flags.
+ASYNC_DEFAULT = schedule.ragged_async_by_default()
+ASYNC_PROGRAM = None if ASYNC_DEFAULT else schedule.ASYNC_COLLECTIVE_OPTIONS
+
+
+def _check_tgmm_under_last_exchange(s: schedule.Schedule):
   asyncs, syncs = _ragged(s)
-  assert len(asyncs) + len(syncs) == 4
+  assert len(asyncs) + len(syncs) == 4, schedule.summary(s)
   last = max(asyncs, key=lambda a: a.start_index)
   assert all(c.index < last.start_index for c in syncs), schedule.summary(s)
   assert schedule.is_backward(last.op_name) and schedule.exchange_of(last.op_name) == "dispatch"
   assert [k.kernel for k in last.kernels_under] == ["pallas_moe_tgmm_rowtile"] * 2
+  return asyncs, syncs
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_unsplit_step_exchanges(gen):
+  """4 exchanges: fwd dispatch, combine; their transposes. Where they are async, the weight
+  gradients (tgmm) run under the backward's last exchange (the dispatch's transpose, which
+  returns dx while dW is computed). libtpu 0.0.42.1: all synchronous by default; with the async
+  flags as above (XLA turns a start/done pair with nothing between back into a synchronous op:
+  on v6e 2 of the 4 stay synchronous). From 0.0.50: all 4 async by default and the 4 small
+  all-to-alls of the transposes synchronous; with the flags off all synchronous."""
+  default = _step(gen, batch_split=1, options=None, **TINY)
+  if ASYNC_DEFAULT:
+    asyncs, syncs = _check_tgmm_under_last_exchange(default)
+    assert (len(asyncs), len(syncs)) == (4, 0), schedule.summary(default)
+    assert [a.kind for a in default.async_collectives] == ["ragged-all-to-all"] * 4
+    assert [c.kind for c in default.sync_collectives].count("all-to-all") == 4
+    off = _step(gen, batch_split=1, options=schedule.SYNC_COLLECTIVE_OPTIONS, **TINY)
+    asyncs, syncs = _ragged(off)
+    assert (len(asyncs), len(syncs)) == (0, 4), schedule.summary(off)
+    assert not off.async_collectives, schedule.summary(off)
+  else:
+    asyncs, syncs = _ragged(default)
+    assert (len(asyncs), len(syncs)) == (0, 4), schedule.summary(default)
+    assert not default.async_collectives, schedule.summary(default)
+    _check_tgmm_under_last_exchange(
+      _step(gen, batch_split=1, options=schedule.ASYNC_COLLECTIVE_OPTIONS, **TINY)
+    )
 
 
 @pytest.mark.aot
 @pytest.mark.parametrize("gen", GENERATIONS)
 def test_split_step_overlaps_chunks(gen):
-  """batch_split=2 with the async flags: in the forward and in the backward, one chunk's
-  exchange is in flight while the other chunk's gmm runs."""
-  s = _step(gen, batch_split=2, options=schedule.ASYNC_COLLECTIVE_OPTIONS)
+  """batch_split=2 where the exchange is async (libtpu >= 0.0.50: the default program; 0.0.42.1:
+  the async flags): in the forward and in the backward, one chunk's exchange is in flight while
+  the other chunk's gmm runs."""
+  s = _step(gen, batch_split=2, options=ASYNC_PROGRAM)
   asyncs, syncs = _ragged(s)
   assert len(asyncs) + len(syncs) == 8
   pairs = schedule.cross_chunk_overlaps(s)
