@@ -35,7 +35,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 __all__ = [
-  "JAX_VERSION",
   "DYNAMIC_GRID_DIM",
   "discharge_state",
   "install_interpret_vma_workaround",
@@ -44,17 +43,6 @@ __all__ = [
   "races_found",
 ]
 
-
-def _parse_version(version: str) -> tuple[int, ...]:
-  parts = []
-  for p in version.split(".")[:3]:
-    digits = "".join(c for c in p if c.isdigit())
-    parts.append(int(digits or 0))
-  return tuple(parts)
-
-
-# (major, minor, patch) of the installed jax, e.g. (0, 12, 0) for 0.12.0.1.
-JAX_VERSION: tuple[int, ...] = _parse_version(jax.__version__)
 
 # ----------------------------------------------------------------------------------------------
 # Jaxpr-level internals used by `bench.costmodel` (all supported versions).
