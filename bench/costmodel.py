@@ -50,10 +50,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core
-from jax._src.pallas import core as pallas_core
-from jax._src.state import discharge as state_discharge
+from jax.experimental import pallas as pl
+from jax.extend import core as jex_core
 
+from pallas_moe import _jax_compat
 from pallas_moe.tiling import TpuGeneration, get_generation
 
 __all__ = [
@@ -220,12 +220,12 @@ class CostReport:
 # Finding pallas_calls and their concrete scalar-prefetch values.
 
 
-def _sub_jaxpr(eqn) -> tuple[jax_core.Jaxpr, Sequence[Any]] | None:
+def _sub_jaxpr(eqn) -> tuple[jex_core.Jaxpr, Sequence[Any]] | None:
   for key in _CALL_PARAM_NAMES:
     j = eqn.params.get(key)
-    if isinstance(j, jax_core.ClosedJaxpr):
+    if isinstance(j, jex_core.ClosedJaxpr):
       return j.jaxpr, j.consts
-    if isinstance(j, jax_core.Jaxpr):
+    if isinstance(j, jex_core.Jaxpr):
       return j, ()
   return None
 
@@ -233,13 +233,13 @@ def _sub_jaxpr(eqn) -> tuple[jax_core.Jaxpr, Sequence[Any]] | None:
 def _all_sub_jaxprs(eqn):
   for p in eqn.params.values():
     for q in p if isinstance(p, (tuple, list)) else (p,):
-      if isinstance(q, jax_core.ClosedJaxpr):
+      if isinstance(q, jex_core.ClosedJaxpr):
         yield q.jaxpr
-      elif isinstance(q, jax_core.Jaxpr):
+      elif isinstance(q, jex_core.Jaxpr):
         yield q
 
 
-def _contains_pallas(jaxpr: jax_core.Jaxpr) -> bool:
+def _contains_pallas(jaxpr: jex_core.Jaxpr) -> bool:
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "pallas_call":
       return True
@@ -253,7 +253,7 @@ def _interpret(jaxpr, consts, inputs, found: list, path: str):
   env: dict[Any, Any] = {}
 
   def read(v):
-    if isinstance(v, jax_core.Literal):
+    if isinstance(v, jex_core.Literal):
       return v.val
     return env.get(v, _UNKNOWN)
 
@@ -284,7 +284,7 @@ def _interpret(jaxpr, consts, inputs, found: list, path: str):
     if outs is None:
       outs = [_UNKNOWN] * len(eqn.outvars)
     for v, x in zip(eqn.outvars, outs, strict=True):
-      if not isinstance(v, jax_core.DropVar):
+      if not isinstance(v, jex_core.DropVar):
         env[v] = x
   return [read(v) for v in jaxpr.outvars]
 
@@ -344,11 +344,11 @@ def _find_pallas_calls(fn: Callable, args, kwargs):
 
 
 def _index_map_fn(bm):
-  closed = state_discharge.discharge_state(bm.index_map_jaxpr)
+  pure = jex_core.jaxpr_as_fun(_jax_compat.discharge_state(bm.index_map_jaxpr))
   n_out = len(bm.index_map_jaxpr.out_avals)
 
   def f(*a):
-    return jax_core.eval_jaxpr(closed.jaxpr, closed.consts, *a)[:n_out]
+    return pure(*a)[:n_out]
 
   return f
 
@@ -382,12 +382,12 @@ def _block_bytes(bm, idx: np.ndarray) -> np.ndarray:
   elems = np.ones(idx.shape[0], np.int64)
   for d, bd in enumerate(bm.block_shape):
     dim = shape[d]
-    if isinstance(bd, pallas_core.Squeezed) or bd is None:
+    if isinstance(bd, pl.Squeezed) or bd is None:
       continue
-    if isinstance(bd, pallas_core.Blocked) or isinstance(bd, int):
-      bs = bd.block_size if isinstance(bd, pallas_core.Blocked) else bd
+    if isinstance(bd, pl.Blocked) or isinstance(bd, int):
+      bs = bd.block_size if isinstance(bd, pl.Blocked) else bd
       start = idx[:, d] * bs
-    elif isinstance(bd, pallas_core.Element):
+    elif isinstance(bd, pl.Element):
       bs = bd.block_size
       start = idx[:, d] - bd.padding[0]
     else:
@@ -439,7 +439,7 @@ def analyze(
         "concrete arrays."
       )
     dyn = iter(int(v) for v in vals[:n_dyn])
-    grid = tuple(next(dyn) if g is pallas_core.dynamic_grid_dim else int(g) for g in gm.grid)
+    grid = tuple(next(dyn) if g is _jax_compat.DYNAMIC_GRID_DIM else int(g) for g in gm.grid)
     index_operands = tuple(vals[n_dyn:])
     bms = gm.block_mappings
     pids, indices = _block_indices(bms, grid, index_operands)
@@ -537,7 +537,7 @@ def _dot_padded_macs(eqn, mxu: int) -> tuple[float, float]:
   return float(padded), float(batch * rows * contract * cols)
 
 
-def kernel_dot_macs(jaxpr: jax_core.Jaxpr, *, mxu: int) -> tuple[float, float, tuple[str, ...]]:
+def kernel_dot_macs(jaxpr: jex_core.Jaxpr, *, mxu: int) -> tuple[float, float, tuple[str, ...]]:
   """MXU work of one execution of a kernel body.
 
   Args:

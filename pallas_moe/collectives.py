@@ -30,9 +30,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as _jax_core  # NamedAxisEffect: the effect JAX's own collectives carry.
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
+
+from pallas_moe import _jax_compat
 
 __all__ = [
   "BufferPolicy",
@@ -296,7 +297,7 @@ _ragged_p = Primitive("pallas_moe_ragged_all_to_all")
 
 def _abstract_eval(operand, output, *idx, axis_name, axis_index_groups, backend):
   del operand, idx, axis_index_groups, backend
-  effects = {_jax_core.NamedAxisEffect(n) for n in axis_name}
+  effects = {_jax_compat.named_axis_effect(n) for n in axis_name}
   return output.update(weak_type=False), effects
 
 

@@ -9,9 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.extend import core as jex_core
 
 from pallas_moe import _jax_compat
 
@@ -30,7 +30,7 @@ def concrete_or_none(x: Any) -> np.ndarray | None:
   if x is None:
     return None
   try:
-    return np.asarray(jax_core.concrete_or_error(None, x))
+    return np.asarray(jex_core.concrete_or_error(None, x))
   except (jax.errors.ConcretizationTypeError, TypeError):
     return None
 
@@ -162,7 +162,7 @@ def out_struct(shape, dtype, *operands) -> jax.ShapeDtypeStruct:
   if not varying:
     return jax.ShapeDtypeStruct(shape, dtype)
   return jax.ShapeDtypeStruct(
-    shape, dtype, manual_axis_type=jax_core.ManualAxisType(varying=varying)
+    shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying)
   )
 
 

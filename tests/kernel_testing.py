@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call as tpu_interpret
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_moe import _jax_compat
 
 # The two interpret modes every kernel test runs under: plain HLO interpretation, and the TPU
 # simulator (memory spaces, DMAs, out-of-bounds reads raise, uninitialized memory is NaN).
@@ -19,7 +20,7 @@ INTERPRET_MODES = {
   "tpu": pltpu.InterpretParams(),
 }
 # The simulator with the race detector and 2 cores, so "parallel" grid axes are split.
-RACE_PARAMS = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+RACE_PARAMS = _jax_compat.interpret_params(detect_races=True, num_cores_or_threads=2)
 
 
 def np_gmm(lhs, rhs, group_sizes, *, group_offset=0, existing_out=None, transpose_rhs=False):
@@ -104,10 +105,11 @@ def no_races_or_oob(capfd):
   try:
     yield
     jax.effects_barrier()
-    out, _ = capfd.readouterr()
-    assert "RACE DETECTED" not in out, out
-    races = tpu_interpret.races
-    assert races is None or not races.races_found
+    out, err = capfd.readouterr()
+    # NOTE: jax 0.10.2 prints the race report; 0.12 sends it to `logging` (pytest keeps those
+    # records out of capfd), so `races_found` is the check that holds on both.
+    assert "RACE DETECTED" not in out + err, out + err
+    assert not _jax_compat.races_found()
   finally:
     pltpu.reset_tpu_interpret_mode_state()
 

@@ -34,8 +34,11 @@ def test_split_block_equals_unsplit(data, ep, split):
   got = _block_grads(params, x, dataclasses.replace(config, batch_split=split), mesh)
   y, aux, gp, gx = got
   wy, waux, wgp, wgx = want
-  # NOTE: each row's expert outputs are the same rows of the same matmuls: y is bit-equal.
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(wy))
+  # NOTE: each row meets the same weights in the same order, but a chunk's gmm has fewer rows,
+  # so its tiles (and, in interpret mode, the CPU dot shapes) differ; XLA does not promise the
+  # same rounding per row across dot shapes (jax 0.12 on some CPUs differs by ~1 f32 ulp). A
+  # misrouted or dropped row is off by O(1), far above this tolerance.
+  np.testing.assert_allclose(np.asarray(y), np.asarray(wy), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(float(aux["aux_loss"]), float(waux["aux_loss"]), rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.asarray(waux["expert_load"]))
   assert int(aux["dropped_rows"]) == int(waux["dropped_rows"]) == 0

@@ -252,7 +252,7 @@ def test_shard_map_check_vma_forward_and_grads(mode):
 
 def test_shard_map_varying_lhs_hlo_interpreter():
   """The HLO interpreter under check_vma with an lhs that varies over the mesh axis (the EP MoE
-  case; jax 0.10.2 needs `_jax_compat`'s lowering fix)."""
+  case; jax 0.10.2 and 0.12.0.1 need `_jax_compat`'s lowering fix)."""
   mesh = jax.make_mesh(
     (4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4]
   )

@@ -468,10 +468,6 @@ def _kernel_dot_dtypes(fn, *args) -> set[tuple[str, str, str]]:
       if eqn.primitive.name == "dot_general":
         a, b = (np.dtype(v.aval.dtype).name for v in eqn.invars)
         found.add((a, b, np.dtype(eqn.outvars[0].aval.dtype).name))
-      for sub in (
-        jax.core.jaxprs_in_params(eqn.params) if hasattr(jax.core, "jaxprs_in_params") else ()
-      ):
-        visit(sub)
       for p in eqn.params.values():
         for q in p if isinstance(p, (tuple, list)) else (p,):
           if isinstance(q, jax.extend.core.ClosedJaxpr):

@@ -391,7 +391,7 @@ def _largest_intermediate(jaxpr) -> int:
   for eqn in jaxpr.eqns:
     for v in eqn.outvars:
       best = max(best, int(np.prod(getattr(v.aval, "shape", ()) or (1,))))
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       best = max(best, _largest_intermediate(sub))
   return best
 
