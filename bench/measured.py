@@ -27,13 +27,15 @@ Mapping (checked against tokamax 0.0.17's source):
   `bench.impls.megablox_v2_tiles` reproduces it, and impl "megablox-v2" models the schedule.
 
 The model's rates are per chip (`pallas_moe.generations`). A tpu7x JAX device is one of the
-chip's two TensorCores, and on v5p (two TensorCores per device, megacore) a grid-less kernel
-runs on one of them; the `1tc` columns re-cost the same schedules at one TensorCore's rates
-(peak and HBM bandwidth halved) where the kernel runs on one: a what-if for the diagnosis, not
-the bench's model.
+chip's two TensorCores; on v5p (two TensorCores per device, megacore) a grid-less kernel (v1)
+runs on one of them, and v2's TensorCore mesh splits only its n tiles between the two (one
+core does everything when n is one tile, as v2's tiling usually picks). The `1tc` columns
+re-cost the busiest TensorCore's share of the schedule at one TensorCore's rates (peak and HBM
+bandwidth halved): a what-if for the diagnosis, not the bench's model.
 
 Usage: `python -m bench.measured [--chip v5e] [--op fwd] [--kernel v1] [--limit N]
-[--cache-dir DIR] [--per-problem]`.
+[--cache-dir DIR] [--per-problem] [--json FILE] [--fit]`, or `--from-json FILE [--fit]` to
+re-print a saved run.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ __all__ = [
   "kernel_tiling",
   "one_tensorcore",
   "model_config",
+  "summarize",
+  "fit_report",
   "main",
 ]
 
@@ -352,9 +356,10 @@ def kernel_tiling(problem: MeasuredProblem, config: MeasuredConfig) -> tuple[int
 
 
 def one_tensorcore(problem: MeasuredProblem) -> bool:
-  """Whether the kernel runs on one of the chip's two TensorCores: every kernel on a tpu7x
-  device (one TensorCore), and v1 (a grid-less kernel) on a v5p megacore device."""
-  return problem.chip == "tpu7x" or (problem.chip == "v5p" and problem.kernel == "v1")
+  """Whether the kernel's work lands on one of the chip's two TensorCores: every kernel on a
+  tpu7x device (one TensorCore), v1 (a grid-less kernel) on a v5p megacore device, and v2 on v5p
+  when its parallel (n) axis has one tile (see `model_config`)."""
+  return problem.chip in ("tpu7x", "v5p")
 
 
 def _one_tc_generation(gen):
@@ -366,6 +371,19 @@ def _one_tc_generation(gen):
     name=f"{gen.name}-1tc",
     peak_bf16_flops=gen.peak_bf16_flops / cores,
     hbm_bytes_per_s=gen.hbm_bytes_per_s / cores,
+  )
+
+
+def _core_share(sched, *, cores: int):
+  """The first ceil(n tiles / cores) n tiles of a v2 schedule (grid (n, gm, k), n slowest)."""
+  per_n = sched.steps // sched.grid[0] if sched.grid[0] else 0
+  steps = -(-sched.grid[0] // cores) * per_n
+  return dataclasses.replace(
+    sched,
+    grid=(-(-sched.grid[0] // cores), *sched.grid[1:]),
+    steps=steps,
+    step_bytes=sched.step_bytes[:steps],
+    step_scale=None if sched.step_scale is None else sched.step_scale[:steps],
   )
 
 
@@ -463,7 +481,12 @@ def model_config(problem: MeasuredProblem, config: MeasuredConfig) -> ModeledCon
   rep = costmodel.cost(scheds, generation=gen)
   rep_1tc = rep
   if one_tensorcore(problem):
-    rep_1tc = costmodel.cost(scheds, generation=_one_tc_generation(gen))
+    busiest = scheds
+    if problem.kernel == "v2" and problem.chip == "v5p":
+      # NOTE: v2 runs over a TensorCore mesh (two cores on a v5p device) that splits its n
+      # tiles; the busiest core runs ceil(n tiles / 2) of them (all when n is one tile).
+      busiest = tuple(_core_share(s, cores=2) for s in scheds)
+    rep_1tc = costmodel.cost(busiest, generation=_one_tc_generation(gen))
   return ModeledConfig(
     tiling=tuple(til),
     measured_us=config.ms * 1e3,
@@ -486,52 +509,128 @@ def _quantiles(x: Sequence[float]) -> tuple[float, float, float]:
   return tuple(float(v) for v in np.quantile(a, [0.5, 0.1, 0.9]))
 
 
-def _reason(mc: ModeledConfig, problem: MeasuredProblem) -> str:
-  """A short description of what the model says dominates, for the worst cases."""
-  bits = [f"model {mc.bound}-bound"]
-  bits.append(f"mxu {mc.mxu_us:.0f} dma {mc.dma_us:.0f} ovh {mc.overhead_us:.0f} us")
-  bits.append(f"{mc.steps} steps")
-  rows_per_group = problem.m / max(problem.num_groups, 1)
-  if rows_per_group < mc.tiling[0]:
-    bits.append(f"{rows_per_group:.0f} rows/group < tm")
+def _op_label(r: dict) -> str:
+  return r["op"] + ("+res" if r["residuals"] else "")
+
+
+def _reason(r: dict) -> str:
+  """What the model says dominates a record, for the worst cases."""
+  parts = {"mxu": r["mxu_us"], "dma": r["dma_us"], "overhead": r["overhead_us"]}
+  bound = max(parts, key=parts.get)
+  rows_per_group = r["m"] / max(r["num_groups"], 1)
+  bits = [
+    f"model {bound}-bound",
+    f"mxu {r['mxu_us']:.0f} dma {r['dma_us']:.0f} ovh {r['overhead_us']:.0f} us",
+    f"{r['steps']} steps",
+  ]
+  if rows_per_group < r["tiling"][0]:
+    bits.append(f"~{rows_per_group:.0f} rows/group < tm")
   return ", ".join(bits)
 
 
-def summarize(rows: list[tuple[MeasuredProblem, ModeledConfig]], *, worst: int = 2) -> str:
-  """Per (chip, kernel, op): count, median and p10/p90 of measured/modeled (chip rates and one
-  TensorCore), then the worst cases (largest |log ratio|).
+def summarize(records: list[dict], *, worst: int = 2) -> str:
+  """Per (chip, kernel, op): count, median and p10/p90 of measured/modeled at each problem's
+  best measured config, at chip rates and at one TensorCore's, then the worst cases (largest
+  |log ratio| at chip rates).
 
   Args:
-    rows: (problem, its best measured config's model).
+    records: `main`'s records (only those with `best` are used).
     worst: worst cases listed per group.
 
   Returns:
     The table (text).
   """
-  groups: dict[tuple[str, str, str], list] = {}
-  for p, mc in rows:
-    groups.setdefault((p.chip, p.kernel, p.op), []).append((p, mc))
-  lines = [
-    "chip   kernel op    n   measured/modeled: median [p10, p90]   at 1 TC: median [p10, p90]",
-  ]
+  groups: dict[tuple[str, str, str], list[dict]] = {}
+  for r in records:
+    if r["best"]:
+      groups.setdefault((r["chip"], r["kernel"], _op_label(r)), []).append(r)
+  lines = ["chip   kernel op        n   measured/modeled median [p10, p90]   at 1 TC"]
   details = []
   for (chip, kernel, op), items in sorted(groups.items()):
-    r = [mc.ratio for _, mc in items]
-    r1 = [mc.ratio_1tc for _, mc in items]
-    med, lo, hi = _quantiles(r)
-    med1, lo1, hi1 = _quantiles(r1)
+    ratio = [r["measured_us"] / r["modeled_us"] for r in items]
+    ratio_1tc = [r["measured_us"] / r["modeled_1tc_us"] for r in items]
+    med, lo, hi = _quantiles(ratio)
+    med1, lo1, hi1 = _quantiles(ratio_1tc)
     lines.append(
-      f"{chip:<6} {kernel:<6} {op:<5} {len(items):>3}   {med:6.2f} [{lo:5.2f}, {hi:5.2f}]"
-      f"              {med1:6.2f} [{lo1:5.2f}, {hi1:5.2f}]"
+      f"{chip:<6} {kernel:<6} {op:<8} {len(items):>3}   {med:5.2f} [{lo:4.2f}, {hi:4.2f}]"
+      f"                  {med1:5.2f} [{lo1:4.2f}, {hi1:4.2f}]"
     )
-    bad = sorted(items, key=lambda t: -abs(math.log(t[1].ratio)))[:worst]
-    for p, mc in bad:
+    for r, x in sorted(zip(items, ratio, strict=True), key=lambda t: -abs(math.log(t[1])))[:worst]:
       details.append(
-        f"  worst {chip} {kernel} {op}: {p.label}{' (generated sizes)' if p.generated else ''} "
-        f"tiles {mc.tiling}: measured {mc.measured_us:.0f} us, modeled {mc.modeled_us:.0f} us "
-        f"(x{mc.ratio:.2f}); {_reason(mc, p)}"
+        f"  worst {chip} {kernel} {op}: m={r['m']} k={r['k']} n={r['n']} G={r['num_groups']}"
+        f"{' (generated sizes)' if r['generated_sizes'] else ''} tiles {tuple(r['tiling'])}: "
+        f"measured {r['measured_us']:.0f} us, modeled {r['modeled_us']:.0f} us (x{x:.2f}); "
+        f"{_reason(r)}"
       )
   return "\n".join(lines + [""] + details)
+
+
+def fit_report(records: list[dict]) -> str:
+  """What-if fits per chip on the forward problems, checked on the rest.
+
+  measured ≈ a · T + b · steps, where T = Σ_steps max(MXU, DMA) of the modeled schedule at the
+  rates of the TensorCores the kernel runs on (`modeled_1tc_us` less its overhead): a is a
+  uniform slowdown of the MXU / HBM rates (clock, efficiency), b the per-step cost. Two fits,
+  least squares on the relative error over each chip's plain forward records (best configs,
+  both kernels): a alone with b at the model's 0.35 µs, and (a, b) with b ≥ 0. Reported:
+  measured / fitted (median [p10, p90]) per (kernel, op), on the fit set and on the rest.
+
+  Args:
+    records: `main`'s records.
+
+  Returns:
+    Text.
+  """
+  from bench.costmodel import DEFAULT_STEP_OVERHEAD_S
+
+  ovh = DEFAULT_STEP_OVERHEAD_S * 1e6
+  best = [r for r in records if r["best"]]
+  lines = ["what-if fits: measured = a*T(on the TensorCores the kernel uses) + b*steps"]
+
+  def design(rs):
+    t = np.array([r["modeled_1tc_us"] - r["overhead_us"] for r in rs])
+    steps = np.array([r["steps"] for r in rs], np.float64)
+    return t, steps, np.array([r["measured_us"] for r in rs])
+
+  for chip in CHIP_DIRS:
+    fit = [r for r in best if r["chip"] == chip and r["op"] == "fwd" and not r["residuals"]]
+    if len(fit) < 3:
+      continue
+    t, steps, y = design(fit)
+
+    def solve(tk, sk, yk):
+      # NOTE: relative least squares (rows divided by the measurement): big problems do not
+      # dominate.
+      a1 = float(np.sum(tk * (yk - ovh * sk) / yk**2) / np.sum(tk**2 / yk**2))
+      x = np.stack([tk / yk, sk / yk], axis=1)
+      (a2, b2), *_ = np.linalg.lstsq(x, np.ones_like(yk), rcond=None)
+      if b2 < 0:
+        a2, b2 = float(np.sum(tk / yk) / np.sum(tk**2 / yk**2)), 0.0
+      return a1, float(a2), float(b2)
+
+    # NOTE: one trimming pass: problems the first fit misses by more than 25% (kernel effects
+    # the schedule model has no term for) are left out of the second.
+    a1, a2, b2 = solve(t, steps, y)
+    keep = np.abs(np.log(y / (a2 * t + b2 * steps))) < math.log(1.25)
+    if keep.sum() >= 3:
+      a1, a2, b2 = solve(t[keep], steps[keep], y[keep])
+    lines.append(
+      f"{chip}: a = {a1:.3f} (b = {ovh:.2f} us/step) | a = {a2:.3f}, b = {b2:.2f} us/step"
+      f"  (fit on {int(keep.sum())} of {len(fit)} fwd problems)"
+    )
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in best:
+      if r["chip"] == chip:
+        groups.setdefault((r["kernel"], _op_label(r)), []).append(r)
+    for (kernel, op), rs in sorted(groups.items()):
+      t, steps, y = design(rs)
+      q1 = _quantiles(y / (a1 * t + ovh * steps))
+      q2 = _quantiles(y / (a2 * t + b2 * steps))
+      lines.append(
+        f"  {kernel} {op:<8} {len(rs):>3}: measured/fitted {q1[0]:.2f} [{q1[1]:.2f}, {q1[2]:.2f}]"
+        f" | {q2[0]:.2f} [{q2[1]:.2f}, {q2[2]:.2f}]"
+      )
+  return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -542,9 +641,27 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--limit", type=int, default=None, help="at most N problems per chip/kernel")
   ap.add_argument("--cache-dir", default=None, help="tokamax's data/autotuning (or a copy)")
   ap.add_argument("--all-configs", action="store_true", help="model every measured config")
-  ap.add_argument("--per-problem", action="store_true", help="print one line per problem")
-  ap.add_argument("--json", default=None, help="write the rows to this file")
+  ap.add_argument("--per-problem", action="store_true", help="print one line per config")
+  ap.add_argument("--json", default=None, help="write the records to this file")
+  ap.add_argument("--from-json", default=None, help="summarize records written by --json")
+  ap.add_argument("--fit", action="store_true", help="print the per-chip what-if fit")
   args = ap.parse_args(argv)
+
+  if args.from_json:
+    records = json.loads(Path(args.from_json).read_text())
+  else:
+    records = _model_all(args)
+  print(summarize(records))
+  if args.fit:
+    print()
+    print(fit_report(records))
+  if args.json and not args.from_json:
+    Path(args.json).write_text(json.dumps(records, indent=1))
+  return 0
+
+
+def _model_all(args) -> list[dict]:
+  from bench.impls import Unsupported
 
   problems, skipped = load_problems(
     cache_dir=args.cache_dir, chips=args.chip, kernels=args.kernel or ("v1", "v2"), ops=args.op
@@ -558,29 +675,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         kept.append(p)
       seen[(p.chip, p.kernel)] = n + 1
     problems = kept
-  from bench.impls import Unsupported
-
   reasons: dict[str, int] = {}
   for _, _, r in skipped:
     reasons[r] = reasons.get(r, 0) + 1
   print(f"{len(problems)} usable problems; skipped entries: {reasons}", file=sys.stderr)
-  rows, records, t0 = [], [], time.time()
+  records, t0 = [], time.time()
   for i, p in enumerate(problems):
-    configs = p.configs if args.all_configs else (p.best,)
-    modeled = []
-    for c in configs:
-      try:
-        modeled.append((c, model_config(p, c)))
-      except Unsupported as e:
-        print(f"[{i + 1}/{len(problems)}] {p.label}: not modeled ({e})", file=sys.stderr)
-    if not modeled:
-      continue
     best_c = p.best
-    best = next((mc for c, mc in modeled if c is best_c), None)
-    if best is None:
-      continue
-    rows.append((p, best))
-    for c, mc in modeled:
+    for c in p.configs if args.all_configs else (best_c,):
+      try:
+        mc = model_config(p, c)
+      except Unsupported as e:
+        print(f"{p.label} {c.fields}: not modeled ({e})", file=sys.stderr)
+        continue
       records.append(
         dict(
           chip=p.chip,
@@ -606,18 +713,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
       )
       if args.per_problem:
+        f = c.fields
         print(
-          f"{p.label:<58} {str(c.fields.get('tile_m')):>5},{str(c.fields.get('tile_k')):>5},"
-          f"{str(c.fields.get('tile_n')):>5} -> {str(mc.tiling):<20} meas {mc.measured_us:9.1f}"
-          f" model {mc.modeled_us:9.1f} x{mc.ratio:5.2f} 1tc x{mc.ratio_1tc:5.2f} "
-          f"[{mc.bound}]{' *' if c is best_c else ''}"
+          f"{p.label:<52} {f.get('tile_m')!s:>5},{f.get('tile_k')!s:>5},{f.get('tile_n')!s:>5}"
+          f" -> {str(mc.tiling):<20} meas {mc.measured_us:9.1f} model {mc.modeled_us:9.1f}"
+          f" x{mc.ratio:5.2f} 1tc x{mc.ratio_1tc:5.2f} [{mc.bound}]{' *' if c is best_c else ''}"
         )
-    print(f"[{i + 1}/{len(problems)}] {time.time() - t0:.0f}s", file=sys.stderr, end="\r")
-  print(file=sys.stderr)
-  print(summarize(rows))
-  if args.json:
-    Path(args.json).write_text(json.dumps(records, indent=1))
-  return 0
+    print(f"[{i + 1}/{len(problems)}] {time.time() - t0:.0f}s", file=sys.stderr)
+  return records
 
 
 if __name__ == "__main__":
