@@ -5,6 +5,7 @@ The fixture `tests/data/tokamax_autotuning` holds a few entries of tokamax 0.0.1
 tokamax installed.
 """
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -128,3 +129,24 @@ def test_v2_impl_is_registered_for_the_bench():
   )
   with pytest.raises(impls.Unsupported):
     impls.IMPLS["megablox-v2"].build(op="drhs", shape=shape, group_sizes=gs, generation="v5e")
+
+
+def test_v2_busiest_core_share_on_v5p():
+  # NOTE: v2's TensorCore mesh splits the n tiles: with 3 of them the busiest of v5p's two cores
+  # runs the first 2 (all its steps), with 1 it runs everything.
+  shape = Shape(name="t", tokens=2048, top_k=1, num_groups=4, k=512, n=1024)
+  gs = np.array([512, 512, 0, 1024], np.int32)
+  sched, _ = impls.megablox_v2_schedule(op="fwd", shape=shape, group_sizes=gs, generation="v5p")
+  sched3 = ms._core_share(
+    dataclasses.replace(
+      sched,
+      grid=(3, *sched.grid[1:]),
+      steps=3 * sched.steps,
+      step_bytes=np.tile(sched.step_bytes, 3),
+      step_scale=np.tile(sched.step_scale, 3),
+    ),
+    cores=2,
+  )
+  assert sched3.grid == (2, 4, 1) and sched3.steps == 2 * sched.steps
+  np.testing.assert_array_equal(sched3.step_bytes, np.tile(sched.step_bytes, 2))
+  assert ms._core_share(sched, cores=2).steps == sched.steps
