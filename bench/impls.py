@@ -53,6 +53,9 @@ __all__ = [
   "megablox_vmem_bytes",
   "megablox_lower_bound_us",
   "megablox_grid_search",
+  "megablox_v2_tiles",
+  "megablox_v2_row_tiles",
+  "megablox_v2_schedule",
 ]
 
 OPS = ("fwd", "dlhs", "drhs")
@@ -257,6 +260,238 @@ def _tokamax_build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation
 
 
 register(Impl(name="tokamax", build=_tokamax_build))
+
+
+# ----------------------------------------------------------------------------------------------
+# tokamax's v2 ragged dot (`tokamax/_src/ops/gmm_v2/gmm_v2.py`, 0.0.17; MaxText 0.2.5 runs an
+# earlier version with `use_tokamax_gmm` + `use_gmm_v2`). Modeled from its source, as numpy:
+# the kernel is a `pl.kernel` over a TensorCore mesh whose body runs `pltpu.emit_pipeline` over
+# HBM refs, which `costmodel.analyze` cannot see into.
+#
+# Schedule: grid (n tiles, gm tiles, k tiles), gm fastest but k. The gm tiles are only the local
+# groups' row tiles: each non-empty group's rows [s, e) are cut into chunks of at most
+# tile_m - (start % sublane) rows (`fill_metadata`), so a tile never straddles two groups and an
+# empty group costs nothing. The lhs and output blocks are `pl.BoundedSlice` row ranges (whole
+# sublane rows of the chunk), the weights [tile_k, tile_n] of the chunk's group (triple
+# buffered): with one k tile they are fetched once per group and n tile, with several every step
+# (the k window changes). Each step pushes `bucket_m` = bucket_base x min(end_local // base + 1,
+# tile_m // base) rows through the MXU (`lax.switch` over buckets). dlhs reads the weights
+# [tile_n, tile_k] and transposes them in VMEM (XLU work, not modeled).
+
+
+def megablox_v2_tiles(
+  *, m: int, k: int, n: int, transpose_rhs: bool, generation: str | TpuGeneration
+) -> dict[str, int]:
+  """tokamax v2's `calculate_tiling` for bf16 operands, no quantization, no fused activation.
+
+  Args:
+    m: rows.
+    k: the kernel's contraction (dlhs: the forward's n).
+    n: the kernel's output columns (dlhs: the forward's k).
+    transpose_rhs: dlhs (the kernel starts from tile_m 256 instead of 128).
+    generation: TPU generation (VMEM per TensorCore, MXU columns).
+
+  Returns:
+    tile_m, tile_k, tile_n, bucket_base, lhs_buffer_count, and vmem_limit_bytes (90% of one
+    TensorCore's VMEM, the kernel's default limit).
+  """
+  gen = tiling_lib.get_generation(generation)
+  lanes = 128
+  align = lambda x, a: -(-x // a) * a
+  limit = int(gen.vmem_bytes * 0.9)
+  tile_m = min(256 if transpose_rhs else 128, m)
+  tile_n_limit = min(gen.mxu_size * 2, n)
+  tile_k, tile_n = align(k, lanes), align(n, lanes)
+  n_tiles = k_tiles = 1
+
+  def est(tm, tn, tk, lhs_buffers=2):
+    # NOTE: as the kernel estimates: lhs buffers, rhs x3, f32 accumulator, output x2 (bf16).
+    return lhs_buffers * tm * tk * 2 + 3 * tk * tn * 2 + tm * tn * 4 + 2 * tm * tn * 2
+
+  while est(tile_m, tile_n, tile_k) > limit and tile_n > tile_n_limit:
+    n_tiles += 1
+    tile_n = align(n, n_tiles * lanes) // n_tiles
+  if tile_n < tile_n_limit:
+    n_tiles -= 1
+    tile_n = align(n, n_tiles * lanes) // n_tiles
+  if est(tile_m, tile_n, tile_k) > limit:
+    while est(tile_m, tile_n, tile_k) > limit and tile_k > lanes:
+      k_tiles += 1
+      tile_k = align(k, k_tiles * lanes) // k_tiles
+  bucket_base = tile_m
+  for _ in range(1, 4):
+    new_tm = tile_m + bucket_base
+    if new_tm > m or est(new_tm, tile_n, tile_k) > limit:
+      break
+    tile_m = new_tm
+  buffers = 3 if est(tile_m, tile_n, tile_k, 3) <= limit else 2
+  return dict(
+    tile_m=tile_m,
+    tile_k=tile_k,
+    tile_n=tile_n,
+    bucket_base=bucket_base,
+    lhs_buffer_count=buffers,
+    vmem_limit_bytes=limit,
+  )
+
+
+def megablox_v2_row_tiles(
+  group_sizes: np.ndarray, *, tile_m: int, sublane: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The v2 kernel's gm tiles (`fill_metadata`), group offset 0, all groups local.
+
+  Args:
+    group_sizes: rows per group.
+    tile_m: the kernel's tile_m.
+    sublane: rows per sublane tile of the lhs dtype (the kernel's `size_lhs_sublane`).
+
+  Returns:
+    (group id, first row, end row) per gm tile, in execution order.
+  """
+  gs = np.asarray(group_sizes, np.int64)
+  ends = np.cumsum(gs)
+  starts = ends - gs
+  gids, lo, hi = [], [], []
+  for g in np.flatnonzero(gs > 0):
+    cur, end = int(starts[g]), int(ends[g])
+    while cur < end:
+      size = min(tile_m - cur % sublane, end - cur)
+      gids.append(g)
+      lo.append(cur)
+      hi.append(cur + size)
+      cur += size
+  return np.asarray(gids, np.int64), np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+
+
+def megablox_v2_schedule(
+  *,
+  op: str,
+  shape: Shape,
+  group_sizes: np.ndarray,
+  generation: str | TpuGeneration,
+) -> tuple[CallSchedule, dict[str, int]]:
+  """The v2 kernel's schedule as a `costmodel.CallSchedule` (fwd or dlhs).
+
+  Per step: an input block is fetched when its index (row range and k tile for the lhs; group,
+  k and n tiles for the weights) differs from the previous step's, an output block written when
+  its row range or n tile differs from the next step's; bytes clipped at the array edges. The
+  step's dot is [tile_m, tile_k] x [tile_k, tile_n], scaled to the step's bucket rows.
+
+  Args:
+    op: "fwd" or "dlhs".
+    shape: the problem.
+    group_sizes: rows per group.
+    generation: TPU generation.
+
+  Returns:
+    (schedule, tiles as `megablox_v2_tiles` returns them).
+  """
+  if op not in ("fwd", "dlhs"):
+    raise Unsupported(f"megablox-v2 models gmm (fwd, dlhs), not {op}")
+  gen = tiling_lib.get_generation(generation)
+  m, dk, dn = _kernel_dims(op=op, shape=shape)
+  tiles = megablox_v2_tiles(m=m, k=dk, n=dn, transpose_rhs=op == "dlhs", generation=gen)
+  tm, tk, tn, base = tiles["tile_m"], tiles["tile_k"], tiles["tile_n"], tiles["bucket_base"]
+  # NOTE: bf16 sublane tiling: 8 rows before tpu7x, 16 on tpu7x (jax's tpu_info).
+  sublane = min(16 if gen.name == "tpu7x" else 8, m)
+  gid, lo, hi = megablox_v2_row_tiles(group_sizes, tile_m=tm, sublane=sublane)
+  num_gm, num_k, num_n = gid.size, _cdiv(dk, tk), _cdiv(dn, tn)
+  steps = num_n * num_gm * num_k
+  itemsize = np.dtype(DTYPE).itemsize
+  n_i = np.repeat(np.arange(num_n), num_gm * num_k)
+  g_i = np.tile(np.repeat(np.arange(num_gm), num_k), num_n)
+  k_i = np.tile(np.arange(num_k), num_n * num_gm)
+  cols_k = np.minimum(tk, dk - k_i * tk)
+  cols_n = np.minimum(tn, dn - n_i * tn)
+  row0 = lo[g_i] // sublane
+  lhs_rows = (-(-hi[g_i] // sublane) - row0) * sublane
+  last = g_i == num_gm - 1
+  out_rows = (np.where(last, -(-hi[g_i] // sublane), hi[g_i] // sublane) - row0) * sublane
+
+  def changed(*idx, prev: bool) -> np.ndarray:
+    idx = np.stack(idx, axis=1)
+    diff = np.any(idx[1:] != idx[:-1], axis=1)
+    moved = np.ones(steps, bool)
+    if prev:
+      moved[1:] = diff
+    else:
+      moved[:-1] = diff
+    return moved
+
+  if steps:
+    lhs_b = np.where(changed(row0, lhs_rows, k_i, prev=True), lhs_rows * cols_k * itemsize, 0)
+    rhs_b = np.where(changed(gid[g_i], k_i, n_i, prev=True), cols_k * cols_n * itemsize, 0)
+    out_b = np.where(changed(row0, out_rows, n_i, prev=False), out_rows * cols_n * itemsize, 0)
+  else:
+    lhs_b = rhs_b = out_b = np.zeros(0)
+  end_local = hi[g_i] - (lo[g_i] - lo[g_i] % sublane)
+  buckets = tm // base
+  bucket_rows = base * np.minimum(end_local // base + 1, buckets)
+  mxu = gen.mxu_size
+  scale = np.maximum(bucket_rows, mxu) / max(tm, mxu)
+  import jax
+
+  jaxpr = jax.make_jaxpr(lambda a, b: jax.lax.dot(a, b, preferred_element_type=np.float32))(
+    jax.ShapeDtypeStruct((tm, tk), DTYPE), jax.ShapeDtypeStruct((tk, tn), DTYPE)
+  ).jaxpr
+  sched = CallSchedule(
+    name=f"gmm_v2-{op}",
+    grid=(num_n, num_gm, num_k),
+    dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+    steps=steps,
+    step_bytes=(lhs_b + rhs_b + out_b).astype(np.float64),
+    operand_bytes={"lhs": int(lhs_b.sum()), "rhs": int(rhs_b.sum()), "out": int(out_b.sum())},
+    operand_array_bytes={
+      "lhs": m * dk * itemsize,
+      "rhs": shape.num_groups * dk * dn * itemsize,
+      "out": m * dn * itemsize,
+    },
+    kernel_jaxpr=jaxpr,
+    step_scale=scale.astype(np.float64),
+    notes=(
+      "numpy model of tokamax's gmm_v2 schedule (emit_pipeline over HBM refs)",
+      *(("in-VMEM transpose of the weight tile (XLU) not modeled",) if op == "dlhs" else ()),
+    ),
+  )
+  return sched, tiles
+
+
+def _megablox_v2_build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation) -> Case:
+  """tokamax's v2 ragged dot at the tiles its `calculate_tiling` picks for the generation.
+
+  NOTE: `fn` is the megablox forward at the same tiles, for shape checks only: the schedule is
+  `megablox_v2_schedule`'s (the bench uses `Case.schedules`); it is not timed on TPU here.
+  """
+  gen = tiling_lib.get_generation(generation)
+  sched, tiles = megablox_v2_schedule(op=op, shape=shape, group_sizes=group_sizes, generation=gen)
+  til = (tiles["tile_m"], tiles["tile_k"], tiles["tile_n"])
+  m, dk, dn = _kernel_dims(op=op, shape=shape)
+
+  def fn(*args):
+    raise NotImplementedError("megablox-v2 is modeled from its schedule only (not run here).")
+
+  return Case(
+    fn=fn,
+    args=op_arrays(op=op, shape=shape, group_sizes=group_sizes),
+    tiling=til,
+    row_macs=_gmm_row_macs(dk, dn, til[1], til[2]),
+    schedules=(sched,),
+    extra=dict(
+      bucket_base=tiles["bucket_base"],
+      lhs_buffer_count=tiles["lhs_buffer_count"],
+      row_tiles=sched.grid[1],
+    ),
+  )
+
+
+register(
+  Impl(
+    name="megablox-v2",
+    build=_megablox_v2_build,
+    tiling_depends_on_generation=True,
+    program_depends_on_generation=True,
+  )
+)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,152 @@
+"""Tests of bench.measured: tokamax's autotuning measurements mapped onto the cost model.
+
+The fixture `tests/data/tokamax_autotuning` holds a few entries of tokamax 0.0.17's caches
+(keys and values as shipped), laid out as tokamax's `data/autotuning`, so the tests do not need
+tokamax installed.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import impls
+from bench import measured as ms
+from bench.shapes import Shape
+
+FIXTURE = Path(__file__).parent / "data" / "tokamax_autotuning"
+
+
+@pytest.fixture(scope="module")
+def problems():
+  ps, skipped = ms.load_problems(cache_dir=FIXTURE)
+  return ps, skipped
+
+
+def _find(ps, *, chip, kernel, op, residuals=False):
+  (p,) = [p for p in ps if (p.chip, p.kernel, p.op, p.residuals) == (chip, kernel, op, residuals)]
+  return p
+
+
+def test_generate_group_sizes_is_tokamax_draw():
+  # NOTE: values from tokamax 0.0.17's `generate_group_sizes(m=131072, num_groups=256)` (and
+  # `GroupSizes(ShapeDtypeStruct([256], int32), 131072).representative_value`, the same).
+  gs = ms.generate_group_sizes(m=131072, num_groups=256)
+  assert gs.dtype == np.int32 and gs.shape == (256,) and int(gs.sum()) == 131072
+  assert gs[:4].tolist() == [531, 507, 504, 519]
+  assert (int(gs.min()), int(gs.max())) == (460, 579)
+  assert ms.generate_group_sizes(m=8192, num_groups=8).tolist()[:4] == [1043, 1012, 1023, 1021]
+
+
+def test_parse_ops_groups_and_skips(problems):
+  ps, skipped = problems
+  assert len(ps) == 7
+  assert sorted(skipped) == [("v5e", "v1", "quantized operands"), ("v6e", "v2", "no measurements")]
+  fwd = _find(ps, chip="v5e", kernel="v1", op="fwd")
+  assert (fwd.m, fwd.k, fwd.n, fwd.num_groups) == (4096, 4096, 4096, 8)
+  assert not fwd.generated and fwd.group_sizes.tolist() == [4096] + [0] * 7
+  assert fwd.best.ms == pytest.approx(0.763)
+  res = _find(ps, chip="v5e", kernel="v1", op="fwd", residuals=True)
+  assert res.best.tiles == (1024, 1024, 512)
+  # dlhs: dout [m, n] x rhs [G, k, n]; drhs: lhs [m, k] x dout [m, n], G from the group sizes.
+  dlhs = _find(ps, chip="tpu7x", kernel="v1", op="dlhs")
+  assert (dlhs.m, dlhs.k, dlhs.n, dlhs.num_groups) == (131072, 512, 7168, 256)
+  drhs = _find(ps, chip="tpu7x", kernel="v1", op="drhs")
+  assert (drhs.m, drhs.k, drhs.n, drhs.num_groups) == (131072, 7168, 1024, 256)
+  assert drhs.generated
+  np.testing.assert_array_equal(drhs.group_sizes, ms.generate_group_sizes(m=131072, num_groups=256))
+  v2 = _find(ps, chip="tpu7x", kernel="v2", op="fwd")
+  assert v2.best.tiles is None
+
+
+def test_v1_tiles_follow_the_dlhs_field_order(problems):
+  ps, _ = problems
+  # tpu7x's v1 cache predates tokamax e919cdc: (tile_m, tile_k, tile_n) with tile_k on the
+  # contraction (here n = 7168, measured with tile_k 7168).
+  old = _find(ps, chip="tpu7x", kernel="v1", op="dlhs")
+  assert ms.dlhs_old_order(old)
+  assert ms.kernel_tiling(old, old.best) == (256, 7168, 512)
+  # v5p's is newer: tile_n tiles the contraction (n = 1024), tile_k the output (k = 7168).
+  new = _find(ps, chip="v5p", kernel="v1", op="dlhs")
+  assert not ms.dlhs_old_order(new)
+  assert new.best.tiles == (128, 1792, 1024)
+  assert ms.kernel_tiling(new, new.best) == (128, 1024, 1792)
+  drhs = _find(ps, chip="tpu7x", kernel="v1", op="drhs")
+  assert ms.kernel_tiling(drhs, drhs.best) == (256, 1792, 1024)
+
+
+def test_v1_model_at_measured_tiles(problems):
+  ps, _ = problems
+  p = _find(ps, chip="v5e", kernel="v1", op="fwd")
+  mc = ms.model_config(p, p.best)
+  # NOTE: megablox's schedule (bench.impls) at (1024, 512, 1024): one group of 4096 rows,
+  # 4 m tiles x 4 n tiles x 8 k tiles, each step one [1024, 512] x [512, 1024] dot.
+  assert mc.tiling == (1024, 512, 1024) and mc.steps == 128
+  assert mc.mxu_us == pytest.approx(128 * 2 * 1024 * 512 * 1024 / 197e12 * 1e6, rel=1e-9)
+  assert mc.modeled_us == pytest.approx(742.46, rel=1e-3)
+  assert mc.ratio == pytest.approx(763.0 / 742.46, rel=1e-3)
+  assert mc.modeled_1tc_us == mc.modeled_us  # v5e has one TensorCore
+
+
+def test_v2_tiles_and_model(problems):
+  ps, _ = problems
+  p = _find(ps, chip="tpu7x", kernel="v2", op="fwd")
+  mc = ms.model_config(p, p.best)
+  # calculate_tiling on tpu7x (57.6 MiB limit): tile_m 128 grown to 3 buckets, full k and n.
+  assert mc.tiling == (384, 7168, 1024)
+  assert mc.extra == dict(bucket_base=128, lhs_buffer_count=2, row_tiles=512)
+  assert mc.modeled_us == pytest.approx(1323.69, rel=1e-3)
+  assert mc.modeled_1tc_us == pytest.approx(2468.18, rel=1e-3)
+  d = _find(ps, chip="v6e", kernel="v2", op="dlhs")
+  md = ms.model_config(d, d.best)
+  # dlhs: contraction n = 512, output k = 7168; tile_m starts at 256 and grows to 4 buckets.
+  assert md.tiling == (1024, 512, 7168)
+  assert md.extra == dict(bucket_base=256, lhs_buffer_count=3, row_tiles=256)
+  assert md.modeled_us == pytest.approx(2467.02, rel=1e-3)
+
+
+def test_v2_row_tiles_stay_within_groups():
+  gs = np.array([5, 0, 300, 17], np.int32)
+  gid, lo, hi = impls.megablox_v2_row_tiles(gs, tile_m=128, sublane=8)
+  ends = np.cumsum(gs)
+  starts = ends - gs
+  assert gid.tolist() == [0, 2, 2, 2, 3]
+  assert (lo >= starts[gid]).all() and (hi <= ends[gid]).all()
+  # The first tile of a group starts mid-sublane and so takes 128 - (start % 8) rows.
+  assert (lo.tolist(), hi.tolist()) == ([0, 5, 128, 256, 305], [5, 128, 256, 305, 322])
+
+
+def test_v2_impl_is_registered_for_the_bench():
+  shape = Shape(name="t", tokens=2048, top_k=1, num_groups=4, k=512, n=1024)
+  gs = np.array([512, 512, 0, 1024], np.int32)
+  case = impls.IMPLS["megablox-v2"].build(op="fwd", shape=shape, group_sizes=gs, generation="v5e")
+  (sched,) = case.schedules
+  assert case.tiling == (512, 512, 1024) and sched.grid == (1, 4, 1)
+  # One k tile: each group's weights are fetched once; lhs and output rows once each.
+  assert sched.operand_bytes == dict(
+    lhs=2048 * 512 * 2, rhs=3 * 512 * 1024 * 2, out=2048 * 1024 * 2
+  )
+  with pytest.raises(impls.Unsupported):
+    impls.IMPLS["megablox-v2"].build(op="drhs", shape=shape, group_sizes=gs, generation="v5e")
+
+
+def test_v2_busiest_core_share_on_v5p():
+  # NOTE: v2's TensorCore mesh splits the n tiles: with 3 of them the busiest of v5p's two cores
+  # runs the first 2 (all its steps), with 1 it runs everything.
+  shape = Shape(name="t", tokens=2048, top_k=1, num_groups=4, k=512, n=1024)
+  gs = np.array([512, 512, 0, 1024], np.int32)
+  sched, _ = impls.megablox_v2_schedule(op="fwd", shape=shape, group_sizes=gs, generation="v5p")
+  sched3 = ms._core_share(
+    dataclasses.replace(
+      sched,
+      grid=(3, *sched.grid[1:]),
+      steps=3 * sched.steps,
+      step_bytes=np.tile(sched.step_bytes, 3),
+      step_scale=np.tile(sched.step_scale, 3),
+    ),
+    cores=2,
+  )
+  assert sched3.grid == (2, 4, 1) and sched3.steps == 2 * sched.steps
+  np.testing.assert_array_equal(sched3.step_bytes, np.tile(sched.step_bytes, 2))
+  assert ms._core_share(sched, cores=2).steps == sched.steps
