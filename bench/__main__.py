@@ -56,6 +56,14 @@ from bench.shapes import ROUTINGS, SHAPES, SMALL_BATCH_TOKENS, get_shape, group_
 from pallas_moe.tiling import current_generation, get_generation  # noqa: E402
 
 _CHIP = flags.DEFINE_list("chip", ["v5e", "v6e"], "TPU generations to model.")
+_TENSORCORES = flags.DEFINE_enum(
+  "tensorcores",
+  "chip",
+  list(costmodel.TENSORCORE_MODELS),
+  "How the model counts TensorCores: 'chip' charges every kernel the whole chip's rates; "
+  "'kernel' one TensorCore's, split between a megacore device's two cores as Mosaic splits the "
+  "kernel's grid (bench.costmodel, 5.; a tpu7x device is one TensorCore).",
+)
 _SHAPES = flags.DEFINE_list("shapes", list(SHAPES), f"Shapes: {', '.join(SHAPES)}.")
 _OPS = flags.DEFINE_list("ops", list(OPS), "Ops: fwd, dlhs, drhs.")
 # Default: ours (heuristic tiles) and upstream megablox at MaxText's, at its default, and at its
@@ -597,5 +605,10 @@ def main(argv) -> None:
       f.write("\n".join(md))
 
 
+def _main(argv) -> None:
+  with costmodel.use_tensorcores(_TENSORCORES.value):
+    main(argv)
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(_main)

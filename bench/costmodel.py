@@ -25,6 +25,16 @@ How it works (see DESIGN.md, "How performance is judged without a TPU"):
    skip work must say so through `step_scale`, below); `scan` bodies count `length` times;
    `while` bodies count once (noted). Step time = max(MXU, DMA) + overhead (0.35 µs); the
    modeled time is the sum over steps. VPU work (masks, casts) is not modeled.
+5. TensorCores (`cost(..., tensorcores=...)`): "chip" charges every kernel the whole chip's
+   rates (the model's original figures). "kernel" counts what the compiled program does (AOT
+   LLO dumps, jax 0.10.2 / libtpu 0.0.42): a TensorCore runs at the chip's rates over its
+   `cores_per_chip`; on a megacore device (v4, v5p: two TensorCores) Mosaic splits the grid's
+   leading "parallel" axes, flattened, between the two cores (core c runs parallel indices
+   [c·h, (c+1)·h), h = ceil(P / 2), behind a `BarrierMegacore`), and when there are none, or
+   their product P is 1, it wraps the kernel in a `PrimaryCoreRegion` that one core runs (so
+   does a grid-less `pallas_call` around `emit_pipeline`). A kernel's time is its busiest
+   core's. A tpu7x JAX device is one TensorCore: every kernel runs on it at half the chip's
+   rates.
 
 Instrumentation hook: a kernel that skips its dot in some steps (megablox's tgmm on empty groups,
 or a kernel that only pushes the MXU-granular rows of a group) passes
@@ -42,6 +52,8 @@ row figure. `mxu_rows_useful` is the caller's count of real rows (sum(group_size
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -54,6 +66,7 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
 from pallas_moe import _jax_compat
+from pallas_moe.generations import tensorcore_rates
 from pallas_moe.tiling import TpuGeneration, get_generation
 
 __all__ = [
@@ -68,10 +81,39 @@ __all__ = [
   "kernel_dot_macs",
   "compiled_excess_us",
   "cost_with_compiled_schedule",
+  "TENSORCORE_MODELS",
+  "use_tensorcores",
+  "step_tensorcores",
   "DEFAULT_STEP_OVERHEAD_S",
 ]
 
 DEFAULT_STEP_OVERHEAD_S = 0.35e-6
+# How `cost` counts TensorCores (module docstring, 5.).
+TENSORCORE_MODELS = ("chip", "kernel")
+_TENSORCORES: contextvars.ContextVar[str] = contextvars.ContextVar(
+  "costmodel_tensorcores", default="chip"
+)
+
+
+@contextlib.contextmanager
+def use_tensorcores(model: str):
+  """Makes `cost` count TensorCores by `model` ("chip" or "kernel") inside the block, where its
+  caller does not pass `tensorcores` (e.g. the bench's searches and EP tables).
+
+  Args:
+    model: one of `TENSORCORE_MODELS`.
+
+  Yields:
+    The model.
+  """
+  if model not in TENSORCORE_MODELS:
+    raise ValueError(f"tensorcores model {model!r}; use one of {TENSORCORE_MODELS}")
+  token = _TENSORCORES.set(model)
+  try:
+    yield model
+  finally:
+    _TENSORCORES.reset(token)
+
 
 _CALL_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 # Primitives whose sub-jaxpr runs exactly once, with the equation's operands as its inputs.
@@ -181,6 +223,7 @@ class CallCost:
   operand_bytes: dict[str, int]
   notes: tuple[str, ...]
   compute_excess_us: float = 0.0
+  tensorcores: int = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -605,6 +648,44 @@ def _peak_flops(gen: TpuGeneration, jaxpr) -> float:
   return gen.peak_bf16_flops
 
 
+def _is_split(semantic: str) -> bool:
+  # NOTE: jax spells them "parallel" / "core_parallel" or as enum members
+  # (`GridDimensionSemantics.PARALLEL`); both kinds are split between a megacore's cores.
+  return str(semantic).lower().rsplit(".", 1)[-1] in ("parallel", "core_parallel")
+
+
+def step_tensorcores(
+  *,
+  grid: Sequence[int],
+  dimension_semantics: Sequence[str] | None,
+  tensorcores_per_device: int,
+) -> tuple[int, np.ndarray]:
+  """Which TensorCore of a device runs each grid step, as Mosaic splits a grid (module
+  docstring, 5.).
+
+  Args:
+    grid: the resolved grid.
+    dimension_semantics: per axis, or None (unset: all "arbitrary").
+    tensorcores_per_device: the generation's `tensorcores_per_device`.
+
+  Returns:
+    (cores the kernel runs on, core index of each step in row-major grid order).
+  """
+  steps = math.prod(grid)
+  lead = 0
+  for sem in dimension_semantics or ():
+    if not _is_split(sem):
+      break
+    lead += 1
+  par = math.prod(grid[:lead])
+  if tensorcores_per_device < 2 or par <= 1:
+    return 1, np.zeros(steps, np.int64)
+  per_core = -(-par // tensorcores_per_device)
+  inner = math.prod(grid[lead:])
+  core = (np.arange(steps) // inner) // per_core
+  return int(core.max()) + 1, core
+
+
 def cost(
   schedules: Sequence[CallSchedule],
   *,
@@ -616,6 +697,7 @@ def cost(
   min_hbm_bytes: int | None = None,
   step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
   compute_excess_us: Sequence[float] | None = None,
+  tensorcores: str | None = None,
 ) -> CostReport:
   """Modeled time of schedules on one TPU generation.
 
@@ -630,29 +712,50 @@ def cost(
     step_overhead_s: per-step overhead.
     compute_excess_us: per call, compute time beyond its MXU time (see
       `cost_with_compiled_schedule`); None: none.
+    tensorcores: "chip": every kernel at the whole chip's rates; "kernel": at one TensorCore's
+      rates, with the steps split between a megacore device's TensorCores as Mosaic splits the
+      kernel's grid, the call's time being its busiest core's (module docstring, 5.). With
+      "kernel", a call's mxu_us / dma_us / overhead_us are its busiest core's, and the bounds
+      use one device's rates (its TensorCores'). None: "chip", or what `use_tensorcores` set.
 
   Returns:
     The `CostReport`.
   """
+  tensorcores = _TENSORCORES.get() if tensorcores is None else tensorcores
+  if tensorcores not in TENSORCORE_MODELS:
+    raise ValueError(f"tensorcores={tensorcores!r}; use one of {TENSORCORE_MODELS}")
   gen = get_generation(generation)
+  per_core = tensorcores == "kernel"
+  core_flops, core_bw = tensorcore_rates(gen)
+  # NOTE: rates scale by the same factor for every dtype (the int8 / fp8 peaks too).
+  rate = (core_flops / gen.peak_bf16_flops) if per_core else 1.0
+  bw = core_bw if per_core else gen.hbm_bytes_per_s
   calls = []
   padded_total = 0.0
   for i, s in enumerate(schedules):
     padded, true, dot_notes = kernel_dot_macs(s.kernel_jaxpr, mxu=gen.mxu_size)
-    peak = _peak_flops(gen, s.kernel_jaxpr)
+    peak = _peak_flops(gen, s.kernel_jaxpr) * rate
     scale = s.step_scale if s.step_scale is not None else np.ones(s.steps)
     mxu_t = scale * (2 * padded / peak)
-    dma_t = s.step_bytes / gen.hbm_bytes_per_s
-    stall_t = 0.0
-    if s.step_exposed_bytes is not None:
-      stall_t = float(s.step_exposed_bytes.sum()) / gen.hbm_bytes_per_s
+    dma_t = s.step_bytes / bw
+    stall = s.step_exposed_bytes / bw if s.step_exposed_bytes is not None else np.zeros(s.steps)
     excess = float(compute_excess_us[i]) if compute_excess_us is not None else 0.0
     compute_t = mxu_t
     if excess > 0 and mxu_t.sum() > 0:
       # NOTE: spread over the steps in proportion to their MXU work (the excess is vector /
       # XLU / issue work around the dots: per sub-block, per group of the step).
       compute_t = mxu_t * (1 + excess * 1e-6 / mxu_t.sum())
-    total = float(np.maximum(compute_t, dma_t).sum() + stall_t + s.steps * step_overhead_s)
+    cores, core = 1, np.zeros(s.steps, np.int64)
+    if per_core:
+      cores, core = step_tensorcores(
+        grid=s.grid,
+        dimension_semantics=s.dimension_semantics,
+        tensorcores_per_device=gen.tensorcores_per_device,
+      )
+    step_t = np.maximum(compute_t, dma_t) + stall + step_overhead_s
+    per = np.bincount(core, weights=step_t, minlength=cores) if s.steps else np.zeros(1)
+    busy = int(np.argmax(per))
+    mine = core == busy
     padded_exec = float(scale.sum() * padded)
     padded_total += padded_exec
     calls.append(
@@ -660,10 +763,10 @@ def cost(
         name=s.name,
         grid=s.grid,
         steps=s.steps,
-        modeled_us=total * 1e6,
-        mxu_us=float(mxu_t.sum()) * 1e6,
-        dma_us=(float(dma_t.sum()) + stall_t) * 1e6,
-        overhead_us=s.steps * step_overhead_s * 1e6,
+        modeled_us=float(per[busy]) * 1e6,
+        mxu_us=float(mxu_t[mine].sum()) * 1e6,
+        dma_us=float(dma_t[mine].sum() + stall[mine].sum()) * 1e6,
+        overhead_us=int(mine.sum()) * step_overhead_s * 1e6,
         hbm_bytes=s.hbm_bytes,
         min_hbm_bytes=s.min_hbm_bytes,
         mxu_macs_padded=padded_exec,
@@ -671,17 +774,20 @@ def cost(
         operand_bytes=dict(s.operand_bytes),
         notes=s.notes + dot_notes,
         compute_excess_us=excess,
+        tensorcores=cores,
       )
     )
   min_bytes = min_hbm_bytes if min_hbm_bytes is not None else sum(c.min_hbm_bytes for c in calls)
   rows_exec = padded_total / row_macs if row_macs else None
   urm = useful_row_macs if useful_row_macs is not None else row_macs
-  bw_t = min_bytes / gen.hbm_bytes_per_s
+  dev = gen.tensorcores_per_device if per_core else 1
+  dev_flops = core_flops * dev if per_core else gen.peak_bf16_flops
+  bw_t = min_bytes / (bw * dev)
   roof = ach = None
   if mxu_rows_useful is not None and urm:
-    roof = max(2 * mxu_rows_useful * urm / gen.peak_bf16_flops, bw_t) * 1e6
+    roof = max(2 * mxu_rows_useful * urm / dev_flops, bw_t) * 1e6
   if floor_rows_count is not None and urm:
-    ach = max(2 * floor_rows_count * urm / gen.peak_bf16_flops, bw_t) * 1e6
+    ach = max(2 * floor_rows_count * urm / dev_flops, bw_t) * 1e6
   return CostReport(
     generation=gen.name,
     calls=tuple(calls),
@@ -754,6 +860,7 @@ def model(
   floor_rows_count: int | None = None,
   min_hbm_bytes: int | None = None,
   step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+  tensorcores: str | None = None,
   **kwargs,
 ) -> CostReport:
   """`analyze` then `cost` in one call.
@@ -769,6 +876,7 @@ def model(
     floor_rows_count: see `cost`.
     min_hbm_bytes: see `cost`.
     step_overhead_s: see `cost`.
+    tensorcores: see `cost`.
     **kwargs: keyword arguments of fn.
 
   Returns:
@@ -784,6 +892,7 @@ def model(
     floor_rows_count=floor_rows_count,
     min_hbm_bytes=min_hbm_bytes,
     step_overhead_s=step_overhead_s,
+    tensorcores=tensorcores,
   )
 
 

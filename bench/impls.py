@@ -256,7 +256,21 @@ def _tokamax_build(*, op: str, shape: Shape, group_sizes: np.ndarray, generation
     op=op, m=shape.m, k=shape.k, n=shape.n, num_groups=shape.num_groups
   )
   case = _megablox_build(tiles)(op=op, shape=shape, group_sizes=group_sizes, generation=generation)
-  return dataclasses.replace(case, extra=dict(tokamax=dict(input_buffer_count=depth, tuned=tuned)))
+  return dataclasses.replace(
+    case,
+    schedules=gridless_schedules(case),
+    extra=dict(tokamax=dict(input_buffer_count=depth, tuned=tuned)),
+  )
+
+
+def gridless_schedules(case: Case) -> tuple[CallSchedule, ...]:
+  """A megablox-schedule case's schedules as run by a grid-less `pallas_call` around
+  `emit_pipeline` (tokamax's v1 kernel): the same steps with no dimension semantics, since
+  Mosaic runs a grid-less kernel on one TensorCore of a megacore device (`costmodel.cost`)."""
+  scheds = costmodel.analyze(
+    case.fn, *case.args, step_scale=case.step_scale, step_manual_bytes=case.step_manual_bytes
+  )
+  return tuple(dataclasses.replace(s, dimension_semantics=None) for s in scheds)
 
 
 register(Impl(name="tokamax", build=_tokamax_build))

@@ -30,8 +30,10 @@ The model's rates are per chip (`pallas_moe.generations`). A tpu7x JAX device is
 chip's two TensorCores; on v5p (two TensorCores per device, megacore) a grid-less kernel (v1)
 runs on one of them, and v2's TensorCore mesh splits only its n tiles between the two (one
 core does everything when n is one tile, as v2's tiling usually picks). The `1tc` columns
-re-cost the busiest TensorCore's share of the schedule at one TensorCore's rates (peak and HBM
-bandwidth halved): a what-if for the diagnosis, not the bench's model.
+cost the same schedules with TensorCores counted per kernel (`costmodel.cost(...,
+tensorcores="kernel")`: the busiest TensorCore's steps at one TensorCore's rates, the chip's peak
+and HBM bandwidth halved), as the compiled programs show (AOT LLO dumps: a grid-less kernel runs
+in a `PrimaryCoreRegion`; a grid with a parallel axis of more than one tile is split).
 
 Usage: `python -m bench.measured [--chip v5e] [--op fwd] [--kernel v1] [--limit N]
 [--cache-dir DIR] [--per-problem] [--json FILE] [--fit]`, or `--from-json FILE [--fit]` to
@@ -66,7 +68,7 @@ __all__ = [
   "load_problems",
   "dlhs_old_order",
   "kernel_tiling",
-  "one_tensorcore",
+  "real_schedules",
   "model_config",
   "summarize",
   "fit_report",
@@ -355,36 +357,13 @@ def kernel_tiling(problem: MeasuredProblem, config: MeasuredConfig) -> tuple[int
   return (tm, tk, tn)
 
 
-def one_tensorcore(problem: MeasuredProblem) -> bool:
-  """Whether the kernel's work lands on one of the chip's two TensorCores: every kernel on a
-  tpu7x device (one TensorCore), v1 (a grid-less kernel) on a v5p megacore device, and v2 on v5p
-  when its parallel (n) axis has one tile (see `model_config`)."""
-  return problem.chip in ("tpu7x", "v5p")
-
-
-def _one_tc_generation(gen):
-  # NOTE: one TensorCore of a two-core chip: half the chip's MXUs and (an assumption) half its
-  # HBM bandwidth, as jax's tpu_info lists per-core figures for v5p and tpu7x.
-  cores = 2
-  return dataclasses.replace(
-    gen,
-    name=f"{gen.name}-1tc",
-    peak_bf16_flops=gen.peak_bf16_flops / cores,
-    hbm_bytes_per_s=gen.hbm_bytes_per_s / cores,
-  )
-
-
-def _core_share(sched, *, cores: int):
-  """The first ceil(n tiles / cores) n tiles of a v2 schedule (grid (n, gm, k), n slowest)."""
-  per_n = sched.steps // sched.grid[0] if sched.grid[0] else 0
-  steps = -(-sched.grid[0] // cores) * per_n
-  return dataclasses.replace(
-    sched,
-    grid=(-(-sched.grid[0] // cores), *sched.grid[1:]),
-    steps=steps,
-    step_bytes=sched.step_bytes[:steps],
-    step_scale=None if sched.step_scale is None else sched.step_scale[:steps],
-  )
+def real_schedules(problem: MeasuredProblem, schedules):
+  """The schedules with the dimension semantics of the kernel tokamax really runs: v1 is a
+  grid-less `pallas_call` around `emit_pipeline` (none: one TensorCore); v2's TensorCore mesh
+  splits its n tiles, as the parallel first axis of its modeled grid (n, gm, k) says."""
+  if problem.kernel == "v1":
+    return tuple(dataclasses.replace(s, dimension_semantics=None) for s in schedules)
+  return tuple(schedules)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -395,8 +374,9 @@ class ModeledConfig:
     tiling: (tm, tk, tn) in the kernel's terms, as modeled (clamped to the dims).
     measured_us: the config's measured time (median of its runs).
     modeled_us: the bench model's time (chip rates).
-    modeled_1tc_us: the same schedule at one TensorCore's rates where the kernel runs on one
-      (else equal to modeled_us).
+    modeled_1tc_us: the same schedule with TensorCores counted per kernel
+      (`costmodel.cost(..., tensorcores="kernel")`): one TensorCore's rates, steps split between
+      a megacore device's two cores only as the kernel's grid lets Mosaic split them.
     mxu_us: MXU time (chip rates).
     dma_us: DMA time (chip rates).
     overhead_us: per-step overhead.
@@ -478,15 +458,8 @@ def model_config(problem: MeasuredProblem, config: MeasuredConfig) -> ModeledCon
       op=problem.op, shape=shape, group_sizes=gs, generation=gen
     )
     til, scheds, extra = case.tiling, case.schedules, dict(case.extra)
-  rep = costmodel.cost(scheds, generation=gen)
-  rep_1tc = rep
-  if one_tensorcore(problem):
-    busiest = scheds
-    if problem.kernel == "v2" and problem.chip == "v5p":
-      # NOTE: v2 runs over a TensorCore mesh (two cores on a v5p device) that splits its n
-      # tiles; the busiest core runs ceil(n tiles / 2) of them (all when n is one tile).
-      busiest = tuple(_core_share(s, cores=2) for s in scheds)
-    rep_1tc = costmodel.cost(busiest, generation=_one_tc_generation(gen))
+  rep = costmodel.cost(scheds, generation=gen, tensorcores="chip")
+  rep_1tc = costmodel.cost(real_schedules(problem, scheds), generation=gen, tensorcores="kernel")
   return ModeledConfig(
     tiling=tuple(til),
     measured_us=config.ms * 1e3,
@@ -544,7 +517,7 @@ def summarize(records: list[dict], *, worst: int = 2) -> str:
   for r in records:
     if r["best"]:
       groups.setdefault((r["chip"], r["kernel"], _op_label(r)), []).append(r)
-  lines = ["chip   kernel op        n   measured/modeled median [p10, p90]   at 1 TC"]
+  lines = ["chip   kernel op        n   measured/modeled median [p10, p90]   per-kernel TCs"]
   details = []
   for (chip, kernel, op), items in sorted(groups.items()):
     ratio = [r["measured_us"] / r["modeled_us"] for r in items]

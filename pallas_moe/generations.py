@@ -35,7 +35,10 @@ class TpuGeneration:
     peak_int8_ops: chip peak int8 op/s where `supports_int8`, else 0.
     peak_fp8_ops: chip peak fp8 flop/s where `supports_fp8`, else 0.
     hbm_bytes_per_s: chip HBM bandwidth.
-    cores_per_chip: TensorCores per chip.
+    cores_per_chip: TensorCores per chip (the per-chip rates are shared by them).
+    tensorcores_per_device: TensorCores behind one JAX device: 2 on a megacore device (v4, v5p),
+      where Mosaic splits a kernel's leading "parallel" grid axes between them; 1 on v5e, v6e
+      and tpu7x (a tpu7x chip is two JAX devices, one TensorCore each).
     aot_topology: topology name for ahead-of-time compilation (`get_topology_desc`).
     device_kinds: `jax.Device.device_kind` strings of this generation.
   """
@@ -49,6 +52,7 @@ class TpuGeneration:
   supports_fp8: bool
   hbm_bytes_per_s: float
   cores_per_chip: int
+  tensorcores_per_device: int
   aot_topology: str
   device_kinds: tuple[str, ...] = ()
   peak_int8_ops: float = 0.0
@@ -78,6 +82,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       supports_fp8=False,
       hbm_bytes_per_s=1200e9,
       cores_per_chip=2,
+      tensorcores_per_device=2,
       aot_topology="v4:2x2x1",
       device_kinds=("TPU v4",),
     ),
@@ -92,6 +97,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       peak_int8_ops=393e12,
       hbm_bytes_per_s=819e9,
       cores_per_chip=1,
+      tensorcores_per_device=1,
       aot_topology="v5e:2x2",
       device_kinds=("TPU v5e", "TPU v5 lite"),
     ),
@@ -106,6 +112,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       peak_int8_ops=918e12,
       hbm_bytes_per_s=2765e9,
       cores_per_chip=2,
+      tensorcores_per_device=2,
       aot_topology="v5p:2x2x1",
       device_kinds=("TPU v5", "TPU v5p"),
     ),
@@ -120,6 +127,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       peak_int8_ops=1836e12,
       hbm_bytes_per_s=1638e9,
       cores_per_chip=1,
+      tensorcores_per_device=1,
       aot_topology="v6e:2x2",
       device_kinds=("TPU v6e", "TPU v6 lite"),
     ),
@@ -134,6 +142,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       peak_fp8_ops=4614e12,
       hbm_bytes_per_s=7380e9,
       cores_per_chip=2,
+      tensorcores_per_device=1,
       aot_topology="tpu7x:2x2x1",
       device_kinds=("TPU7x",),
     ),
@@ -225,6 +234,20 @@ def narrow_peak(generation: str | TpuGeneration, dtype) -> float:
   if name.startswith("float8") and gen.supports_fp8:
     return gen.peak_fp8_ops
   raise ValueError(f"{gen.name} has no native {name} MXU mode: its {name} dots run upcast.")
+
+
+def tensorcore_rates(generation: str | TpuGeneration) -> tuple[float, float]:
+  """One TensorCore's bf16 peak and HBM bandwidth: the chip's figures over its TensorCores.
+
+  NOTE: jax's `tpu_info` lists v5p's and tpu7x's figures per core as half the chip's. That a
+  TensorCore running alone gets only half the chip's HBM bandwidth is an assumption; it matches
+  tokamax's measurements of grid-less kernels on v5p (`bench.measured`).
+
+  Returns:
+    (flop/s, bytes/s).
+  """
+  gen = get_generation(generation)
+  return gen.peak_bf16_flops / gen.cores_per_chip, gen.hbm_bytes_per_s / gen.cores_per_chip
 
 
 def sequential_sweeps(generation: str | TpuGeneration) -> bool:

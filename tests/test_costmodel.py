@@ -488,3 +488,35 @@ def test_megablox_grid_search_refuses_tilings_over_vmem():
     impls.megablox_grid_search(
       op="fwd", shape=shape, group_sizes=_GS, generation=V5E, sizes=sizes, vmem_budget_bytes=2**20
     )
+
+
+def test_step_tensorcores_follows_mosaic_split():
+  # NOTE: as the AOT LLO dumps for v5p show (libtpu 0.0.42): grid (3, 2, 2) with a parallel
+  # first axis loops 2 x 2 x 2 steps per core; (3, 3, 2) with two parallel axes 5 x 2 (the
+  # parallel axes flattened); a parallel axis of one tile, or none, runs in a PrimaryCoreRegion.
+  par = ("parallel", "arbitrary", "arbitrary")
+  cores, core = cm.step_tensorcores(
+    grid=(3, 2, 2), dimension_semantics=par, tensorcores_per_device=2
+  )
+  assert cores == 2 and core.tolist() == [0] * 8 + [1] * 4
+  cores, core = cm.step_tensorcores(
+    grid=(3, 3, 2),
+    dimension_semantics=("GridDimensionSemantics.PARALLEL", "parallel", "arbitrary"),
+    tensorcores_per_device=2,
+  )
+  assert cores == 2 and np.bincount(core).tolist() == [10, 8]
+  for grid, sem, per_device in (
+    ((1, 4, 2), par, 2),
+    ((4, 2), None, 2),
+    ((4, 2), ("arbitrary", "parallel"), 2),
+    ((4, 2, 2), par, 1),
+  ):
+    cores, core = cm.step_tensorcores(
+      grid=grid, dimension_semantics=sem, tensorcores_per_device=per_device
+    )
+    assert cores == 1 and not core.any() and core.size == np.prod(grid)
+  with pytest.raises(ValueError, match="tensorcores"):
+    cm.cost([], generation="v5p", tensorcores="device")
+  with cm.use_tensorcores("kernel"):
+    assert cm._TENSORCORES.get() == "kernel"
+  assert cm._TENSORCORES.get() == "chip"

@@ -131,22 +131,50 @@ def test_v2_impl_is_registered_for_the_bench():
     impls.IMPLS["megablox-v2"].build(op="drhs", shape=shape, group_sizes=gs, generation="v5e")
 
 
-def test_v2_busiest_core_share_on_v5p():
-  # NOTE: v2's TensorCore mesh splits the n tiles: with 3 of them the busiest of v5p's two cores
-  # runs the first 2 (all its steps), with 1 it runs everything.
+def test_v2_tensorcores_per_kernel():
+  # NOTE: v2's TensorCore mesh splits the n tiles between v5p's two cores: with 3 of them the
+  # busiest core runs 2 (at one core's rates, half the chip's), with 1 it runs everything. A
+  # tpu7x device is one TensorCore; v5e's rates are unchanged.
+  from bench import costmodel
+
   shape = Shape(name="t", tokens=2048, top_k=1, num_groups=4, k=512, n=1024)
   gs = np.array([512, 512, 0, 1024], np.int32)
   sched, _ = impls.megablox_v2_schedule(op="fwd", shape=shape, group_sizes=gs, generation="v5p")
-  sched3 = ms._core_share(
-    dataclasses.replace(
-      sched,
-      grid=(3, *sched.grid[1:]),
-      steps=3 * sched.steps,
-      step_bytes=np.tile(sched.step_bytes, 3),
-      step_scale=np.tile(sched.step_scale, 3),
-    ),
-    cores=2,
+  sched3 = dataclasses.replace(
+    sched,
+    grid=(3, *sched.grid[1:]),
+    steps=3 * sched.steps,
+    step_bytes=np.tile(sched.step_bytes, 3),
+    step_scale=np.tile(sched.step_scale, 3),
   )
-  assert sched3.grid == (2, 4, 1) and sched3.steps == 2 * sched.steps
-  np.testing.assert_array_equal(sched3.step_bytes, np.tile(sched.step_bytes, 2))
-  assert ms._core_share(sched, cores=2).steps == sched.steps
+  for s, n_tiles, busiest, cores in ((sched, 1, 1, 1), (sched3, 3, 2, 2)):
+    chip = costmodel.cost([s], generation="v5p", tensorcores="chip").calls[0]
+    (call,) = costmodel.cost([s], generation="v5p", tensorcores="kernel").calls
+    assert call.tensorcores == cores and call.steps == s.steps
+    assert call.mxu_us == pytest.approx(2 * chip.mxu_us * busiest / n_tiles, rel=1e-9)
+    assert call.dma_us == pytest.approx(2 * chip.dma_us * busiest / n_tiles, rel=1e-9)
+    assert call.overhead_us == pytest.approx(chip.overhead_us * busiest / n_tiles, rel=1e-9)
+  for gen, factor in (("tpu7x", 2.0), ("v5e", 1.0)):
+    chip = costmodel.cost([sched3], generation=gen, tensorcores="chip").calls[0]
+    (call,) = costmodel.cost([sched3], generation=gen, tensorcores="kernel").calls
+    assert call.tensorcores == 1
+    assert call.mxu_us == pytest.approx(factor * chip.mxu_us, rel=1e-9)
+    assert call.modeled_us == pytest.approx(
+      factor * (chip.modeled_us - chip.overhead_us) + chip.overhead_us, rel=1e-9
+    )
+
+
+def test_v1_runs_on_one_tensorcore(problems):
+  # tokamax v1 is a grid-less pallas_call: on v5p its megablox grid is not split between cores,
+  # so the whole schedule runs at one core's rates (half the chip's).
+  ps, _ = problems
+  p = _find(ps, chip="v5p", kernel="v1", op="dlhs")
+  shape = Shape(name="t", tokens=2048, top_k=1, num_groups=4, k=512, n=1024)
+  gs = np.array([512, 512, 0, 1024], np.int32)
+  sched, _ = impls.megablox_v2_schedule(op="fwd", shape=shape, group_sizes=gs, generation="v5p")
+  assert sched.dimension_semantics[0] == "parallel"
+  assert ms.real_schedules(p, [sched])[0].dimension_semantics is None
+  mc = ms.model_config(p, p.best)
+  assert mc.modeled_1tc_us - mc.overhead_us == pytest.approx(
+    2 * (mc.modeled_us - mc.overhead_us), rel=1e-9
+  )
