@@ -66,6 +66,7 @@ __all__ = [
   "trim_dump",
   "loop_tree",
   "find_dump",
+  "compiled_tensorcores",
   "implied_clock_hz",
   "matmul_kind",
   "matmul_rows",
@@ -468,6 +469,26 @@ def find_dump(directory: str, kernel: str) -> str:
   if not paths:
     raise FileNotFoundError(f"no {kernel} final_bundles dump in {directory}")
   return max(paths, key=os.path.getsize)
+
+
+def compiled_tensorcores(directory: str, kernel: str) -> int:
+  """TensorCores a compiled kernel runs on: 2 when Mosaic split its grid between a megacore
+  device's two cores, else 1.
+
+  NOTE: a split program starts with a `BarrierMegacore` check (kept in the final bundles) and
+  then loops over its core's share of the parallel steps; an unsplit one on a megacore device
+  runs its whole grid in a `PrimaryCoreRegion` (named in the earlier passes' dumps) that the
+  other core skips; on a one-core device (v5e, v6e, tpu7x) there is neither.
+
+  Args:
+    directory: the `--xla_jf_dump_to` directory.
+    kernel: the pallas_call's name (see `find_dump`).
+
+  Returns:
+    1 or 2.
+  """
+  with open(find_dump(directory, kernel)) as f:
+    return 2 if "BarrierMegacore" in f.read() else 1
 
 
 # ----------------------------------------------------------------------------------------------

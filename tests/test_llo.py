@@ -280,3 +280,32 @@ def test_tgmm_loops_and_regions_get_their_own_counts():
       kind = "first" if c.own_matmuls else ("write" if c.own_counts["load"] else "zero")
       regions[kind] = execs[id(c)]
   assert regions == {"zero": 1.0, "first": 2.0, "write": 4.0}
+
+
+@pytest.mark.aot
+def test_compiled_tensorcores_match_the_model(tmp_path):
+  # NOTE: on v5p (megacore) Mosaic splits a grid whose leading "parallel" axes have more than
+  # one step between the two TensorCores and runs any other kernel on one; the cost model's
+  # `step_tensorcores` must agree with the compiled program. Our gmm with 2 n tiles splits; its
+  # zero fill (one "arbitrary" step) does not.
+  shape = Shape(name="tiny", tokens=1024, top_k=2, num_groups=4, k=256, n=2048)
+  case = impls.IMPLS["pallas_moe-maxtext"].build(
+    op="fwd",
+    shape=shape,
+    group_sizes=shapes.group_sizes(shape),
+    generation=tiling.get_generation("v5p"),
+  )
+  scheds = costmodel.analyze(
+    case.fn, *case.args, step_scale=case.step_scale, step_manual_bytes=case.step_manual_bytes
+  )
+  modeled = {
+    s.name.split("@")[0]: costmodel.step_tensorcores(
+      grid=s.grid, dimension_semantics=s.dimension_semantics, tensorcores_per_device=2
+    )[0]
+    for s in scheds
+  }
+  d = llo.compile_dump(
+    impl="pallas_moe-maxtext", op="fwd", shape=shape, generation="v5p", dump_dir=str(tmp_path)
+  )
+  compiled = {name: llo.compiled_tensorcores(d, name) for name in modeled}
+  assert modeled == compiled == {"pallas_moe_zero_fill": 1, "pallas_moe_gmm_rowtile": 2}
