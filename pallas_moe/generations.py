@@ -38,7 +38,8 @@ class TpuGeneration:
     cores_per_chip: TensorCores per chip (the per-chip rates are shared by them).
     tensorcores_per_device: TensorCores behind one JAX device: 2 on a megacore device (v4, v5p),
       where Mosaic splits a kernel's leading "parallel" grid axes between them; 1 on v5e, v6e
-      and tpu7x (a tpu7x chip is two JAX devices, one TensorCore each).
+      and tpu7x (a tpu7x chip is two JAX devices, one TensorCore each). NOTE: v4's split is not
+      seen in a compiled program: its AOT topology ("v4:2x2x1") has one-TensorCore devices.
     aot_topology: topology name for ahead-of-time compilation (`get_topology_desc`).
     device_kinds: `jax.Device.device_kind` strings of this generation.
   """
