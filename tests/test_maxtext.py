@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -668,6 +669,15 @@ def _loss(moe):
   return loss
 
 
+# NOTE: where maxtext 0.2.5 installs (Python >= 3.12), tests/test_maxtext_layer.py runs MaxText's
+# own layer instead of this hand-written copy of commit e591f30's path (same mesh, both asserts).
+_OWN_LAYER_RUNS = pytest.mark.skipif(
+  sys.version_info >= (3, 12),
+  reason="MaxText 0.2.5's own RoutedMoE runs here instead (tests/test_maxtext_layer.py)",
+)
+
+
+@_OWN_LAYER_RUNS
 def test_seed_scenario_maxtext_sparse_matmul_ep4_trains_on_cpu():
   """EP=4 x data=2: forward matches EP=1 (data=8) and the dense reference, jax.grad the dense one.
 
@@ -692,6 +702,7 @@ def test_seed_scenario_maxtext_sparse_matmul_ep4_trains_on_cpu():
       _close(g, r)
 
 
+@_OWN_LAYER_RUNS
 def test_seed_scenario_jax_ragged_all_to_all_fails_on_cpu():
   """The same program with JAX's own ragged_all_to_all: XLA:CPU has no ragged-all-to-all."""
   params, x = _params_and_tokens()

@@ -20,6 +20,7 @@ router, via `jax.lax.top_k`) take the lower index first, for groups and for expe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -302,7 +303,11 @@ def _mesh(data, ep):
 @pytest.mark.parametrize("data, ep", [(8, 1), (2, 4), (1, 8)], ids=["8x1", "2x4", "1x8"])
 @pytest.mark.parametrize("config", [V2, V3], ids=["v2", "v3"])
 def test_ep_block_matches_float64_dense_reference(config, data, ep):
-  """Forward, aux loss, all gradients; the bias gets exactly zero gradient (acceptance 2, 4)."""
+  """Forward, aux loss, all gradients; the bias gets exactly zero gradient."""
+  # NOTE: routing decides ids and weights before any gmm, so the Pallas kernels run on one mesh
+  # per method (interpret-mode compiles dominate) and the other meshes use ragged_dot.
+  if (config is V2) != (ep == 4):
+    config = dataclasses.replace(config, gmm_impl="ragged_dot")
   params = _params(config, seed=3)
   x = jax.random.normal(jax.random.key(4), (64, config.d_model), jnp.float32)
   ct = jax.random.normal(jax.random.key(5), x.shape, jnp.float32)
