@@ -458,8 +458,14 @@ def find_dump(directory: str, kernel: str) -> str:
     FileNotFoundError: none found.
   """
   every = glob.glob(os.path.join(directory, "*final_bundles.txt"))
-  pat = re.compile(rf"^\d+-{re.escape(kernel)}(\.\d+)?-\d+-final_bundles\.txt$")
+  # NOTE: libtpu 0.0.42 names a dump "<id>-<kernel>[.<n>]-<pass>-final_bundles.txt"; 0.0.50
+  # may add more dotted suffixes (e.g. "pallas_moe_zero_fill.1.refs_2_-71-final_bundles.txt").
+  pat = re.compile(rf"^\d+-{re.escape(kernel)}(\.\w+)*-\d+-final_bundles\.txt$")
   paths = [p for p in every if pat.match(os.path.basename(p))]
+  named = [p for p in every if f"-{kernel}" in os.path.basename(p)]
+  if not paths and named:
+    # NOTE: never fall back to another kernel's dump when this one's name is there.
+    raise FileNotFoundError(f"{kernel}'s dumps are named in an unknown format: {named}")
   if not paths:
     # NOTE: a pallas_call without a `name=` (upstream megablox's) is dumped under its Python
     # function's name ("gmm", "tgmm"), not the jaxpr's: take the one program with MXU work.
