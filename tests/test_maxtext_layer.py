@@ -93,6 +93,9 @@ OVERRIDES = dict(
   enable_checkpointing=False,
   skip_jax_distributed_system=True,
   run_name="pallas_moe_test",
+  # NOTE: base.yml's "~/jax_cache" would turn on JAX's persistent compilation cache for every
+  # later test in this process (pyconfig.initialize sets it globally).
+  jax_cache_dir="",
 )
 
 
