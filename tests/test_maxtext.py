@@ -196,6 +196,27 @@ def test_quantize_absmax_is_qwix_rule():
   np.testing.assert_allclose(v4 * s4, _qwix_dequantized(x, 4, (1,)), rtol=1e-6)
 
 
+def _grads_against_reference(
+  x, w, gs, existing, x_deq, w_deq, *, tiling, offset, transpose_rhs, **quantize
+):
+  """(value, grads) of sum(mblx.gmm(...) * cot) and of the float reference on the dequantized
+  operands (grads over x, w and, when given, existing_out), and that reference loss itself."""
+  cot = jnp.cos(jnp.arange(M * N, dtype=F32)).reshape(M, N)
+
+  def got(x, w, existing):
+    out = mblx.gmm(x, w, gs, F32, tiling, offset, existing, transpose_rhs, **quantize)
+    return jnp.sum(out * cot)
+
+  def want(x, w, existing):
+    out = reference.gmm(x, w, gs, F32, offset, existing, transpose_rhs=transpose_rhs)
+    return jnp.sum(out * cot)
+
+  argnums = (0, 1) if existing is None else (0, 1, 2)
+  value, grads = jax.jit(jax.value_and_grad(got, argnums=argnums))(x, w, existing)
+  value_ref, grads_ref = jax.value_and_grad(want, argnums=argnums)(x_deq, w_deq, existing)
+  return value, grads, value_ref, grads_ref, want
+
+
 QUANT_CASES = {
   # lhs and rhs int8, an expert shard (group_offset 1, 3 of 4 groups) chained with existing_out
   "w8a8-shard": dict(lhs_q=jnp.int8, rhs_q=jnp.int8, transpose_rhs=False, shard=True),
@@ -218,22 +239,11 @@ def test_quantized_forward_and_grads_follow_maxtext(case):
   x_deq = x if lhs_q is None else _qwix_dequantized(x, bits[lhs_q], (0,))
   channel = (1,) if transpose_rhs else (2,)
   w_deq = w if rhs_q is None else _qwix_dequantized(w, bits[rhs_q], channel)
-  cot = jnp.cos(jnp.arange(M * N, dtype=F32)).reshape(M, N)
-
-  def got(x, w, existing):
-    out = mblx.gmm(
-      x, w, gs, F32, (16, 64, 128, 16, 128, 64, 128, 64, 128), offset, existing, transpose_rhs,
-      lhs_quantize_dtype=lhs_q, rhs_quantize_dtype=rhs_q,
-    )  # fmt: skip
-    return jnp.sum(out * cot)
-
-  def want(x, w, existing):
-    out = reference.gmm(x, w, gs, F32, offset, existing, transpose_rhs=transpose_rhs)
-    return jnp.sum(out * cot)
-
-  argnums = (0, 1, 2) if shard else (0, 1)
-  value, grads = jax.jit(jax.value_and_grad(got, argnums=argnums))(x, w, existing)
-  value_ref, grads_ref = jax.value_and_grad(want, argnums=argnums)(x_deq, w_deq, existing)
+  value, grads, value_ref, grads_ref, want = _grads_against_reference(
+    x, w, gs, existing, x_deq, w_deq,
+    tiling=(16, 64, 128, 16, 128, 64, 128, 64, 128), offset=offset, transpose_rhs=transpose_rhs,
+    lhs_quantize_dtype=lhs_q, rhs_quantize_dtype=rhs_q,
+  )  # fmt: skip
   _close(value, value_ref)
   for a, b in zip(grads, grads_ref, strict=True):
     _close(a, b)
@@ -297,22 +307,11 @@ def test_fp8_forward_and_grads_follow_maxtext(case):
   wv, ws = _qwix_fp8(w, (1,) if transpose_rhs else (2,))
   x_deq = xv.astype(F32) * xs.astype(F32)
   w_deq = wv.astype(F32) * ws.astype(F32)
-  cot = jnp.cos(jnp.arange(M * N, dtype=F32)).reshape(M, N)
-
-  def got(x, w, existing):
-    out = mblx.gmm(
-      x, w, gs, F32, None, offset, existing, transpose_rhs,
-      lhs_quantize_dtype=jnp.float8_e4m3fn, rhs_quantize_dtype="float8_e4m3fn",
-    )  # fmt: skip
-    return jnp.sum(out * cot)
-
-  def want(x, w, existing):
-    out = reference.gmm(x, w, gs, F32, offset, existing, transpose_rhs=transpose_rhs)
-    return jnp.sum(out * cot)
-
-  argnums = (0, 1, 2) if shard else (0, 1)
-  value, grads = jax.jit(jax.value_and_grad(got, argnums=argnums))(x, w, existing)
-  value_ref, grads_ref = jax.value_and_grad(want, argnums=argnums)(x_deq, w_deq, existing)
+  value, grads, value_ref, grads_ref, want = _grads_against_reference(
+    x, w, gs, existing, x_deq, w_deq,
+    tiling=None, offset=offset, transpose_rhs=transpose_rhs,
+    lhs_quantize_dtype=jnp.float8_e4m3fn, rhs_quantize_dtype="float8_e4m3fn",
+  )  # fmt: skip
   _close(value, value_ref)
   assert grads[0].dtype == dtype and grads[1].dtype == dtype
   # NOTE: bf16 gradients are bf16 results (MaxText's too): one rounding, 2**-8.
