@@ -26,11 +26,11 @@ AOT-compiled gmm training step (fwd + dlhs + drhs) on one device of --memory_chi
 
 Example: python -m bench --chip v5e,v6e --ops fwd,dlhs,drhs --tokens native,4096 --json out.json
 
-Expert parallelism (issue 14; `bench.ep_cases`, `bench.ep_report`): `--ep` models one device's
+Expert parallelism (`bench.ep_cases`, `bench.ep_report`): `--ep` models one device's
 gmm after dispatch (m = the receive buffer, `rows` of it real, E_l local experts) per model, ep,
 tokens per device, buffer policy and routing, with ours, megablox at MaxText's tiles,
 megablox-best and tokamax at its tuned tiles; `--targets` adds ours at slack 1 and prints
-issue 14's targets with pass/fail; `--block` prints the MoE block's six gmm kernels per layer on
+the EP targets with pass/fail; `--block` prints the MoE block's six gmm kernels per layer on
 the DeepSeek EP cases; `--plot FILE.png` draws the records.
 """
 
@@ -95,7 +95,7 @@ _MEMORY = flags.DEFINE_bool(
   "memory", False, "Print temp bytes of an AOT-compiled gmm training step per shape (libtpu)."
 )
 _MEMORY_CHIP = flags.DEFINE_string("memory_chip", "v5e", "Generation for --memory.")
-# Issue 14: expert-parallel cases (bench.ep_cases) and their tables (bench.ep_report).
+# Expert-parallel cases (bench.ep_cases) and their tables (bench.ep_report).
 _EP = flags.DEFINE_bool(
   "ep", False, "Model the EP cases (one device's receive buffer after dispatch), not --shapes."
 )
@@ -108,7 +108,7 @@ _EP_POLICIES = flags.DEFINE_list(
 # block runs (`unowned_rows="undefined"`: the tail is never written, as megablox leaves it).
 EP_DEFAULT_IMPLS = ["pallas_moe", "pallas_moe-moe", "megablox-maxtext", "megablox-best", "tokamax"]
 _TARGETS = flags.DEFINE_bool(
-  "targets", False, "With --ep: also model ours at slack 1 and print issue 14's targets table."
+  "targets", False, "With --ep: also model ours at slack 1 and print the EP targets table."
 )
 _BLOCK = flags.DEFINE_bool(
   "block", False, "Print the MoE block's six gmm kernels per layer on the deepseek EP cases."
@@ -516,7 +516,7 @@ def main(argv) -> None:
   if _EP.value or _BLOCK.value:
     from bench import ep_cases, ep_report
 
-    # NOTE: EP cases default to both routings (issue 14); --routing narrows them.
+    # NOTE: EP cases default to both routings (uniform and Zipf); --routing narrows them.
     routings = _ROUTING.value if _ROUTING.present else list(ROUTINGS)
     selection = dict(
       tokens=[int(t) for t in _EP_TOKENS.value],

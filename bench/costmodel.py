@@ -802,7 +802,7 @@ def cost(
 
 
 def compiled_excess_us(*, bound_us: float, mxu_us: float) -> float:
-  """The compute time a compiled VLIW schedule adds to the analytic MXU time (issue 16).
+  """The compute time a compiled VLIW schedule adds to the analytic MXU time.
 
   `bench.llo` measures, from Mosaic's final bundles of the compiled kernel and the case's trip
   counts, `bound_us`: Σ over loop bodies and predicated regions of max(bundles, MXU-busy

@@ -1,4 +1,4 @@
-"""A modeled expert-parallel MoE step on a TPU slice (issue 15: acceptance 1, 3, 4).
+"""A modeled expert-parallel MoE step on a TPU slice.
 
 Run: `python -m bench.ep [--markdown FILE] [--json FILE]` (flags in `main`; `--help`).
 
@@ -58,7 +58,7 @@ the central chips have more links. The study searches device permutations (pairw
 minimise the busiest link of dispatch + combine and reports the saving against the serial step.
 Uniform routing: < 1%. Zipf(1) on the v5e/v6e meshes: 6-17% (hot receivers moved to the middle),
 so `topology_aware_placement` gives the block an expert order, `MoEConfig.expert_placement`
-(RESULTS.md, issue 15).
+(RESULTS.md, "Expert placement").
 
 Pipelining cannot beat max(comm, compute); where the exchange outweighs the gmm (every v6e case)
 the chunked step is the exchange's time. `default_batch_split` is the block's chunk count.
@@ -404,7 +404,7 @@ def chunked_step(
 # ----------------------------------------------------------------------------------------------
 # Cases.
 
-# (model, ep) of issue 15, acceptance 1.
+# (model, ep) of the EP step cases.
 STEP_CONFIGS: tuple[tuple[str, int], ...] = (
   ("deepseek-v3", 8),
   ("deepseek-v3", 32),
@@ -680,7 +680,7 @@ def topology_aware_placement(
 # ----------------------------------------------------------------------------------------------
 # The block's default chunk count.
 
-# NOTE: from `python -m bench.ep` (RESULTS.md, issue 15): the modeled best c of {1, 2, 4, 8} per
+# NOTE: from `python -m bench.ep` (RESULTS.md, EP step): the modeled best c of {1, 2, 4, 8} per
 # case, exact buffers, uniform routing, default slices. (model, ep, tokens per device, chip) → c.
 # Where the step is comm-bound (most cases) c = 2 already hides the gmm under the exchange and
 # more chunks only add per-collective latency and smaller, relatively costlier gmms; where a
@@ -874,7 +874,7 @@ def _log(msg: str) -> None:
 def main(argv=None) -> None:
   """CLI: `python -m bench.ep --help`."""
   p = argparse.ArgumentParser(prog="python -m bench.ep", description=__doc__.split("\n")[0])
-  p.add_argument("--models", default=None, help="comma list (default: all of issue 15's)")
+  p.add_argument("--models", default=None, help="comma list (default: all of the EP step cases)")
   p.add_argument("--ep", default=None, help="comma list of ep (default: each model's)")
   p.add_argument("--tokens", default=",".join(map(str, STEP_TOKENS)))
   p.add_argument("--chips", default=",".join(STEP_CHIPS))

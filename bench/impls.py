@@ -509,7 +509,7 @@ register(
 
 
 # ----------------------------------------------------------------------------------------------
-# Upstream megablox at its best tiling (issue 7, acceptance 2b): per case and chip, the fastest
+# Upstream megablox at its best tiling: per case and chip, the fastest
 # modeled (tm, tk, tn) from a grid that fits VMEM.
 #
 # NOTE: "fits" uses our `vmem_estimate_bytes` for megablox's blocks (kind "gmm": lhs [tm, tk],

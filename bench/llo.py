@@ -1,4 +1,4 @@
-"""The compiled kernel's own VLIW schedule: a second opinion on the cost model (issue 16).
+"""The compiled kernel's own VLIW schedule: a second opinion on the cost model.
 
 libtpu writes Mosaic's scheduled VLIW bundles for a deviceless AOT compile when
 `LIBTPU_INIT_ARGS="--xla_jf_dump_to=DIR --xla_jf_dump_llo_text=true
@@ -32,7 +32,7 @@ GHz; v6e's and tpu7x's exceed any published TPU clock, so there a vmatmul may ta
 than its rows. Then MXU-busy cycles are fewer and issue/MXU larger than reported here: the ratio
 is a lower bound on those two chips.) MXU-busy cycles of a loop = max over MXUs of Σ its
 vmatmuls' cycles; issue cycles = bundles; both are converted to µs at f. Check: on every case
-of bench/RESULTS.md (issue 16) the compiled MXU-busy time equals the analytic model's MXU time
+of bench/RESULTS.md (VLIW schedule) the compiled MXU-busy time equals the analytic model's MXU time
 (except megablox's ragged-k branch, which the model charges at its full tile).
 
 What this is not: a simulation. It counts bundles as if each issued in one cycle with no stall

@@ -1,4 +1,4 @@
-"""One sub-block of our kernels as a standalone Pallas kernel, in several formulations (issue 16).
+"""One sub-block of our kernels as a standalone Pallas kernel, in several formulations.
 
 `python -m bench.llo_variants --chip v6e --dims 256,2048,1408 --variant rs_masked` compiles the
 variant deviceless with the LLO dumps on (`bench.llo.compile_dump`'s environment) and prints its

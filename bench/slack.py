@@ -1,4 +1,4 @@
-"""`python -m bench.slack`: modeled gmm time on expert-parallel receive buffers (issue 14).
+"""`python -m bench.slack`: modeled gmm time on expert-parallel receive buffers.
 
 Under expert parallelism a device multiplies a receive buffer of `buffer_rows` static rows, of
 which only `rows = sum(group_sizes)` are real, over its E_l = E / ep local experts. This module
@@ -13,7 +13,7 @@ drhs) with `bench.costmodel` over the real pallas_calls, like `python -m bench`:
   8: `dropless_buffer_rows`), "cap1.25" / "cap2.0" (ceil(f·T·top_k); rows beyond it are dropped,
   so rows = min(rows, buffer)), and "static" (the dropless bound ep·T·min(top_k, E_l), plain jit).
 
-Targets checked per (case, op, chip), as issue 14 states them:
+Targets checked per (case, op, chip):
 - `vs_slack1`: ours ("pallas_moe", exact zeros in the slack rows) ≤ 1.05 x ours on the same
   rows with no slack, plus the time to write those zeros (slack rows x output columns x 2 bytes
   / HBM bandwidth; tgmm writes no rows, so 0 there); and "pallas_moe-moe" (the MoE block's
