@@ -71,6 +71,31 @@ def tolerance(*, in_dtype, out_dtype, k) -> dict:
   return dict(rtol=2e-5, atol=2e-5 * scale)
 
 
+def reorder_tolerance(*, dtype, terms: int, scale: float = 1.0, stages: int = 1) -> dict:
+  """assert_allclose tolerances for two computations of the same sums in different orders.
+
+  Chunked vs unchunked, placed vs unplaced, sharded vs whole, other tiles: the same products are
+  added in another order (and XLA:CPU picks other vector widths and tilings per shape and CPU),
+  so bit-equality is a property of one CPU, not of the code. Two orders of an n-term f32 sum of
+  random-sign terms differ like a random walk of n roundings: about `sqrt(n) * eps` relative to
+  the result. The bound here is 8x that per chained reduction stage (router, gmm, gmm, combine,
+  ...), with `atol` the same relative bound of `scale` (the results' typical magnitude) for
+  entries near zero. A misrouted, dropped or doubled row is off by O(1), far above it.
+
+  Args:
+    dtype: dtype the sums are accumulated in.
+    terms: the longest reduction (contraction length, tokens summed into a weight gradient, ...).
+    scale: typical magnitude of the compared values.
+    stages: chained reductions each value passes through.
+
+  Returns:
+    dict(rtol=..., atol=...) for `np.testing.assert_allclose`.
+  """
+  eps = float(jnp.finfo(dtype).eps)
+  rtol = 8.0 * stages * eps * float(np.sqrt(max(terms, 1)))
+  return dict(rtol=rtol, atol=rtol * scale)
+
+
 def rounded(x, dtype):
   """x rounded to dtype, as float64 numpy (what the kernel really multiplies)."""
   return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)

@@ -16,6 +16,7 @@ from kernel_testing import (
   no_races_or_oob,
   np_gmm,
   random_array,
+  reorder_tolerance,
   rounded,
   tolerance,
 )
@@ -142,7 +143,9 @@ def test_sharded_groups_chain_to_unsharded(mode, num_shards, transpose_rhs, data
   for shard in range(num_shards):
     local_rhs = rhs[shard * per : (shard + 1) * per]
     out = pallas_moe.gmm(lhs, local_rhs, sizes, group_offset=shard * per, existing_out=out, **kw)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(full), rtol=1e-6, atol=1e-5)
+  # NOTE: the same k-long dots per row; the chained program may still block them differently.
+  tol = reorder_tolerance(dtype=np.float32, terms=k, scale=np.sqrt(k))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(full), **tol)
   expected = np_gmm(lhs, rhs, np.asarray(sizes), transpose_rhs=transpose_rhs)
   np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-5, atol=4e-4)
 

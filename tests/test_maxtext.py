@@ -269,6 +269,8 @@ def test_quantize_absmax_fp8_is_qwix_rule():
       values, scales = mblx.quantize_absmax(a, dtype="float8_e4m3fn", channel_axes=axes)
       want_v, want_s = _qwix_fp8(a, axes)
       assert values.dtype == jnp.float8_e4m3fn and scales.dtype == dtype
+      # NOTE: exact on purpose: a max (order-free), one correctly rounded division, a clip and
+      # a cast per element, the same IEEE operations as qwix's; no sum whose order could vary.
       np.testing.assert_array_equal(np.asarray(values, np.float32), np.asarray(want_v, np.float32))
       np.testing.assert_array_equal(np.asarray(scales, np.float32), np.asarray(want_s, np.float32))
       assert float(jnp.max(jnp.abs(values.astype(F32)))) == 448.0

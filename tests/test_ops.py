@@ -18,6 +18,7 @@ from kernel_testing import (
   np_gmm,
   np_tgmm,
   random_array,
+  reorder_tolerance,
   rounded,
   tolerance,
 )
@@ -142,7 +143,10 @@ def test_sharded_grads_chain_to_unsharded(transpose_rhs):
   g_full = jax.jit(jax.grad(full, argnums=(0, 1)))(lhs, rhs)
   np_grads = np_gmm_grads(lhs, rhs, sizes, cot, transpose_rhs=transpose_rhs)
   for a, b, c in zip(g_chain, g_full, np_grads, strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+    # NOTE: the weight gradient sums m rows, the lhs gradient n columns, in the chained
+    # program's order.
+    tol = reorder_tolerance(dtype=np.float32, terms=max(m, n), scale=np.sqrt(max(m, n)))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
     np.testing.assert_allclose(np.asarray(a), c, rtol=2e-5, atol=4e-4)
 
 
@@ -308,9 +312,12 @@ def test_unowned_rows_undefined_matches_on_owned_rows_and_saves_the_fill():
   (_, y0), g0 = jax.jit(jax.value_and_grad(loss("zero"), (0, 1), has_aux=True))(x, w)
   (_, y1), g1 = jax.jit(jax.value_and_grad(loss("undefined"), (0, 1), has_aux=True))(x, w)
   owned = slice(10, 17)
-  np.testing.assert_array_equal(np.asarray(y1)[owned], np.asarray(y0)[owned])
-  np.testing.assert_array_equal(np.asarray(g1[0])[owned], np.asarray(g0[0])[owned])
-  np.testing.assert_array_equal(np.asarray(g1[1]), np.asarray(g0[1]))
+  # NOTE: the same kernels on the same tiles, but in two programs that XLA:CPU may block
+  # differently around them: equal to reordered-sum rounding (k for y, n for dx, rows for dw).
+  tol = reorder_tolerance(dtype=np.float32, terms=n, scale=np.sqrt(n), stages=2)
+  np.testing.assert_allclose(np.asarray(y1)[owned], np.asarray(y0)[owned], **tol)
+  np.testing.assert_allclose(np.asarray(g1[0])[owned], np.asarray(g0[0])[owned], **tol)
+  np.testing.assert_allclose(np.asarray(g1[1]), np.asarray(g0[1]), **tol)
   names = [s.name for s in cm.analyze(lambda x, w: loss("undefined")(x, w)[1], x, w)]
   assert not any("zero_fill" in name for name in names) and len(names) == 1
   with pytest.raises(ValueError, match="unowned_rows"):
@@ -347,10 +354,14 @@ def test_expected_rows_picks_tiles_for_the_real_rows_and_changes_nothing_else():
   w = random_array(1, (3, k, n), jnp.float32)
   y = pallas_moe.gmm(x, w, sizes, interpret=True)
   y_hint = pallas_moe.gmm(x, w, sizes, interpret=True, expected_rows=24)
-  np.testing.assert_array_equal(np.asarray(y_hint), np.asarray(y))
+  # NOTE: the hint may pick other tiles: the same sums, possibly in another order.
+  tol = reorder_tolerance(dtype=np.float32, terms=k, scale=np.sqrt(k))
+  np.testing.assert_allclose(np.asarray(y_hint), np.asarray(y), **tol)
   dw = pallas_moe.tgmm(x.T, y, sizes, interpret=True, expected_rows=24)
-  np.testing.assert_array_equal(
-    np.asarray(dw), np.asarray(pallas_moe.tgmm(x.T, y, sizes, interpret=True))
+  want_dw = pallas_moe.tgmm(x.T, y, sizes, interpret=True)
+  scale = float(np.abs(want_dw).max())
+  np.testing.assert_allclose(
+    np.asarray(dw), np.asarray(want_dw), **reorder_tolerance(dtype=np.float32, terms=m, scale=scale)
   )
   with pytest.raises(ValueError, match="expected_rows"):
     pallas_moe.gmm(x, w, sizes, expected_rows=0)

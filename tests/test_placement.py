@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from kernel_testing import reorder_tolerance
 from test_moe import SMALL, _adversarial, _block_grads, _mesh, _setup
 
 from bench import ep as bench_ep
@@ -57,10 +58,12 @@ def test_placed_block_equals_unplaced(data, ep, routing, split, impl):
   got = _block_grads(moe.place_experts(params, placement=PLACEMENT), x, placed, mesh)
   y, aux, gp, gx = got
   wy, waux, wgp, wgx = want
-  tol = dict(rtol=1e-5, atol=1e-6)
+  # NOTE: placed experts sit in other weight slots, so their rows reach the gmms in another
+  # order and tiles: the same sums in another order (see `reorder_tolerance`).
+  tol = reorder_tolerance(dtype=np.float32, terms=64, stages=4)
   # NOTE: y equal under permuted weights means each row met its own expert's weights.
   np.testing.assert_allclose(np.asarray(y), np.asarray(wy), **tol, err_msg="y")
-  np.testing.assert_allclose(float(aux["aux_loss"]), float(waux["aux_loss"]), rtol=1e-6)
+  np.testing.assert_allclose(float(aux["aux_loss"]), float(waux["aux_loss"]), **tol)
   np.testing.assert_array_equal(np.asarray(aux["expert_load"]), np.asarray(waux["expert_load"]))
   assert int(aux["dropped_rows"]) == int(waux["dropped_rows"]) == 0
   np.testing.assert_allclose(np.asarray(gx), np.asarray(wgx), **tol, err_msg="dx")

@@ -15,6 +15,7 @@ from kernel_testing import (
   no_races_or_oob,
   np_tgmm,
   random_array,
+  reorder_tolerance,
   rounded,
   tolerance,
 )
@@ -96,7 +97,9 @@ def test_empty_groups_exact_zero_and_existing_added(mode):
       lhs, rhs, sizes, tiling=(128, 64, 128), existing_out=existing, interpret=INTERPRET_MODES[mode]
     )
   )
-  np.testing.assert_allclose(out2, out + np.asarray(existing), rtol=1e-6, atol=1e-5)
+  # NOTE: the kernel adds existing_out to its m-long sums; here it is added after them.
+  tol = reorder_tolerance(dtype=np.float32, terms=m, scale=np.sqrt(m))
+  np.testing.assert_allclose(out2, out + np.asarray(existing), **tol)
   for g in (0, 2, 3, 5):  # empty group + existing_out = existing_out exactly
     np.testing.assert_array_equal(out2[g], np.asarray(existing)[g])
 
@@ -116,7 +119,9 @@ def test_sharded_groups_reproduce_slices(mode, num_shards, data):
   for shard in range(num_shards):
     part = pallas_moe.tgmm(lhs, rhs, sizes, group_offset=shard * per, num_actual_groups=per, **kw)
     np.testing.assert_allclose(
-      np.asarray(part), full[shard * per : (shard + 1) * per], rtol=1e-6, atol=1e-5
+      np.asarray(part),
+      full[shard * per : (shard + 1) * per],
+      **reorder_tolerance(dtype=np.float32, terms=m, scale=np.sqrt(m)),
     )
   np.testing.assert_allclose(full, np_tgmm(lhs, rhs, np.asarray(sizes)), rtol=2e-5, atol=4e-4)
 
