@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad, batching, mlir
 
 from pallas_moe import _jax_compat
 
@@ -118,12 +118,17 @@ def _check_index_vector(x, *, name: str, api: str) -> None:
 
 
 def _vary(x, names: frozenset):
-  """Marks `x` as varying over `names` (needed under `shard_map(check_vma=True)`)."""
+  """Marks `x` as varying over the mesh axes among `names` (for `shard_map(check_vma=True)`).
+
+  NOTE: names that are not manual mesh axes (e.g. a `jax.vmap` axis_name) are skipped: `pcast`
+  accepts only shard_map's axes, and the batching rule reports a vmap axis in `axis_name`.
+  """
   mat = getattr(jax.typeof(x), "mat", None)
   have = getattr(mat, "varying", None)
   if have is None:
     return x
-  missing = tuple(n for n in names if n not in have)
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  missing = tuple(n for n in names if n not in have and n in manual)
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -165,6 +170,10 @@ def ragged_all_to_all(
   harmless). Offsets and sizes get no gradient. Limitation, shared with JAX's rule: when operand
   chunks overlap (the same row sent twice) its cotangent holds one copy's cotangent, not the sum;
   the helpers in this module never send a row twice.
+
+  vmap: batched arguments (any of the six, batch axis anywhere) give the per-element exchanges,
+  done as one exchange with the batch folded into the rows (see `_batch`); gradients compose with
+  it in either order. `axis_name` must name mesh axes, not the enclosing vmap's axis.
 
   Backends: `backend=None` lowers to the native op on TPU/GPU and to the CPU implementation on CPU;
   the choice is made per lowering platform, so ahead-of-time lowering for TPU from a CPU host gets
@@ -376,6 +385,71 @@ def _transpose(
 
 ad.primitive_jvps[_ragged_p] = _jvp
 ad.primitive_transposes[_ragged_p] = _transpose
+
+
+def _batch(axis_data, vals_in, dims_in, *, axis_name, axis_index_groups, backend):
+  """vmap rule: the `B` exchanges become one exchange with `B` times the rows and chunks.
+
+  Same construction as JAX's rule for `jax.lax.ragged_all_to_all`: batch element `b`'s rows sit
+  at rows `[b*N, (b+1)*N)` of the merged operand (`[b*M, (b+1)*M)` of the merged output), its
+  offsets are shifted by `b*N` (`b*M`), and the index arrays are laid out `[K, B]` and flattened,
+  so merged chunk `k*B + b` is chunk `k` of element `b`. With `K*B = g * (s*B)` it still goes to
+  group member `k // s`, and the receiver's entry `k*B + b` of `recv_sizes` is the size of the
+  chunk element `b` received as its entry `k`. One exchange rather than a loop, so the native op
+  is issued once per call; `axis_index_groups` need nothing extra (JAX's rule refuses them).
+
+  Unbatched arguments are broadcast: an unbatched `operand` is read by all `B` elements and its
+  cotangent is the sum of theirs, which the broadcast's transpose computes (the op's own
+  transpose would keep one element's cotangent for rows sent more than once).
+
+  Cost: the native op moves the same rows as `B` calls. The CPU path sees `B*N` operand rows,
+  `B*M` output rows and `s*B` chunks per peer, so its per-round interval test is `B*M x s*B`
+  (`B` times the `B` calls' work) and it sends the whole merged operand each round.
+
+  Args:
+    axis_data: the vmapped axis (its `.name` and `.size`).
+    vals_in: the six arguments of the primitive.
+    dims_in: their batch dimensions (None when unbatched).
+    axis_name, axis_index_groups, backend: the primitive's parameters.
+
+  Returns:
+    The `[B, M, ...]` result and its batch dimension, 0.
+  """
+  params = dict(axis_name=axis_name, axis_index_groups=axis_index_groups, backend=backend)
+  if axis_data.name in axis_name:
+    names = axis_name if len(axis_name) > 1 else axis_name[0]
+    raise ValueError(
+      f"ragged_all_to_all: axis_name={names!r} names the axis of the enclosing `jax.vmap` "
+      f"({axis_data.name!r}); this op exchanges over mesh axes only. Call it inside "
+      "`jax.shard_map` with a mesh axis name, or give the vmap a different axis_name."
+    )
+  if all(d is None for d in dims_in):
+    return _ragged_p.bind(*vals_in, **params), None
+  size = axis_data.size
+
+  def at_front(x, d):
+    if d is None:
+      return jnp.broadcast_to(x[None], (size,) + x.shape)
+    return jnp.moveaxis(x, d, 0)
+
+  operand, output = (at_front(x, d) for x, d in zip(vals_in[:2], dims_in[:2], strict=True))
+  # NOTE: index arrays as [K, B], so that flattening keeps each chunk's B copies together.
+  idx = [at_front(x, d).T for x, d in zip(vals_in[2:], dims_in[2:], strict=True)]
+  input_offsets, send_sizes, output_offsets, recv_sizes = idx
+  shift = jnp.arange(size, dtype=jnp.int32)[None, :]
+  input_offsets = input_offsets + shift * operand.shape[1]
+  output_offsets = output_offsets + shift * output.shape[1]
+  args = [
+    operand.reshape((-1,) + operand.shape[2:]),
+    output.reshape((-1,) + output.shape[2:]),
+  ] + [x.reshape(-1) for x in (input_offsets, send_sizes, output_offsets, recv_sizes)]
+  # NOTE: the shifts are unvarying constants; keep every argument's varying axes equal.
+  vnames = frozenset(axis_name).union(*(_varying_names(a) for a in args))
+  out = _ragged_p.bind(*(_vary(a, vnames) for a in args), **params)
+  return out.reshape(output.shape), 0
+
+
+batching.fancy_primitive_batchers[_ragged_p] = _batch
 
 
 def _native_impl(operand, output, *idx, axis_name, axis_index_groups):

@@ -54,18 +54,18 @@ def _place(rng, sizes, rows):
   return off
 
 
-def _case(seed, *, mode, groups, n=N, m=M, max_count=3):
-  """Global arguments [D, ...] of one valid ragged_all_to_all call."""
+def _case(seed, *, mode, groups, n=N, m=M, max_count=3, d=D):
+  """Global arguments [d, ...] of one valid ragged_all_to_all call on `d` devices."""
   rng = np.random.default_rng(seed)
-  glist = _groups_list(groups)
+  glist = _groups_list(groups, d)
   g = len(glist[0])
   k = g * S
   # NOTE: counts[src, dst_pos*S + e] = rows src sends to its group's member dst_pos, slot e.
-  counts = rng.integers(0, max_count + 1, (D, k)).astype(np.int32)
+  counts = rng.integers(0, max_count + 1, (d, k)).astype(np.int32)
   if mode == "sparse":
-    counts *= rng.random((D, k)) < 0.3
+    counts *= rng.random((d, k)) < 0.3
   elif mode == "one_sender":
-    counts[np.arange(D) != rng.integers(D)] = 0
+    counts[np.arange(d) != rng.integers(d)] = 0
   elif mode == "one_receiver":
     dst = rng.integers(g)
     keep = np.zeros(k, bool)
@@ -73,9 +73,9 @@ def _case(seed, *, mode, groups, n=N, m=M, max_count=3):
     counts[:, ~keep] = 0
   elif mode == "all_zero":
     counts[:] = 0
-  in_off = np.stack([_place(rng, counts[d], n) for d in range(D)])
-  out_off = np.zeros((D, k), np.int32)
-  recv = np.zeros((D, k), np.int32)
+  in_off = np.stack([_place(rng, counts[i], n) for i in range(d)])
+  out_off = np.zeros((d, k), np.int32)
+  recv = np.zeros((d, k), np.int32)
   for grp in glist:
     for q, dst in enumerate(grp):
       # NOTE: chunk (src_pos p, slot e) arriving at dst is counts[grp[p], q*S + e].
@@ -85,8 +85,8 @@ def _case(seed, *, mode, groups, n=N, m=M, max_count=3):
       for p in range(g):
         out_off[grp[p], q * S : (q + 1) * S] = where[p * S : (p + 1) * S]
   return dict(
-    operand=rng.standard_normal((D, n, F)).astype(np.float32),
-    output=rng.standard_normal((D, m, F)).astype(np.float32),
+    operand=rng.standard_normal((d, n, F)).astype(np.float32),
+    output=rng.standard_normal((d, m, F)).astype(np.float32),
     input_offsets=in_off,
     send_sizes=counts,
     output_offsets=out_off,
@@ -97,7 +97,7 @@ def _case(seed, *, mode, groups, n=N, m=M, max_count=3):
 
 def _chunks(case):
   """(src, src_rows, dst, dst_rows) of every chunk, from the docstring's definition."""
-  glist = _groups_list(case["groups"])
+  glist = _groups_list(case["groups"], len(case["operand"]))
   g = len(glist[0])
   for grp in glist:
     for q, dst in enumerate(grp):
@@ -328,6 +328,173 @@ def test_grad_through_scan_and_checkpoint():
   ref = lambda x: _op(None)(x, output, *idx).reshape(D, M, F)[:, :N].reshape(-1, F) * 2
   want = jax.grad(lambda x: jnp.sum(ref(ref(x)) ** 2))(operand)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
+# --- 2b. vmap -----------------------------------------------------------------------------------
+
+FIELDS = ("operand", "output", "input_offsets", "send_sizes", "output_offsets", "recv_sizes")
+# NOTE: one mode per batch element, so the elements' sizes differ and element 1 sends nothing.
+VMAP_MODES = ("random", "all_zero", "sparse")
+B = len(VMAP_MODES)
+ALL_BATCHED = (0,) * 6
+
+
+def _batch_cases(seed, *, d, groups=None, shared=()):
+  """`B` cases on `d` devices; the fields in `shared` are element 0's in every element."""
+  cases = [_case(seed + b, mode=mode, groups=groups, d=d) for b, mode in enumerate(VMAP_MODES)]
+  for case in cases[1:]:
+    case.update({name: cases[0][name] for name in shared})
+  return cases
+
+
+def _global(values, bdim):
+  """Global array and in_spec of one argument from its `B` per-element `[d, rows, ...]` values.
+
+  `bdim` is where the batch axis sits in each device's shard (None: unbatched, element 0's value).
+  """
+  if bdim is None:
+    return values[0].reshape((-1,) + values[0].shape[2:]), P("x")
+  x = np.stack(values, axis=2)  # NOTE: [d, rows, B, ...]
+  x = x.reshape((-1,) + x.shape[2:])  # NOTE: [d*rows, B, ...], device shards along axis 0
+  return (np.moveaxis(x, 1, 0), P(None, "x")) if bdim == 0 else (x, P("x"))
+
+
+def _vmapped_args(cases, bdims):
+  pairs = [_global([c[f] for c in cases], bd) for f, bd in zip(FIELDS, bdims, strict=True)]
+  return [a for a, _ in pairs], tuple(s for _, s in pairs)
+
+
+def _exchange(groups):
+  return functools.partial(
+    C.ragged_all_to_all,
+    axis_name="x",
+    axis_index_groups=None if groups is None else [list(g) for g in groups],
+  )
+
+
+@functools.cache
+def _vmapped_op(d, groups, bdims, specs):
+  body = jax.vmap(_exchange(groups), in_axes=bdims)
+  f = jax.shard_map(body, mesh=_mesh(d), in_specs=specs, out_specs=P(None, "x"))
+  return jax.jit(f)
+
+
+@functools.cache
+def _unbatched_op(d, groups):
+  f = jax.shard_map(_exchange(groups), mesh=_mesh(d), in_specs=(P("x"),) * 6, out_specs=P("x"))
+  return jax.jit(f)
+
+
+@pytest.mark.parametrize(
+  "d, groups, bdims, shared",
+  [
+    (2, None, ALL_BATCHED, ()),
+    (8, None, ALL_BATCHED, ()),
+    (4, ((0, 2), (1, 3)), ALL_BATCHED, ()),
+    (4, None, (0, 0, None, None, None, None), FIELDS[2:]),
+    (4, None, (None, None, 0, 0, 0, 0), FIELDS[:2]),
+    (4, None, (1, 1, 1, 1, 1, 1), ()),
+    (4, None, (None, 1, 0, None, 1, 0), ("operand",) + FIELDS[2:]),
+  ],
+  ids=[
+    "d2",
+    "d8",
+    "d4_groups",
+    "operand_batched_sizes_not",
+    "sizes_batched_operand_not",
+    "batch_axis_second",
+    "per_array_mix",
+  ],
+)
+def test_vmap_is_the_exchange_per_element(d, groups, bdims, shared):
+  """vmap(ragged_all_to_all)[b] == the unbatched exchange of element b (and the numpy model)."""
+  cases = _batch_cases(5, d=d, groups=groups, shared=shared)
+  args, specs = _vmapped_args(cases, bdims)
+  out = np.asarray(_vmapped_op(d, groups, bdims, specs)(*args)).reshape(B, d, M, F)
+  unbatched = _unbatched_op(d, groups)
+  for b, case in enumerate(cases):
+    np.testing.assert_array_equal(out[b], np.asarray(unbatched(*_flat(case))).reshape(d, M, F))
+    np.testing.assert_array_equal(out[b], _model_forward(case))
+
+
+@functools.cache
+def _vmapped_grads(d, bdims, specs, grad_outside):
+  """Gradients w.r.t. operand and output of sum(vmap(op) * ct), grad outside or inside vmap."""
+  exchange = _exchange(None)
+  loss = lambda a, o, ct, *idx: jnp.sum(exchange(a, o, *idx) * ct)
+  ct_spec = P(None, "x")
+  mesh = _mesh(d)
+  if grad_outside:
+    body = jax.vmap(
+      lambda a, o, ct, *idx: exchange(a, o, *idx) * ct, in_axes=(*bdims[:2], 0, *bdims[2:])
+    )
+    op = jax.shard_map(
+      body, mesh=mesh, in_specs=(*specs[:2], ct_spec, *specs[2:]), out_specs=ct_spec
+    )
+    return jax.jit(jax.grad(lambda *a: jnp.sum(op(*a)), argnums=(0, 1)))
+  body = jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(*bdims[:2], 0, *bdims[2:]))
+  op = jax.shard_map(
+    body, mesh=mesh, in_specs=(*specs[:2], ct_spec, *specs[2:]), out_specs=(ct_spec, ct_spec)
+  )
+  return jax.jit(op)
+
+
+@pytest.mark.parametrize("grad_outside", [True, False], ids=["grad_of_vmap", "vmap_of_grad"])
+@pytest.mark.parametrize(
+  "bdims, shared",
+  [(ALL_BATCHED, ()), ((None, None, 0, 0, 0, 0), FIELDS[:2])],
+  ids=["all_batched", "operand_output_unbatched"],
+)
+def test_vmap_gradients_per_element(bdims, shared, grad_outside):
+  """Gradients under vmap are the per-element VJPs; an unbatched operand/output (shared by all
+  elements) gets their sum when differentiated outside the vmap."""
+  d = 4
+  cases = _batch_cases(9, d=d, shared=shared)
+  args, specs = _vmapped_args(cases, bdims)
+  cts = np.random.default_rng(0).standard_normal((B, d, M, F)).astype(np.float32)
+  d_operand, d_output = _vmapped_grads(d, bdims, specs, grad_outside)(
+    *args[:2], cts.reshape(B, d * M, F), *args[2:]
+  )
+  want = [_model_vjp(case, ct) for case, ct in zip(cases, cts, strict=True)]
+  for got, i, rows in ((d_operand, 0, N), (d_output, 1, M)):
+    if grad_outside and bdims[i] is None:
+      np.testing.assert_allclose(
+        np.asarray(got).reshape(d, rows, F), sum(w[i] for w in want), rtol=1e-6, atol=1e-6
+      )
+    else:
+      np.testing.assert_array_equal(
+        np.asarray(got).reshape(B, d, rows, F), np.stack([w[i] for w in want])
+      )
+
+
+def test_nested_vmap_of_dispatch_and_combine():
+  """Pipeline stages x microbatches as two vmaps around an EP dispatch -> combine round trip.
+
+  NOTE: forward only (a gradient would double the compile time); gradients under vmap are
+  checked per element by test_vmap_gradients_per_element.
+  """
+  d, t, e = 2, 4, 4
+  rng = np.random.default_rng(1)
+  x = rng.standard_normal((2, 2, d * t, F)).astype(np.float32)
+  # NOTE: per (stage, microbatch, device): t rows sorted by expert, random expert counts.
+  sizes = rng.multinomial(t, np.ones(e) / e, size=(2, 2, d)).astype(np.int32).reshape(2, 2, -1)
+
+  def roundtrip(x, group_sizes):
+    plan = C.plan_from_group_sizes(group_sizes, axis_name="x", buffer_rows=d * t)
+    y = C.dispatch(x, plan, axis_name="x")
+    return C.combine(y * 2, plan, num_rows=t, axis_name="x")
+
+  spec = P(None, None, "x")
+  f = jax.shard_map(jax.vmap(jax.vmap(roundtrip)), mesh=_mesh(d), in_specs=spec, out_specs=spec)
+  np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, sizes)), 2 * x)
+
+
+def test_vmap_over_the_exchange_axis_is_refused():
+  """Exchanging over the vmapped axis itself is not supported: a clear error names axis_name."""
+  f = jax.vmap(lambda x, o, *idx: C.ragged_all_to_all(x, o, *idx, axis_name="b"), axis_name="b")
+  idx = [np.zeros((2, 2), np.int32)] * 4
+  with pytest.raises(ValueError, match="axis_name='b' names the axis of the enclosing `jax.vmap`"):
+    f(np.zeros((2, 4, 1), np.float32), np.zeros((2, 4, 1), np.float32), *idx)
 
 
 # --- 3./4. expert-parallel helpers --------------------------------------------------------------
@@ -610,13 +777,17 @@ def test_bad_helper_input():
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("groups, backend", [(None, None), ([[0, 1], [2, 3]], None), (None, "cpu")])
-def test_grad_compiles_for_tpu(groups, backend):
+@pytest.mark.parametrize(
+  "groups, backend, batch",
+  [(None, None, None), ([[0, 1], [2, 3]], None, None), (None, "cpu", None), (None, None, 3)],
+)
+def test_grad_compiles_for_tpu(groups, backend, batch):
   """backend=None picks the native op when lowering for TPU, even from this CPU-only process.
 
   The forward and the reverse exchange each compile to one native `ragged-all-to-all`:
   synchronous with libtpu 0.0.42.1, a `ragged-all-to-all-start`/`-done` pair from libtpu 0.0.50
   (measured: 0.0.50.1, 0.0.52; `schedule.ragged_async_by_default`). backend="cpu" has none.
+  Under `jax.vmap` (`batch` elements) the count is the same: the batch is folded into one exchange.
   """
   import os
 
@@ -636,10 +807,14 @@ def test_grad_compiles_for_tpu(groups, backend):
       x, out, *idx, axis_name="x", axis_index_groups=groups, backend=backend
     )
 
-  op = jax.shard_map(body, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"))
+  # NOTE: batched arguments are [batch, d * rows, ...], sharded along their second axis.
+  lead, pspec = ((), P("x")) if batch is None else ((batch,), P(None, "x"))
+  if batch is not None:
+    body = jax.vmap(body)
+  op = jax.shard_map(body, mesh=mesh, in_specs=(pspec,) * 6, out_specs=pspec)
   loss = lambda x, out, *idx: jnp.sum(op(x, out, *idx) ** 2)
   spec = lambda shape, dtype: jax.ShapeDtypeStruct(
-    shape, dtype, sharding=NamedSharding(mesh, P("x"))
+    lead + shape, dtype, sharding=NamedSharding(mesh, pspec)
   )
   args = [spec((d * 16, 128), jnp.float32), spec((d * 32, 128), jnp.float32)]
   args += [spec((d * 2 * g,), jnp.int32)] * 4
