@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_moe import Tiling
@@ -512,3 +516,132 @@ def test_transformers_config_errors_name_the_key(name, extra, match):
     del d["model_type"]
   with pytest.raises(ValueError, match=match):
     MoEConfig.from_dict(d)
+
+
+# --- The aux loss each framework's coefficient multiplies, against its formula in numpy. -------
+
+
+def _np_softmax(z):
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _np_topk(scores, k):
+  return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+
+
+def hf_load_balancing_loss(logits, *, num_experts, top_k):
+  """transformers `load_balancing_loss_func` (modeling_mixtral.py), one layer, no mask."""
+  routing_weights = _np_softmax(logits)
+  selected = _np_topk(routing_weights, top_k)
+  tokens_per_expert = np.bincount(selected.reshape(-1), minlength=num_experts) / len(logits)
+  router_prob_per_expert = routing_weights.mean(0)
+  return num_experts * np.sum(tokens_per_expert * router_prob_per_expert)
+
+
+def deepseek_moegate_aux(scores, topk_idx, *, bsz, seq_aux):
+  """deepseek-ai modeling_deepseek.py `MoEGate.forward`'s aux loss (without `* alpha`)."""
+  n_routed_experts, top_k = scores.shape[-1], topk_idx.shape[-1]
+  seq_len = len(scores) // bsz
+  if seq_aux:
+    ce = np.zeros((bsz, n_routed_experts))
+    np.add.at(ce, (np.arange(bsz)[:, None], topk_idx.reshape(bsz, -1)), 1.0)
+    ce /= seq_len * top_k / n_routed_experts
+    return (ce * scores.reshape(bsz, seq_len, -1).mean(1)).sum(1).mean()
+  ce = np.eye(n_routed_experts)[topk_idx.reshape(-1)].mean(0)
+  return (scores.mean(0) * ce * n_routed_experts).sum()
+
+
+def maxtext_load_balance_loss(top_k_indices, gate_out, *, num_experts, top_k):
+  """MaxText `MoeBlock.load_balance_loss` (layers/moe.py) on [batch, seq, ...] arrays, with
+  the softmax its callers apply to the gate's output (without `* load_balance_loss_weight`)."""
+  summed_expert_mask = np.eye(num_experts)[top_k_indices].sum(axis=2)
+  density = summed_expert_mask.mean(axis=1) / top_k
+  density_prob = _np_softmax(gate_out).mean(axis=1)
+  return np.mean(density * density_prob) * num_experts**2
+
+
+_SMALL_HF = {"hidden_size": 16, "num_experts_per_tok": 2, "gmm_impl": "ragged_dot"}
+_SMALL_MT = {"num_experts": 8, "num_experts_per_tok": 2, "base_emb_dim": 16, "base_moe_mlp_dim": 8}
+
+
+def _block_aux(config: MoEConfig, tokens: int = 16):
+  """(aux_loss of the plain ep=1 block, [T, E] router logits) on random tokens."""
+  from pallas_moe import moe
+
+  params = moe.init_params(jax.random.key(0), config)
+  x = jax.random.normal(jax.random.key(1), (tokens, config.d_model), jnp.float32)
+  _, aux = jax.jit(functools.partial(moe.moe_block, config=config))(params, x)
+  logits = np.asarray(x, np.float64) @ np.asarray(params["router"], np.float64)
+  return float(aux["aux_loss"]), logits
+
+
+@pytest.mark.parametrize("seq_aux", [True, False])
+def test_aux_loss_deepseek_aux_loss_alpha(seq_aux):
+  c = MoEConfig.from_dict(
+    {
+      **_SMALL_HF,
+      "model_type": "deepseek_v2",
+      "n_routed_experts": 8,
+      "moe_intermediate_size": 8,
+      "n_shared_experts": 0,
+      "aux_loss_alpha": 0.001,
+      "seq_aux": seq_aux,
+      "aux_loss_seq_len": 4,
+    }
+  )
+  assert c.aux_loss_definition == ("sequence" if seq_aux else "switch")
+  got, logits = _block_aux(c)
+  scores = _np_softmax(logits)
+  want = deepseek_moegate_aux(scores, _np_topk(scores, 2), bsz=4, seq_aux=seq_aux)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_aux_loss_hf_router_aux_loss_coef_is_top_k_times_switch():
+  d = {**_hf("mixtral_bf16"), "dtype": "float32", "gmm_impl": "ragged_dot"}
+  c = MoEConfig.from_dict(d)
+  assert (c.aux_loss_coef, c.aux_loss_definition, c.top_k) == (0.02, "hf", 2)
+  got, logits = _block_aux(c)
+  want = hf_load_balancing_loss(logits, num_experts=4, top_k=2)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  switch, _ = _block_aux(dataclasses.replace(c, aux_loss_definition="switch"))
+  np.testing.assert_allclose(got, 2 * switch, rtol=1e-5)
+
+
+@pytest.mark.parametrize("score_func", ["", "softmax", "sigmoid"])
+def test_aux_loss_maxtext_load_balance_loss_weight(score_func):
+  d = {**_SMALL_MT, "load_balance_loss_weight": 0.01, "max_target_length": 4, "megablox": False}
+  if score_func:
+    d["routed_score_func"] = score_func
+  c = MoEConfig.from_dict(d)
+  assert c.aux_loss_definition == ("maxtext_scored" if score_func else "sequence")
+  assert c.aux_loss_seq_len == 4
+  got, logits = _block_aux(c)
+  # NOTE: MaxText's gate output is score_func(logits) when routed_score_func is set; its
+  # top-k (and ours, with a zero correction bias and no groups) is over those scores.
+  gate_out = {"": logits, "softmax": _np_softmax(logits), "sigmoid": 1 / (1 + np.exp(-logits))}
+  g = gate_out[score_func]
+  want = maxtext_load_balance_loss(
+    _np_topk(g, 2).reshape(4, 4, 2), g.reshape(4, 4, 8), num_experts=8, top_k=2
+  )
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_aux_loss_sequences_over_a_mesh():
+  """Per-sequence loss under moe_layer: each device holds whole sequences; the mean over all."""
+  from pallas_moe import moe
+
+  c = MoEConfig(
+    num_experts=8, top_k=2, d_model=16, expert_ffn_dim=8, gmm_impl="ragged_dot",
+    aux_loss_definition="sequence", aux_loss_seq_len=4,
+  )  # fmt: skip
+  params = moe.init_params(jax.random.key(0), c)
+  x = jax.random.normal(jax.random.key(1), (64, 16), jnp.float32)
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  _, aux = jax.jit(functools.partial(moe.moe_layer, config=c, mesh=mesh))(params, x)
+  scores = _np_softmax(np.asarray(x, np.float64) @ np.asarray(params["router"], np.float64))
+  want = deepseek_moegate_aux(scores, _np_topk(scores, 2), bsz=16, seq_aux=True)
+  np.testing.assert_allclose(float(aux["aux_loss"]), want, rtol=1e-5)
+  bad = dataclasses.replace(c, aux_loss_seq_len=16)
+  with pytest.raises(ValueError, match=r"T=8 tokens on each device a multiple of seq_len"):
+    jax.jit(functools.partial(moe.moe_layer, config=bad, mesh=mesh))(params, x)
