@@ -11,6 +11,12 @@ and Hugging Face DeepSeek/Qwen configs (`n_routed_experts`, `moe_intermediate_si
 - Two aliases of one field with different (converted) values raise, naming both keys.
 - Keys that are valid in those ecosystems but describe other parts of the model (attention,
   vocabulary, layer count, ...) are listed in `IGNORED_KEYS` and skipped.
+- A Hugging Face config.json is read by its `model_type` (`HF_MODEL_TYPES`: mixtral, qwen2_moe,
+  qwen3_moe, deepseek_v2, deepseek_v3): its keys mean what that family's transformers code
+  does with them, the settings that code hard-wires are implied, and the family's whole-model
+  keys (including which layers are MoE: `decoder_sparse_step`, `mlp_only_layers`,
+  `first_k_dense_replace`, `moe_layer_freq`) are skipped. Settings of the MoE layer it does not
+  implement (`router_jitter_noise` != 0, `mlp_bias`, a non-silu `hidden_act`) raise.
 - Any other key raises, naming the key and the closest valid name; `ignore_unknown=True` skips
   them instead (for dicts from newer framework versions).
 """
