@@ -11,6 +11,12 @@ and Hugging Face DeepSeek/Qwen configs (`n_routed_experts`, `moe_intermediate_si
 - Two aliases of one field with different (converted) values raise, naming both keys.
 - Keys that are valid in those ecosystems but describe other parts of the model (attention,
   vocabulary, layer count, ...) are listed in `IGNORED_KEYS` and skipped.
+- A Hugging Face config.json is read by its `model_type` (`HF_MODEL_TYPES`: mixtral, qwen2_moe,
+  qwen3_moe, deepseek_v2, deepseek_v3): its keys mean what that family's transformers code
+  does with them, the settings that code hard-wires are implied, and the family's whole-model
+  keys (including which layers are MoE: `decoder_sparse_step`, `mlp_only_layers`,
+  `first_k_dense_replace`, `moe_layer_freq`) are skipped. Settings of the MoE layer it does not
+  implement (`router_jitter_noise` != 0, `mlp_bias`, a non-silu `hidden_act`) raise.
 - Any other key raises, naming the key and the closest valid name; `ignore_unknown=True` skips
   them instead (for dicts from newer framework versions).
 """
@@ -27,7 +33,13 @@ import numpy as np
 
 from pallas_moe.ops import Tiling
 
-__all__ = ["IGNORED_KEYS", "MoEConfig", "check_expert_placement"]
+__all__ = [
+  "AUX_LOSS_DEFINITIONS",
+  "HF_MODEL_TYPES",
+  "IGNORED_KEYS",
+  "MoEConfig",
+  "check_expert_placement",
+]
 
 _SCORE_FUNCS = ("softmax", "sigmoid")
 _ACTIVATIONS = ("swiglu",)
@@ -35,6 +47,8 @@ _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # NOTE: the score function each DeepSeek method is defined with (their code raises otherwise).
 _METHOD_SCORE_FUNC = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
 _GMM_IMPLS = ("pallas", "ragged_dot")
+# The load-balancing losses `moe.load_balance_loss` computes (see MoEConfig.aux_loss_definition).
+AUX_LOSS_DEFINITIONS = ("switch", "hf", "sequence", "maxtext_scored")
 _WEIGHT_QUANTIZATIONS = (None, "int8", "fp8")
 
 
@@ -50,6 +64,8 @@ class MoEConfig:
     num_shared_experts: experts every token goes through (a dense MLP).
     shared_ffn_dim: hidden width of each shared expert (default `expert_ffn_dim`); the shared
       MLP is one SwiGLU MLP of width `num_shared_experts * shared_ffn_dim`, as in DeepSeek.
+    shared_expert_gate: multiply the shared experts' output per token by
+      `sigmoid(x @ shared_gate)` (Qwen2-MoE).
     activation: "swiglu": `silu(x @ w_gate) * (x @ w_up)`.
     score_func: router scores, "softmax" or "sigmoid" over the expert logits.
     norm_topk_prob: divide the top-k scores by their sum.
@@ -80,6 +96,25 @@ class MoEConfig:
     dtype: activation and matmul dtype name.
     weight_dtype: parameter dtype name (`init_params`).
     aux_loss_coef: weight of the load-balancing loss (the block returns it unweighted too).
+    aux_loss_definition: which load-balancing loss `aux_loss_coef` multiplies, so that a
+      framework's coefficient keeps its strength; the formulas and their sources are in
+      `moe.load_balance_loss`. "switch" (default): `E * sum_e f_e * P_e` over the whole batch,
+      `f_e` = share of the `T * top_k` routed rows (DeepSeek's MoEGate with `seq_aux: false`).
+      "hf": Hugging Face transformers' `load_balancing_loss_func` (Mixtral, Qwen2/3-MoE), whose
+      `f_e` is per token, not per row: `top_k` times "switch". "sequence": the mean over
+      sequences of "switch" per sequence (DeepSeek's MoEGate with `seq_aux: true`; MaxText's
+      `load_balance_loss` when the router has no score function). "maxtext_scored": MaxText's
+      `load_balance_loss` when `routed_score_func` is set: per sequence, with `P_e` the mean of
+      `softmax(score_func(logits))` (MaxText's gate applies the score function, its loss
+      applies softmax again). `from_dict` sets it from the key that gave the coefficient:
+      `router_aux_loss_coef` -> "hf", `aux_loss_alpha` -> "sequence" (`seq_aux`, DeepSeek's
+      default, true) or "switch" (`seq_aux: false`), `load_balance_loss_weight` -> "sequence"
+      or "maxtext_scored".
+    aux_loss_seq_len: tokens per sequence for the per-sequence definitions ("sequence",
+      "maxtext_scored"; MaxText `max_target_length`): the block's tokens are consecutive
+      sequences of this length, each device holding whole ones. None: the whole (global) batch
+      counts as one sequence, which is "switch" (config.json files do not say the training
+      sequence length).
     weight_quantization: None, "int8" or "fp8": the routed experts' gmms quantize their float
       weights on the fly (per-expert, per-output-channel scales; straight-through gradients; see
       `pallas_moe.gmm`). Weights only: activations stay in `dtype`. Needs gmm_impl="pallas".
@@ -111,6 +146,7 @@ class MoEConfig:
   expert_ffn_dim: int
   num_shared_experts: int = 0
   shared_ffn_dim: int | None = None
+  shared_expert_gate: bool = False
   activation: str = "swiglu"
   score_func: str = "softmax"
   norm_topk_prob: bool = False
@@ -130,6 +166,8 @@ class MoEConfig:
   dtype: str = "float32"
   weight_dtype: str = "float32"
   aux_loss_coef: float = 0.0
+  aux_loss_definition: str = "switch"
+  aux_loss_seq_len: int | None = None
   weight_quantization: str | None = None
   activation_quantization: str | None = None
   debug_nan_poison: bool = False
@@ -150,6 +188,13 @@ class MoEConfig:
     if self.shared_ffn_dim is not None and self.shared_ffn_dim < 1:
       raise ValueError(f"MoEConfig.shared_ffn_dim must be >= 1, got {self.shared_ffn_dim!r}.")
     _check_choice("activation", self.activation, _ACTIVATIONS)
+    _check_choice("aux_loss_definition", self.aux_loss_definition, AUX_LOSS_DEFINITIONS)
+    v = self.aux_loss_seq_len
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+      raise ValueError(
+        f"MoEConfig.aux_loss_seq_len must be None (the whole batch is one sequence) or a "
+        f"positive int (tokens per sequence), got {v!r}."
+      )
     _check_choice("score_func", self.score_func, _SCORE_FUNCS)
     _check_choice("topk_method", self.topk_method, _TOPK_METHODS)
     self._check_routing()
@@ -286,43 +331,89 @@ class MoEConfig:
   def from_dict(cls, d: Mapping[str, Any], *, ignore_unknown: bool = False) -> MoEConfig:
     """Builds a config from our field names, MaxText names or Hugging Face names.
 
+    A Hugging Face `config.json` is read by its `model_type` (see `HF_MODEL_TYPES`): each
+    family's keys mean what that family's transformers code does with them (Mixtral's
+    `intermediate_size` is the expert width, Qwen's and DeepSeek's the dense MLP's), settings
+    its code hard-wires are implied (Mixtral renormalises the top-k weights, DeepSeek-V3 routes
+    with noaux_tc on sigmoid scores, Qwen2-MoE gates its shared expert), and its whole-model
+    keys (attention, rope, which layers are MoE) are accepted and skipped. Keys that would
+    change the MoE layer in a way this layer does not implement raise, naming the key.
+
     Args:
       d: the mapping, e.g. a MaxText model yaml plus flags, or a HF `config.json`.
-      ignore_unknown: skip keys that are neither fields, aliases nor `IGNORED_KEYS`
-        (default: raise, naming the closest valid key).
+      ignore_unknown: skip keys that are neither fields, aliases nor `IGNORED_KEYS` (nor the
+        keys of the dict's `model_type`) (default: raise, naming the closest valid key).
 
     Returns:
       The `MoEConfig`.
     """
+    family = _hf_family(d, ignore_unknown=ignore_unknown)
     values: dict[str, Any] = {}
     source: dict[str, str] = {}
     tiles: dict[str, int] = {}
+
+    def put(field: str, value, key: str) -> None:
+      if field in values and values[field] != value:
+        raise ValueError(
+          f"MoEConfig.from_dict: {_shown(source[field], d, field, values[field])} and "
+          f"{_shown(key, d, field, value)} both set {field!r} to different values; drop one of "
+          "them."
+        )
+      values[field] = value
+      source[field] = key
+
+    if family is not None:
+      for field, value in family.fixed.items():
+        put(field, value, "model_type")
     # NOTE: MaxText reads batch_split_factor only when use_batch_split_schedule is true.
     split_off = "use_batch_split_schedule" in d and not d["use_batch_split_schedule"]
     for key, raw in d.items():
       if key in IGNORED_KEYS or (split_off and key == "batch_split_factor"):
         continue
+      if key == "seq_aux":
+        continue  # NOTE: picks the aux-loss definition of aux_loss_alpha (below).
+      if family is not None and key in family.keys:
+        check = family.checks.get(key)
+        if check is not None:
+          check(raw)
+        continue
       if key in _TILE_KEYS:
         tiles[key] = int(raw)
         continue
-      if key in _FIELDS:
-        field, value = key, raw
+      if family is not None and key in family.aliases:
+        field, convert = family.aliases[key]
+      elif key in _FIELDS:
+        field, convert = key, _FIELD_CONVERT.get(key, _same)
       elif key in _ALIASES:
         field, convert = _ALIASES[key]
-        value = convert(raw)
-        if value is None:
-          continue  # NOTE: the ecosystem's "unset" value (e.g. capacity_factor=-1), or a check.
-      else:
-        if ignore_unknown:
-          continue
-        raise ValueError(_unknown_key_message(key))
-      if field in values and values[field] != value:
+      elif ignore_unknown:
+        continue
+      elif key in _FAMILY_ONLY_KEYS and family is None:
         raise ValueError(
-          f"MoEConfig.from_dict: {source[field]!r}={values[field]!r} and {key!r}={value!r} both "
-          f"set {field!r} to different values; drop one of them."
+          f"MoEConfig.from_dict: {key!r} is a key of Hugging Face {_FAMILY_ONLY_KEYS[key]} "
+          "config.json files and its meaning depends on the family; the dict has no "
+          f"'model_type' to say which: add it (one of {sorted(HF_MODEL_TYPES)})."
         )
-      values[field] = value
-      source[field] = key
+      elif key in _FAMILY_ONLY_KEYS:
+        raise ValueError(
+          f"MoEConfig.from_dict: {key!r} is not a key of model_type {family.name!r} configs "
+          f"(it is one of {_FAMILY_ONLY_KEYS[key]}); drop it or fix 'model_type'."
+        )
+      else:
+        raise ValueError(_unknown_key_message(key))
+      try:
+        value = convert(raw)
+      except TypeError as e:
+        why = "the config leaves it unset; set it" if raw is None else str(e)
+        raise ValueError(f"MoEConfig.from_dict: {key!r}={raw!r} is not valid: {why}.") from None
+      if value is None:
+        continue  # NOTE: the ecosystem's "unset" value (e.g. capacity_factor=-1), or a check.
+      put(field, value, key)
+    if family is not None:
+      for field, value in family.defaults.items():
+        values.setdefault(field, value)
+      if family.post is not None:
+        family.post(values, put)
     if source.get("weight_quantization") == "quantization":
       # NOTE: MaxText's one key sets both modes; an explicit activation_quantization must agree.
       act = _MAXTEXT_QUANTIZATION[d["quantization"]][1]
@@ -345,6 +436,10 @@ class MoEConfig:
       values["norm_topk_prob"] = bool(values.get("norm_topk_prob")) or (
         values.get("score_func") == "sigmoid"
       )
+    # NOTE: each framework's coefficient multiplies its own loss; a zero coefficient (MaxText's
+    # base.yml default) sets nothing.
+    for key, definition in _aux_loss_definitions(d).items():
+      put("aux_loss_definition", definition, key)
     for proj in ("wi", "wo"):
       tiling = _tiling_from_maxtext(tiles, proj=proj)
       if tiling is not None:
@@ -357,6 +452,8 @@ class MoEConfig:
     missing = [f for f in ("num_experts", "top_k", "d_model", "expert_ffn_dim") if f not in values]
     if missing:
       hints = {f: [k for k, (t, _) in _ALIASES.items() if t == f] for f in missing}
+      if "expert_ffn_dim" in hints:
+        hints["expert_ffn_dim"].append("intermediate_size (model_type 'mixtral')")
       raise ValueError(f"MoEConfig.from_dict: missing {missing}; accepted names: {hints}.")
     return cls(**values)
 
@@ -490,7 +587,7 @@ _ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
   "base_moe_mlp_dim": ("expert_ffn_dim", int),
   "moe_mlp_dim": ("expert_ffn_dim", int),
   "shared_experts": ("num_shared_experts", _shared),
-  "routed_score_func": ("score_func", str),
+  "routed_score_func": ("score_func", lambda v: str(v) if v else None),  # NOTE: "" = unset
   "routed_bias": ("topk_method", _routed_bias),
   "n_routing_groups": ("n_group", _groups),
   "topk_routing_group": ("topk_group", _groups),
@@ -501,6 +598,7 @@ _ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
   "sparse_matmul": ("gmm_impl", _true_only("sparse_matmul")),
   "ici_expert_parallelism": ("expert_parallelism", _parallelism),
   "load_balance_loss_weight": ("aux_loss_coef", float),
+  "max_target_length": ("aux_loss_seq_len", int),
   "quantization": ("weight_quantization", _maxtext_quantization),
   "batch_split_factor": ("batch_split", int),
   "use_batch_split_schedule": ("batch_split", lambda v: None),  # NOTE: gates the factor (from_dict)
@@ -571,7 +669,6 @@ IGNORED_KEYS = frozenset(
     "first_k_dense_replace",
     "moe_layer_freq",
     "initializer_range",
-    "intermediate_size",
     "num_attention_heads",
     "num_hidden_layers",
     "num_key_value_heads",
@@ -579,9 +676,201 @@ IGNORED_KEYS = frozenset(
     "rms_norm_eps",
     "tie_word_embeddings",
     "use_cache",
-    "seq_aux",  # NOTE: the aux loss here is always over the whole (global) batch.
   }
 )
+
+
+def _same(v):
+  return v
+
+
+def _optional_dtype_name(v):
+  return None if v is None else _dtype_name(v)
+
+
+# Field names whose value still needs a conversion (transformers 5 writes `dtype`, maybe null).
+_FIELD_CONVERT: dict[str, Callable[[Any], Any]] = {"dtype": _optional_dtype_name}
+
+
+def _hf_groups(v):
+  """HF DeepSeek `n_group` / `topk_group`: null (transformers' V2 default) means no groups."""
+  return None if v is None else int(v)
+
+
+def _width(v):
+  """Qwen2-MoE `shared_expert_intermediate_size`: 0 means no shared expert (unset)."""
+  return None if v is None or int(v) == 0 else int(v)
+
+
+def _must_be(key: str, want, why: str) -> Callable[[Any], None]:
+  def check(v):
+    if v != want and not (want is False and not v):
+      raise ValueError(f"MoEConfig.from_dict: {key}={v!r}: {why}")
+
+  return check
+
+
+@dataclasses.dataclass(frozen=True)
+class _HFFamily:
+  """What one Hugging Face `model_type`'s config.json keys mean for the MoE layer.
+
+  Attributes:
+    name: the `model_type`.
+    keys: whole-model keys accepted and skipped (beyond `IGNORED_KEYS`).
+    checks: key -> a function that raises if the value changes the MoE layer in a way this
+      layer does not implement (the key is skipped otherwise).
+    aliases: key -> (field, conversion), read before the generic `_ALIASES`.
+    fixed: fields the family's modeling code hard-wires (a key saying otherwise raises).
+    defaults: fields set unless a key sets them.
+    post: hook run after all keys, `post(values, put)`.
+  """
+
+  name: str
+  keys: frozenset[str]
+  checks: Mapping[str, Callable[[Any], None]] = dataclasses.field(default_factory=dict)
+  aliases: Mapping[str, tuple[str, Callable[[Any], Any]]] = dataclasses.field(default_factory=dict)
+  fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  post: Callable[[dict, Callable], None] | None = None
+
+
+# Keys every transformers 5 MoE config.json may write that are not the MoE layer's business.
+# `output_router_logits` is transformers' runtime switch for adding the aux loss to the model's
+# loss; the block always returns the loss and the caller weighs it (`aux_loss_coef`).
+_HF_COMMON = frozenset({"rope_parameters", "head_dim", "output_router_logits"})
+_NO_JITTER = _must_be(
+  "router_jitter_noise",
+  0.0,
+  "Mixtral's training-time multiplicative input jitter is not implemented by this layer; "
+  "set it to 0.",
+)
+# NOTE: the router logits are in the model dtype in transformers' Mixtral and Qwen routers
+# (F.linear on the hidden states, softmax in f32), in f32 in its DeepSeek routers.
+_SOFTMAX_TOPK = {"score_func": "softmax", "topk_method": "greedy"}
+_DEEPSEEK_KEYS = frozenset(
+  {
+    "intermediate_size",  # the dense layers' MLP (first_k_dense_replace)
+    "qk_head_dim",
+    "ep_size",  # DeepSeek's inference code: how many ranks hold the experts
+    "quantization_config",  # checkpoint storage (fp8 blocks), dequantized when converting
+  }
+)
+_DEEPSEEK_CHECKS = {
+  "mlp_bias": _must_be("mlp_bias", False, "this layer's expert and shared MLPs have no bias."),
+}
+_DEEPSEEK_ALIASES = {"n_group": ("n_group", _hf_groups), "topk_group": ("topk_group", _hf_groups)}
+
+
+def _qwen2_shared(values: dict, put: Callable) -> None:
+  """Qwen2-MoE: one shared expert of `shared_expert_intermediate_size`, sigmoid-gated."""
+  if values.get("shared_ffn_dim"):
+    put("num_shared_experts", 1, "shared_expert_intermediate_size")
+    put("shared_expert_gate", True, "model_type")
+
+
+_QWEN_KEYS = frozenset(
+  {
+    "intermediate_size",  # the dense MLP of mlp_only_layers
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "layer_types",
+    # NOTE: these say WHICH layers are MoE (whole-model layer placement), not what one does.
+    "decoder_sparse_step",
+    "mlp_only_layers",
+  }
+)
+
+HF_MODEL_TYPES: dict[str, _HFFamily] = {
+  f.name: f
+  for f in (
+    _HFFamily(
+      name="mixtral",
+      keys=_HF_COMMON | {"sliding_window", "router_jitter_noise"},
+      checks={"router_jitter_noise": _NO_JITTER},
+      aliases={"intermediate_size": ("expert_ffn_dim", int)},
+      # NOTE: MixtralTopKRouter: softmax, top-k, then always divides by the top-k sum.
+      fixed={**_SOFTMAX_TOPK, "norm_topk_prob": True},
+      defaults={"float32_gate_logits": False},
+    ),
+    _HFFamily(
+      name="qwen2_moe",
+      keys=_HF_COMMON | _QWEN_KEYS | {"qkv_bias"},
+      aliases={"shared_expert_intermediate_size": ("shared_ffn_dim", _width)},
+      fixed=_SOFTMAX_TOPK,
+      defaults={"float32_gate_logits": False},
+      post=_qwen2_shared,
+    ),
+    _HFFamily(
+      name="qwen3_moe",
+      keys=_HF_COMMON | _QWEN_KEYS,
+      fixed=_SOFTMAX_TOPK,
+      defaults={"float32_gate_logits": False},
+    ),
+    # NOTE: transformers' DeepseekV2TopkRouter: softmax, then `topk_method` ("greedy" by
+    # default, or "group_limited_greedy"); its config writes topk_method but no scoring_func.
+    _HFFamily(
+      name="deepseek_v2",
+      keys=_HF_COMMON | _DEEPSEEK_KEYS | {"mlp_bias"},
+      checks=_DEEPSEEK_CHECKS,
+      aliases=_DEEPSEEK_ALIASES,
+      fixed={"score_func": "softmax"},
+    ),
+    # NOTE: transformers' DeepseekV3TopkRouter is always noaux_tc on sigmoid scores; its config
+    # writes neither topk_method nor scoring_func, DeepSeek's published config.json writes both.
+    _HFFamily(
+      name="deepseek_v3",
+      keys=_HF_COMMON | _DEEPSEEK_KEYS | {"rope_interleave", "num_nextn_predict_layers"},
+      checks=_DEEPSEEK_CHECKS,
+      aliases=_DEEPSEEK_ALIASES,
+      fixed={"score_func": "sigmoid", "topk_method": "noaux_tc"},
+    ),
+  )
+}
+
+# Keys some family knows but whose meaning depends on it: without `model_type` they raise.
+_FAMILY_ONLY_KEYS: dict[str, list[str]] = {}
+for _f in HF_MODEL_TYPES.values():
+  for _k in sorted(_f.keys | set(_f.aliases)):
+    if _k not in _ALIASES and _k not in _FIELDS:
+      _FAMILY_ONLY_KEYS.setdefault(_k, []).append(_f.name)
+
+
+def _hf_family(d: Mapping[str, Any], *, ignore_unknown: bool) -> _HFFamily | None:
+  if "model_type" not in d:
+    return None
+  family = HF_MODEL_TYPES.get(d["model_type"])
+  if family is None and not ignore_unknown:
+    raise ValueError(
+      f"MoEConfig.from_dict: model_type={d['model_type']!r} is not a family this layer "
+      f"reads; supported: {sorted(HF_MODEL_TYPES)} (ignore_unknown=True reads the generic "
+      "names only)."
+    )
+  return family
+
+
+def _aux_loss_definitions(d: Mapping[str, Any]) -> dict[str, str]:
+  """The `aux_loss_definition` each nonzero framework coefficient in `d` means (key -> value)."""
+  out = {}
+  if d.get("router_aux_loss_coef"):
+    out["router_aux_loss_coef"] = "hf"
+  if d.get("aux_loss_alpha"):
+    # NOTE: DeepSeek's configuration_deepseek.py defaults seq_aux to true.
+    out["aux_loss_alpha"] = "sequence" if d.get("seq_aux", True) else "switch"
+  if d.get("load_balance_loss_weight"):
+    scored = bool(d.get("routed_score_func"))
+    out["load_balance_loss_weight"] = "maxtext_scored" if scored else "sequence"
+  return out
+
+
+def _shown(key: str, d: Mapping[str, Any], field: str, value) -> str:
+  """How a conflict message names the key that set a field."""
+  if key == "model_type":
+    return f"'model_type'={d['model_type']!r} (which means {field}={value!r})"
+  if key in d and d[key] == value:
+    return f"{key!r}={value!r}"
+  return f"{key!r} (which means {field}={value!r})"
+
 
 _TILE_PASSES = ("fwd", "dlhs", "drhs")
 _TILE_DIMS = ("batch_seq", "embed_dim", "mlp_dim")

@@ -61,10 +61,11 @@ from pallas_moe import collectives
 from pallas_moe import tiling as tiling_lib
 from pallas_moe.config import MoEConfig, check_expert_placement
 from pallas_moe.ops import gmm
-from pallas_moe.routing import BIAS_KEY, Routing, route, update_routed_bias
+from pallas_moe.routing import BIAS_KEY, Routing, route, router_logits, update_routed_bias
 
 __all__ = [
   "Routing",
+  "aux_loss_probs",
   "batch_split_for",
   "buffer_rows_for",
   "default_batch_split",
@@ -319,31 +320,101 @@ def shared_mlp(x, wi, wo) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_balance_loss(*, probs, group_sizes, top_k: int, axes: tuple[str, ...] = ()):
-  """Switch/DeepSeek load-balancing loss over the global batch: `E * sum_e f_e * P_e`.
+def load_balance_loss(
+  *,
+  probs,
+  group_sizes,
+  top_k: int,
+  axes: tuple[str, ...] = (),
+  definition: str = "switch",
+  expert_ids=None,
+  seq_len: int | None = None,
+):
+  """The load-balancing loss of `MoEConfig.aux_loss_definition`, over the global batch.
 
-  `f_e` = fraction of the `T * top_k` routed rows that chose expert e (no gradient), `P_e` = mean
-  router probability of expert e. Equals 1 for perfectly uniform routing.
+  With `c_e` the rows routed to expert e, `T` tokens, `k = top_k`, `E` experts and
+  `P_e = mean_t probs[t, e]` (`f_e` gets no gradient):
+
+  - "switch": `E * sum_e f_e * P_e`, `f_e = c_e / (T * k)` (the share of routed rows). 1 for
+    uniform routing. DeepSeek's `MoEGate.forward` with `seq_aux: false` (deepseek-ai's
+    `modeling_deepseek.py`: `fi = one_hot(topk_idx).mean(0) * E`, `(Pi * fi).sum()`).
+  - "hf": `E * sum_e (c_e / T) * P_e`, i.e. `k` times "switch": transformers'
+    `load_balancing_loss_func` (`models/mixtral/modeling_mixtral.py`, the same in Qwen2-MoE and
+    Qwen3-MoE): `tokens_per_expert` is the mean over tokens of the top-k one-hot. NOTE: HF pools
+    all layers' counts and probabilities before the product; this is one layer's value.
+  - "sequence": the mean over sequences of "switch" computed per sequence of `seq_len` tokens:
+    DeepSeek's `MoEGate.forward` with `seq_aux: true` (`ce = counts / (S * k / E)`,
+    `(ce * scores.mean(seq)).sum(1).mean()`) and MaxText's `MoeBlock.load_balance_loss`
+    (`maxtext/layers/moe.py`: `density = mean_seq(one_hot) / k`,
+    `mean(density * density_prob) * E**2`). Pass MaxText's `probs` for "maxtext_scored".
+  - "maxtext_scored": "sequence"'s formula; the caller passes MaxText's `density_prob` input,
+    `softmax(score_func(logits))` (see `aux_loss_probs`).
+
+  With `seq_len=None` the per-sequence definitions take the whole batch as one sequence.
 
   Args:
-    probs: [T, E] per-token normalised scores.
-    group_sizes: [E] rows per expert on this device.
+    probs: [T, E] per-token probabilities (`Routing.probs`, or `aux_loss_probs`).
+    group_sizes: [E] rows per expert on this device (original expert order).
     top_k: experts per token.
     axes: mesh axes the batch is split over (summed over with psum).
+    definition: one of `config.AUX_LOSS_DEFINITIONS`.
+    expert_ids: [T, k] chosen experts; needed for the per-sequence definitions with `seq_len`.
+    seq_len: tokens per sequence (`MoEConfig.aux_loss_seq_len`); must divide T, so that each
+      device holds whole sequences.
 
   Returns:
     Scalar f32 loss, the same on every device.
   """
   num_experts = probs.shape[-1]
-  counts = group_sizes.astype(jnp.float32)
-  prob_sum = jnp.sum(probs, axis=0)
-  tokens = jnp.asarray(probs.shape[0], jnp.float32)
-  if axes:
-    counts, prob_sum, tokens = (
-      jax.lax.psum(_vary(v, axes), axes) for v in (counts, prob_sum, tokens)
+  t = probs.shape[0]
+  per_sequence = definition in ("sequence", "maxtext_scored") and seq_len is not None
+  if definition not in ("switch", "hf", "sequence", "maxtext_scored"):
+    raise ValueError(
+      f"load_balance_loss: definition={definition!r} is not one of 'switch', 'hf', "
+      "'sequence', 'maxtext_scored'."
     )
-  f = jax.lax.stop_gradient(counts / (tokens * top_k))
-  return num_experts * jnp.sum(f * prob_sum / tokens)
+  if not per_sequence:
+    counts = group_sizes.astype(jnp.float32)
+    prob_sum = jnp.sum(probs, axis=0)
+    tokens = jnp.asarray(t, jnp.float32)
+    if axes:
+      counts, prob_sum, tokens = (
+        jax.lax.psum(_vary(v, axes), axes) for v in (counts, prob_sum, tokens)
+      )
+    rows = tokens if definition == "hf" else tokens * top_k
+    f = jax.lax.stop_gradient(counts / rows)
+    return num_experts * jnp.sum(f * prob_sum / tokens)
+  if expert_ids is None or t % seq_len:
+    raise ValueError(
+      f"load_balance_loss: definition={definition!r} with seq_len={seq_len} needs expert_ids "
+      f"and T={t} tokens on each device a multiple of seq_len (MoEConfig.aux_loss_seq_len: "
+      "each device must hold whole sequences); change the batch or the sequence length."
+    )
+  nb = t // seq_len
+  seq = jnp.arange(t, dtype=jnp.int32) // seq_len
+  counts = jnp.zeros((nb, num_experts), jnp.float32).at[seq[:, None], expert_ids].add(1.0)
+  f = jax.lax.stop_gradient(counts / (seq_len * top_k))
+  p = jnp.mean(probs.reshape(nb, seq_len, num_experts), axis=1)
+  total = num_experts * jnp.sum(f * p)
+  sequences = jnp.asarray(nb, jnp.float32)
+  if axes:
+    total, sequences = (jax.lax.psum(_vary(v, axes), axes) for v in (total, sequences))
+  return total / sequences
+
+
+def aux_loss_probs(routing: Routing, x, router, *, config: MoEConfig):
+  """The [T, E] probabilities `load_balance_loss` averages, per `config.aux_loss_definition`.
+
+  `Routing.probs` (the unbiased scores normalised per token), except for "maxtext_scored":
+  MaxText's gate applies `routed_score_func` and its loss applies softmax on top, so there
+  `softmax(score_func(x @ router))`.
+  """
+  if config.aux_loss_definition != "maxtext_scored":
+    return routing.probs
+  logits = router_logits(x, router, float32=config.float32_gate_logits)
+  softmax = config.score_func == "softmax"
+  scores = jax.nn.softmax(logits, axis=-1) if softmax else jax.nn.sigmoid(logits)
+  return jax.nn.softmax(scores, axis=-1)
 
 
 def buffer_rows_for(
@@ -550,7 +621,15 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
       jnp.float32
     )
   aux = {
-    "aux_loss": load_balance_loss(probs=routing.probs, group_sizes=group_sizes, top_k=k, axes=axes),
+    "aux_loss": load_balance_loss(
+      probs=aux_loss_probs(routing, x, params["router"], config=config),
+      group_sizes=group_sizes,
+      top_k=k,
+      axes=axes,
+      definition=config.aux_loss_definition,
+      expert_ids=routing.expert_ids,
+      seq_len=config.aux_loss_seq_len,
+    ),
     "dropped_rows": _global(functools.reduce(jnp.add, dropped), axes, jax.lax.psum),
     "needed_rows": _global(functools.reduce(jnp.maximum, needed), axes, jax.lax.pmax),
     "buffer_rows": jnp.asarray(rows_b, jnp.int32),

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import pathlib
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_moe import Tiling
@@ -109,7 +114,10 @@ HF_DEEPSEEK_V2_LITE = """{
 def test_maxtext_and_hf_deepseek_v2_lite_are_equal():
   mt = MoEConfig.from_dict(MAXTEXT_DEEPSEEK2_16B)
   hf = MoEConfig.from_dict(json.loads(HF_DEEPSEEK_V2_LITE))
-  assert mt == hf
+  # NOTE: the same layer; each coefficient multiplies its own framework's loss: MaxText's
+  # softmax over the gate's (already softmax) scores, DeepSeek's per-sequence loss (seq_aux).
+  assert (mt.aux_loss_definition, hf.aux_loss_definition) == ("maxtext_scored", "sequence")
+  assert mt == dataclasses.replace(hf, aux_loss_definition="maxtext_scored")
   assert (mt.num_experts, mt.top_k, mt.d_model, mt.expert_ffn_dim) == (64, 6, 2048, 1408)
   assert mt.num_shared_experts == 2 and mt.shared_width == 2 * 1408
   assert mt.buffer_factor is None  # dropless
@@ -331,6 +339,10 @@ def test_deepseek_configs_yield_their_routing(d, want):
     assert MoEConfig.from_dict({**d, **MAXTEXT_BASE_ROUTING}) == c
 
 
+# The MaxText model files set no loss weight; HF's aux_loss_alpha picks DeepSeek's loss.
+_NO_AUX = dict(aux_loss_coef=0.0, aux_loss_definition="switch")
+
+
 def test_maxtext_and_hf_deepseek_routing_agree():
   """MaxText's V3 file with its documented flags (n_routing_groups=8, topk_routing_group=4) is
   HF's V3; MaxText's V2-236B file plus HF's routing keys is HF's V2; the V2-Lite pair agrees."""
@@ -338,19 +350,17 @@ def test_maxtext_and_hf_deepseek_routing_agree():
   mt_v3 = MoEConfig.from_dict(
     {**MAXTEXT_DEEPSEEK3_671B_MOE, "n_routing_groups": 8, "topk_routing_group": 4}
   )
-  assert mt_v3 == dataclasses.replace(hf_v3, aux_loss_coef=0.0)
+  assert mt_v3 == dataclasses.replace(hf_v3, **_NO_AUX)
   hf_v2 = MoEConfig.from_dict(HF_DEEPSEEK_V2_MOE)
   keys = {k: HF_DEEPSEEK_V2_MOE[k] for k in ("topk_method", "n_group", "topk_group")}
   mt_v2 = MoEConfig.from_dict({**MAXTEXT_DEEPSEEK2_236B_MOE, **keys})
-  assert mt_v2 == dataclasses.replace(hf_v2, aux_loss_coef=0.0)
+  assert mt_v2 == dataclasses.replace(hf_v2, **_NO_AUX)
   mt_v2 = MoEConfig.from_dict(
     {**MAXTEXT_DEEPSEEK2_236B_MOE, "n_routing_groups": 8, "topk_routing_group": 3, **keys}
   )
   assert mt_v2.n_group == 8 and mt_v2.topk_group == 3
   lite = MoEConfig.from_dict(HF_DEEPSEEK_V2_LITE_MOE)
-  assert dataclasses.replace(lite, aux_loss_coef=0.0) == MoEConfig.from_dict(
-    MAXTEXT_DEEPSEEK2_16B_MOE
-  )
+  assert dataclasses.replace(lite, **_NO_AUX) == MoEConfig.from_dict(MAXTEXT_DEEPSEEK2_16B_MOE)
   # Bias update rate and f32 gate logits: MaxText's names are our field names.
   c = MoEConfig.from_dict(
     {**MAXTEXT_DEEPSEEK3_671B_MOE, "routed_bias_update_rate": 1e-3, "float32_gate_logits": False}
@@ -397,3 +407,241 @@ def test_maxtext_and_hf_deepseek_routing_agree():
 def test_bad_deepseek_routing_raises_naming_key_and_fix(d, match):
   with pytest.raises(ValueError, match=match):
     MoEConfig.from_dict(d)
+
+
+# --- Hugging Face transformers 5 config.json files per model family (tests/data/hf_configs). ---
+
+HF_DIR = pathlib.Path(__file__).parent / "data" / "hf_configs"
+
+
+def _hf(name: str) -> dict:
+  return json.loads((HF_DIR / f"{name}.json").read_text())
+
+
+def _layer(c: MoEConfig):
+  return (
+    (c.num_experts, c.top_k, c.d_model, c.expert_ffn_dim),
+    (c.num_shared_experts, c.shared_width, c.shared_expert_gate),
+    (c.score_func, c.topk_method, c.n_group, c.topk_group, c.norm_topk_prob),
+    (c.routed_scaling_factor, c.float32_gate_logits, c.dtype),
+    (c.aux_loss_coef, c.aux_loss_definition),
+  )
+
+
+@pytest.mark.parametrize(
+  "name, want",
+  [
+    # Mixtral: experts of intermediate_size; softmax, top-k, always renormalised; logits in
+    # the model dtype; router_aux_loss_coef multiplies transformers' loss ("hf").
+    (
+      "mixtral_default",
+      ((8, 2, 4096, 14336), (0, 0, False), ("softmax", "greedy", 1, 1, True)),
+    ),
+    ("mixtral_bf16", ((4, 2, 64, 32), (0, 0, False), ("softmax", "greedy", 1, 1, True))),
+    # Qwen2-MoE: one sigmoid-gated shared expert of shared_expert_intermediate_size.
+    (
+      "qwen2_moe_default",
+      ((60, 4, 2048, 1408), (1, 5632, True), ("softmax", "greedy", 1, 1, False)),
+    ),
+    (
+      "qwen2_moe_no_shared",
+      ((60, 4, 2048, 1408), (0, 0, False), ("softmax", "greedy", 1, 1, True)),
+    ),
+    ("qwen3_moe_default", ((128, 8, 2048, 768), (0, 0, False), ("softmax", "greedy", 1, 1, False))),
+    # NOTE: mlp_only_layers / decoder_sparse_step say which layers are MoE: accepted.
+    (
+      "qwen3_moe_norm_topk",
+      ((128, 8, 2048, 768), (0, 0, False), ("softmax", "greedy", 1, 1, True)),
+    ),
+    # DeepSeek: transformers' V2 writes topk_method but no scoring_func (softmax), n_group null;
+    # its V3 writes neither (noaux_tc on sigmoid); neither writes an aux-loss coefficient.
+    (
+      "deepseek_v2_lite",
+      ((64, 6, 2048, 1408), (2, 2816, False), ("softmax", "greedy", 1, 1, False)),
+    ),
+    (
+      "deepseek_v2_group_limited",
+      ((160, 6, 5120, 1536), (2, 3072, False), ("softmax", "group_limited_greedy", 8, 3, False)),
+    ),
+    (
+      "deepseek_v3_default",
+      ((256, 8, 7168, 2048), (1, 2048, False), ("sigmoid", "noaux_tc", 8, 4, True)),
+    ),
+  ],
+)
+def test_transformers_configs_yield_their_layer(name, want):
+  d = _hf(name)
+  c = MoEConfig.from_dict(d)
+  assert _layer(c)[:3] == want
+  hf_router = d["model_type"] != "deepseek_v2" and d["model_type"] != "deepseek_v3"
+  assert c.float32_gate_logits is not hf_router
+  assert c.dtype == d.get("dtype", "float32")
+  coef = d.get("router_aux_loss_coef", 0.0)
+  assert (c.aux_loss_coef, c.aux_loss_definition) == (coef, "hf" if coef else "switch")
+
+
+def test_deepseek_hub_and_transformers_configs_agree():
+  """DeepSeek's published config.json (topk_method, scoring_func, ep_size, fp8 storage) reads
+  to the same layer as transformers' config class, which writes none of those."""
+  assert MoEConfig.from_dict(_hf("deepseek_v3_hub")) == MoEConfig.from_dict(_hf("deepseek_v3_bf16"))
+  hub_v2 = MoEConfig.from_dict(_hf("deepseek_v2_5_hub"))
+  tf_v2 = MoEConfig.from_dict(_hf("deepseek_v2_group_limited"))
+  assert (hub_v2.aux_loss_coef, hub_v2.aux_loss_definition) == (0.001, "sequence")
+  assert hub_v2 == dataclasses.replace(
+    tf_v2, dtype="bfloat16", aux_loss_coef=0.001, aux_loss_definition="sequence"
+  )
+  no_seq = MoEConfig.from_dict({**_hf("deepseek_v2_5_hub"), "seq_aux": False})
+  assert no_seq.aux_loss_definition == "switch"
+
+
+@pytest.mark.parametrize(
+  "name, extra, match",
+  [
+    ("deepseek_v2_default", {}, r"'num_experts_per_tok'=None .*unset; set it"),
+    ("mixtral_default", {"router_jitter_noise": 0.1}, r"router_jitter_noise=0.1.*set it to 0"),
+    ("deepseek_v2_lite", {"mlp_bias": True}, r"mlp_bias=True.*no bias"),
+    ("qwen3_moe_default", {"hidden_act": "gelu"}, r"only silu-gated"),
+    ("mixtral_default", {"norm_topk_prob": False}, r"'model_type'='mixtral' \(which means "),
+    ("deepseek_v3_hub", {"scoring_func": "softmax"}, r"'model_type'='deepseek_v3'.*'scoring_f"),
+    ("deepseek_v3_default", {"topk_method": "greedy"}, r"'model_type'='deepseek_v3'"),
+    ("mixtral_default", {"brand_new_key": 1}, r"unknown key 'brand_new_key'"),
+    ("mixtral_default", {"decoder_sparse_step": 1}, r"not a key of model_type 'mixtral'"),
+    ("mixtral_default", {"model_type": "glm4_moe"}, r"model_type='glm4_moe' is not a family"),
+    ("qwen2_moe_default", {"model_type": None}, r"depends on the family.*no 'model_type'"),
+  ],
+)
+def test_transformers_config_errors_name_the_key(name, extra, match):
+  d = {**_hf(name), **extra}
+  if d.get("model_type") is None:
+    del d["model_type"]
+  with pytest.raises(ValueError, match=match):
+    MoEConfig.from_dict(d)
+
+
+# --- The aux loss each framework's coefficient multiplies, against its formula in numpy. -------
+
+
+def _np_softmax(z):
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _np_topk(scores, k):
+  return np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+
+
+def hf_load_balancing_loss(logits, *, num_experts, top_k):
+  """transformers `load_balancing_loss_func` (modeling_mixtral.py), one layer, no mask."""
+  routing_weights = _np_softmax(logits)
+  selected = _np_topk(routing_weights, top_k)
+  tokens_per_expert = np.bincount(selected.reshape(-1), minlength=num_experts) / len(logits)
+  router_prob_per_expert = routing_weights.mean(0)
+  return num_experts * np.sum(tokens_per_expert * router_prob_per_expert)
+
+
+def deepseek_moegate_aux(scores, topk_idx, *, bsz, seq_aux):
+  """deepseek-ai modeling_deepseek.py `MoEGate.forward`'s aux loss (without `* alpha`)."""
+  n_routed_experts, top_k = scores.shape[-1], topk_idx.shape[-1]
+  seq_len = len(scores) // bsz
+  if seq_aux:
+    ce = np.zeros((bsz, n_routed_experts))
+    np.add.at(ce, (np.arange(bsz)[:, None], topk_idx.reshape(bsz, -1)), 1.0)
+    ce /= seq_len * top_k / n_routed_experts
+    return (ce * scores.reshape(bsz, seq_len, -1).mean(1)).sum(1).mean()
+  ce = np.eye(n_routed_experts)[topk_idx.reshape(-1)].mean(0)
+  return (scores.mean(0) * ce * n_routed_experts).sum()
+
+
+def maxtext_load_balance_loss(top_k_indices, gate_out, *, num_experts, top_k):
+  """MaxText `MoeBlock.load_balance_loss` (layers/moe.py) on [batch, seq, ...] arrays, with
+  the softmax its callers apply to the gate's output (without `* load_balance_loss_weight`)."""
+  summed_expert_mask = np.eye(num_experts)[top_k_indices].sum(axis=2)
+  density = summed_expert_mask.mean(axis=1) / top_k
+  density_prob = _np_softmax(gate_out).mean(axis=1)
+  return np.mean(density * density_prob) * num_experts**2
+
+
+_SMALL_HF = {"hidden_size": 16, "num_experts_per_tok": 2, "gmm_impl": "ragged_dot"}
+_SMALL_MT = {"num_experts": 8, "num_experts_per_tok": 2, "base_emb_dim": 16, "base_moe_mlp_dim": 8}
+
+
+def _block_aux(config: MoEConfig, tokens: int = 16):
+  """(aux_loss of the plain ep=1 block, [T, E] router logits) on random tokens."""
+  from pallas_moe import moe
+
+  params = moe.init_params(jax.random.key(0), config)
+  x = jax.random.normal(jax.random.key(1), (tokens, config.d_model), jnp.float32)
+  _, aux = jax.jit(functools.partial(moe.moe_block, config=config))(params, x)
+  logits = np.asarray(x, np.float64) @ np.asarray(params["router"], np.float64)
+  return float(aux["aux_loss"]), logits
+
+
+@pytest.mark.parametrize("seq_aux", [True, False])
+def test_aux_loss_deepseek_aux_loss_alpha(seq_aux):
+  c = MoEConfig.from_dict(
+    {
+      **_SMALL_HF,
+      "model_type": "deepseek_v2",
+      "n_routed_experts": 8,
+      "moe_intermediate_size": 8,
+      "n_shared_experts": 0,
+      "aux_loss_alpha": 0.001,
+      "seq_aux": seq_aux,
+      "aux_loss_seq_len": 4,
+    }
+  )
+  assert c.aux_loss_definition == ("sequence" if seq_aux else "switch")
+  got, logits = _block_aux(c)
+  scores = _np_softmax(logits)
+  want = deepseek_moegate_aux(scores, _np_topk(scores, 2), bsz=4, seq_aux=seq_aux)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_aux_loss_hf_router_aux_loss_coef_is_top_k_times_switch():
+  d = {**_hf("mixtral_bf16"), "dtype": "float32", "gmm_impl": "ragged_dot"}
+  c = MoEConfig.from_dict(d)
+  assert (c.aux_loss_coef, c.aux_loss_definition, c.top_k) == (0.02, "hf", 2)
+  got, logits = _block_aux(c)
+  want = hf_load_balancing_loss(logits, num_experts=4, top_k=2)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  switch, _ = _block_aux(dataclasses.replace(c, aux_loss_definition="switch"))
+  np.testing.assert_allclose(got, 2 * switch, rtol=1e-5)
+
+
+@pytest.mark.parametrize("score_func", ["", "softmax", "sigmoid"])
+def test_aux_loss_maxtext_load_balance_loss_weight(score_func):
+  d = {**_SMALL_MT, "load_balance_loss_weight": 0.01, "max_target_length": 4, "megablox": False}
+  if score_func:
+    d["routed_score_func"] = score_func
+  c = MoEConfig.from_dict(d)
+  assert c.aux_loss_definition == ("maxtext_scored" if score_func else "sequence")
+  assert c.aux_loss_seq_len == 4
+  got, logits = _block_aux(c)
+  # NOTE: MaxText's gate output is score_func(logits) when routed_score_func is set; its
+  # top-k (and ours, with a zero correction bias and no groups) is over those scores.
+  gate_out = {"": logits, "softmax": _np_softmax(logits), "sigmoid": 1 / (1 + np.exp(-logits))}
+  g = gate_out[score_func]
+  want = maxtext_load_balance_loss(
+    _np_topk(g, 2).reshape(4, 4, 2), g.reshape(4, 4, 8), num_experts=8, top_k=2
+  )
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_aux_loss_sequences_over_a_mesh():
+  """Per-sequence loss under moe_layer: each device holds whole sequences; the mean over all."""
+  from pallas_moe import moe
+
+  c = MoEConfig(
+    num_experts=8, top_k=2, d_model=16, expert_ffn_dim=8, gmm_impl="ragged_dot",
+    aux_loss_definition="sequence", aux_loss_seq_len=4,
+  )  # fmt: skip
+  params = moe.init_params(jax.random.key(0), c)
+  x = jax.random.normal(jax.random.key(1), (64, 16), jnp.float32)
+  mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  _, aux = jax.jit(functools.partial(moe.moe_layer, config=c, mesh=mesh))(params, x)
+  scores = _np_softmax(np.asarray(x, np.float64) @ np.asarray(params["router"], np.float64))
+  want = deepseek_moegate_aux(scores, _np_topk(scores, 2), bsz=16, seq_aux=True)
+  np.testing.assert_allclose(float(aux["aux_loss"]), want, rtol=1e-5)
+  bad = dataclasses.replace(c, aux_loss_seq_len=16)
+  with pytest.raises(ValueError, match=r"T=8 tokens on each device a multiple of seq_len"):
+    jax.jit(functools.partial(moe.moe_layer, config=bad, mesh=mesh))(params, x)
