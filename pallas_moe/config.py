@@ -50,6 +50,8 @@ class MoEConfig:
     num_shared_experts: experts every token goes through (a dense MLP).
     shared_ffn_dim: hidden width of each shared expert (default `expert_ffn_dim`); the shared
       MLP is one SwiGLU MLP of width `num_shared_experts * shared_ffn_dim`, as in DeepSeek.
+    shared_expert_gate: multiply the shared experts' output per token by
+      `sigmoid(x @ shared_gate)` (Qwen2-MoE).
     activation: "swiglu": `silu(x @ w_gate) * (x @ w_up)`.
     score_func: router scores, "softmax" or "sigmoid" over the expert logits.
     norm_topk_prob: divide the top-k scores by their sum.
@@ -111,6 +113,7 @@ class MoEConfig:
   expert_ffn_dim: int
   num_shared_experts: int = 0
   shared_ffn_dim: int | None = None
+  shared_expert_gate: bool = False
   activation: str = "swiglu"
   score_func: str = "softmax"
   norm_topk_prob: bool = False
@@ -149,6 +152,15 @@ class MoEConfig:
       )
     if self.shared_ffn_dim is not None and self.shared_ffn_dim < 1:
       raise ValueError(f"MoEConfig.shared_ffn_dim must be >= 1, got {self.shared_ffn_dim!r}.")
+    if not isinstance(self.shared_expert_gate, bool):
+      raise TypeError(
+        f"MoEConfig.shared_expert_gate must be a bool, got {self.shared_expert_gate!r}."
+      )
+    if self.shared_expert_gate and self.num_shared_experts < 1:
+      raise ValueError(
+        "MoEConfig.shared_expert_gate=True gates the shared experts' output, but "
+        "num_shared_experts=0: set num_shared_experts >= 1 (Qwen2-MoE: 1) or the gate to False."
+      )
     _check_choice("activation", self.activation, _ACTIVATIONS)
     _check_choice("score_func", self.score_func, _SCORE_FUNCS)
     _check_choice("topk_method", self.topk_method, _TOPK_METHODS)
