@@ -11,6 +11,7 @@ from pallas_moe.collectives import (
   ragged_all_to_all,
 )
 from pallas_moe.config import MoEConfig
+from pallas_moe.hf import from_hf, to_hf
 from pallas_moe.moe import (
   dropless_buffer_rows,
   init_params,
@@ -32,6 +33,7 @@ __all__ = [
   "dispatch",
   "dropless_buffer_rows",
   "exact_buffer_rows",
+  "from_hf",
   "gmm",
   "init_params",
   "moe_block",
@@ -42,4 +44,5 @@ __all__ = [
   "quantize",
   "ragged_all_to_all",
   "tgmm",
+  "to_hf",
 ]

@@ -187,6 +187,15 @@ class MoEConfig:
       )
     if self.shared_ffn_dim is not None and self.shared_ffn_dim < 1:
       raise ValueError(f"MoEConfig.shared_ffn_dim must be >= 1, got {self.shared_ffn_dim!r}.")
+    if not isinstance(self.shared_expert_gate, bool):
+      raise TypeError(
+        f"MoEConfig.shared_expert_gate must be a bool, got {self.shared_expert_gate!r}."
+      )
+    if self.shared_expert_gate and self.num_shared_experts < 1:
+      raise ValueError(
+        "MoEConfig.shared_expert_gate=True gates the shared experts' output, but "
+        "num_shared_experts=0: set num_shared_experts >= 1 (Qwen2-MoE: 1) or the gate to False."
+      )
     _check_choice("activation", self.activation, _ACTIVATIONS)
     _check_choice("aux_loss_definition", self.aux_loss_definition, AUX_LOSS_DEFINITIONS)
     v = self.aux_loss_seq_len

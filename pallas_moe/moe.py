@@ -13,7 +13,8 @@ Data flow on one device (inside `jax.shard_map` over a mesh with a data axis and
   experts      gmm(rows, wi[E_l, d, 2f]) -> SwiGLU -> gmm(., wo[E_l, f, d])
   combine      the reverse exchange; rows that were dropped come back masked to exactly 0
   unsort       an inverse-permutation gather back to (token, choice) order, then the weighted sum
-               over the k choices (+ the shared-expert MLP)
+               over the k choices (+ the shared-expert MLP, with Qwen2-MoE's per-token gate
+               `sigmoid(x @ shared_gate)` when `config.shared_expert_gate`)
 
 Expert placement (`config.expert_placement`, a permutation `placement` of range(E)): weight slot
 j (device j // E_l) holds global expert placement[j]; `place_experts` stores `wi`/`wo` that way.
@@ -110,6 +111,7 @@ def init_params(key: jax.Array, config: MoEConfig) -> dict[str, jax.Array]:
   Returns:
     A dict: `router` [d, E]; `wi` [E, d, 2f] (gate columns then up columns); `wo` [E, f, d];
     with shared experts also `shared_wi` [d, 2s] and `shared_wo` [s, d], `s = config.shared_width`;
+    with `shared_expert_gate` also `shared_gate` [d, 1] (Qwen2-MoE's `shared_expert_gate`);
     with `topk_method="noaux_tc"` also the correction bias `e_score_correction_bias` [E] f32,
     zeros (`routing.BIAS_KEY`): state, not a weight (its gradient is exactly 0; update it with
     `update_routed_bias`, leave it out of the optimizer with `trainable`).
@@ -129,6 +131,9 @@ def init_params(key: jax.Array, config: MoEConfig) -> dict[str, jax.Array]:
   if s:
     params["shared_wi"] = normal(keys[3], (d, 2 * s), d)
     params["shared_wo"] = normal(keys[4], (s, d), s)
+  if config.shared_expert_gate:
+    # NOTE: fold_in, not a sixth split: the other params stay what they were for a given key.
+    params["shared_gate"] = normal(jax.random.fold_in(key, 5), (d, 1), d)
   if config.has_routed_bias:
     # NOTE: f32 whatever weight_dtype is: updates of rate 1e-3 would vanish in bf16.
     params[BIAS_KEY] = jnp.zeros((e,), jnp.float32)
@@ -165,6 +170,7 @@ def param_specs(config: MoEConfig, params: dict | None = None) -> dict[str, P]:
 def _param_keys(config: MoEConfig) -> tuple[str, ...]:
   keys = ("router", "wi", "wo")
   keys += ("shared_wi", "shared_wo") if config.shared_width else ()
+  keys += ("shared_gate",) if config.shared_expert_gate else ()
   return keys + ((BIAS_KEY,) if config.has_routed_bias else ())
 
 
@@ -310,9 +316,28 @@ def expert_mlp(
   return _grouped_matmul(swiglu(h), wo, group_sizes, tiling=config.wo_tiling, **kw)
 
 
-def shared_mlp(x, wi, wo) -> jax.Array:
-  """Dense SwiGLU MLP (the shared experts): `swiglu(x @ wi) @ wo`."""
-  return jnp.dot(swiglu(jnp.dot(x, wi)), wo)
+def shared_mlp(x, wi, wo, *, gate=None, float32_gate: bool = True) -> jax.Array:
+  """Dense SwiGLU MLP (the shared experts): `swiglu(x @ wi) @ wo`, optionally gated per token.
+
+  Args:
+    x: [T, d] tokens.
+    wi: [d, 2s] gate|up weights.
+    wo: [s, d] down weights.
+    gate: None, or [d, 1] Qwen2-MoE's `shared_expert_gate`: the output is multiplied per token
+      by `sigmoid(x @ gate)`.
+    float32_gate: the gate's logit `x @ gate` in f32 (like the router's, `float32_gate_logits`);
+      else in x's dtype. The sigmoid and the product are in f32 either way.
+
+  Returns:
+    [T, d] f32.
+  """
+  out = jnp.dot(swiglu(jnp.dot(x, wi)), wo).astype(jnp.float32)
+  if gate is None:
+    return out
+  # NOTE: Hugging Face's Qwen2-MoE applies this Linear(d, 1) and the sigmoid in the model dtype.
+  # Here the logit is computed like the router's (f32 by default): a [T, d] x [d, 1] product
+  # costs nothing next to the MLP, and in bf16 the result differs from HF's only by rounding.
+  return out * jax.nn.sigmoid(router_logits(x, gate, float32=float32_gate))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -617,8 +642,13 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     functools.reduce(jnp.add, sizes), placement=config.expert_placement
   )
   if config.shared_width:
-    y = y + shared_mlp(x, params["shared_wi"].astype(dt), params["shared_wo"].astype(dt)).astype(
-      jnp.float32
+    gate = params["shared_gate"] if config.shared_expert_gate else None
+    y = y + shared_mlp(
+      x,
+      params["shared_wi"].astype(dt),
+      params["shared_wo"].astype(dt),
+      gate=gate,
+      float32_gate=config.float32_gate_logits,
     )
   aux = {
     "aux_loss": load_balance_loss(

@@ -89,7 +89,8 @@ def moe(params: dict, x: jax.Array, config, *, keep: jax.Array | None = None):
 
   Args:
     params: `moe.init_params` layout: router [d, E], wi [E, d, 2f], wo [E, f, d], optional
-      shared_wi [d, 2s], shared_wo [s, d].
+      shared_wi [d, 2s], shared_wo [s, d], shared_gate [d, 1] (the shared output times
+      `sigmoid(x @ shared_gate)` per token).
     x: [T, d] tokens.
     config: a `MoEConfig`.
     keep: optional [T, k] bool; False (token, choice) pairs contribute nothing (dropped rows).
@@ -131,7 +132,10 @@ def moe(params: dict, x: jax.Array, config, *, keep: jax.Array | None = None):
   if "shared_wi" in params:
     h = jnp.dot(x, f32(params["shared_wi"]), precision=hi)
     s = h.shape[1] // 2
-    y = y + jnp.dot(jax.nn.silu(h[:, :s]) * h[:, s:], f32(params["shared_wo"]), precision=hi)
+    shared = jnp.dot(jax.nn.silu(h[:, :s]) * h[:, s:], f32(params["shared_wo"]), precision=hi)
+    if "shared_gate" in params:
+      shared = shared * jax.nn.sigmoid(jnp.dot(x, f32(params["shared_gate"]), precision=hi))
+    y = y + shared
   counts = jnp.zeros((num_experts,), jnp.float32).at[ids.reshape(-1)].add(1.0)
   frac = jax.lax.stop_gradient(counts / (x.shape[0] * config.top_k))
   aux = num_experts * jnp.sum(frac * probs.mean(axis=0))

@@ -1,0 +1,384 @@
+"""Tests for pallas_moe.hf (Hugging Face weights) and the Qwen2-MoE shared-expert gate.
+
+Each family's block runs on HF-layout random weights converted by `from_hf`, through `moe_layer`
+on 8 CPU devices, against a float64 rendering of that family's MoE forward written from
+transformers 5's modeling code (`hf_moe` below; numpy for the forward, jnp under x64 for the
+gradients). Nothing here needs torch or transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_moe import from_hf, moe, reference, to_hf
+from pallas_moe.config import MoEConfig
+from pallas_moe.hf import FAMILIES
+
+# NOTE: the block computes in f32 (eps 1.2e-7) on f32 weights, the reference in f64 on the same
+# values: measured errors are 1-3e-7 of the largest entry (a few f32 ulps). 1e-5 of it (~80 ulps)
+# leaves 30x room; a layout or routing mistake errs by O(1).
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+BF16_TOL = dict(rtol=5e-2, atol=2e-2)
+
+D, F, E, K, T = 16, 8, 8, 2, 32
+CONFIGS = {
+  # HF: softmax -> top-k -> always renormalised.
+  "mixtral": MoEConfig(num_experts=E, top_k=K, d_model=D, expert_ffn_dim=F, norm_topk_prob=True),
+  # HF: softmax -> top-k (norm_topk_prob: false in Qwen1.5-MoE), sigmoid-gated shared expert.
+  "qwen2_moe": MoEConfig(
+    num_experts=E,
+    top_k=K,
+    d_model=D,
+    expert_ffn_dim=F,
+    num_shared_experts=1,
+    shared_ffn_dim=12,
+    shared_expert_gate=True,
+  ),
+  "qwen3_moe": MoEConfig(num_experts=E, top_k=K, d_model=D, expert_ffn_dim=F, norm_topk_prob=True),
+  # HF: softmax, group score = best expert, masked top-k, times routed_scaling_factor.
+  "deepseek_v2": MoEConfig(
+    num_experts=E,
+    top_k=K,
+    d_model=D,
+    expert_ffn_dim=F,
+    num_shared_experts=2,
+    topk_method="group_limited_greedy",
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+  ),
+  # HF: sigmoid + bias for the choice, group score = top-2 sum, normalised, times the factor.
+  "deepseek_v3": MoEConfig(
+    num_experts=E,
+    top_k=K,
+    d_model=D,
+    expert_ffn_dim=F,
+    num_shared_experts=1,
+    score_func="sigmoid",
+    topk_method="noaux_tc",
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+  ),
+}
+
+
+def _mesh(data: int, ep: int):
+  return jax.make_mesh((data, ep), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def hf_state_dict(family: str, *, fused: bool, seed: int = 0, prefix: str = "") -> dict:
+  """Random float32 weights of one MoE block under HF names and [out, in] layouts."""
+  config, fam = CONFIGS[family], FAMILIES[family]
+  rng = np.random.default_rng(seed)
+  w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+  g, u, dn = fam.experts
+  sd = {"gate.weight": w(E, D)}
+  if fam.bias:
+    sd["gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(E)).astype(np.float32)
+  if fused:
+    sd["experts.gate_up_proj"] = w(E, 2 * F, D)
+    sd["experts.down_proj"] = w(E, D, F)
+  else:
+    for i in range(E):
+      sd |= {f"experts.{i}.{g}.weight": w(F, D), f"experts.{i}.{u}.weight": w(F, D)}
+      sd[f"experts.{i}.{dn}.weight"] = w(D, F)
+  if fam.shared:
+    s = config.shared_width
+    sd[f"{fam.shared}.gate_proj.weight"] = w(s, D)
+    sd[f"{fam.shared}.up_proj.weight"] = w(s, D)
+    sd[f"{fam.shared}.down_proj.weight"] = w(D, s)
+  if fam.shared_gate:
+    sd["shared_expert_gate.weight"] = w(1, D)
+  return {prefix + k: v for k, v in sd.items()}
+
+
+# --- the HF forward, written from transformers 5's modeling_{family}.py -----------------------
+
+
+def _softmax(xp, z):
+  z = z - z.max(axis=-1, keepdims=True)
+  return xp.exp(z) / xp.exp(z).sum(axis=-1, keepdims=True)
+
+
+def _sigmoid(xp, z):
+  return 1.0 / (1.0 + xp.exp(-z))
+
+
+def _mlp(xp, x, wg, wu, wd):
+  """HF's SwiGLU MLP with [out, in] weights: down(silu(gate(x)) * up(x))."""
+  h = x @ wg.T
+  return ((h * _sigmoid(xp, h)) * (x @ wu.T)) @ wd.T
+
+
+def _scores(xp, family, sd, x):
+  logits = x @ sd["gate.weight"].T
+  return _sigmoid(xp, logits) if family == "deepseek_v3" else _softmax(xp, logits)
+
+
+def _topk(a, k):
+  return np.argsort(-a, axis=-1, kind="stable")[:, :k]
+
+
+def hf_choice(family: str, sd: dict, x: np.ndarray) -> np.ndarray:
+  """[T, k] chosen experts (numpy, float64): the routers' non-differentiable part."""
+  config = CONFIGS[family]
+  scores = _scores(np, family, sd, x)
+  if family == "deepseek_v2":
+    # DeepseekV2TopkRouter, group_limited_greedy: group score = max; other groups' scores -> 0.
+    grouped = scores.reshape(len(x), config.n_group, -1)
+    kept = _topk(grouped.max(-1), config.topk_group)
+    mask = np.zeros(grouped.shape[:2], bool)
+    np.put_along_axis(mask, kept, True, axis=1)
+    scores = np.where(np.repeat(mask, E // config.n_group, axis=1), scores, 0.0)
+  elif family == "deepseek_v3":
+    # DeepseekV3TopkRouter: biased scores; group score = sum of the top 2; others -> -inf.
+    choice = scores + sd["gate.e_score_correction_bias"]
+    grouped = choice.reshape(len(x), config.n_group, -1)
+    kept = _topk(np.sort(grouped, -1)[..., -2:].sum(-1), config.topk_group)
+    mask = np.zeros(grouped.shape[:2], bool)
+    np.put_along_axis(mask, kept, True, axis=1)
+    scores = np.where(np.repeat(mask, E // config.n_group, axis=1), choice, -np.inf)
+  return _topk(scores, config.top_k)
+
+
+def hf_moe(xp, family: str, sd: dict, x, ids):
+  """The family's MoE block output [T, d] given the choice `ids`, differentiable in sd and x."""
+  config, fam = CONFIGS[family], FAMILIES[family]
+  scores = _scores(xp, family, sd, x)
+  w = xp.take_along_axis(scores, xp.asarray(ids), axis=1)
+  if family == "mixtral" or (family in ("qwen2_moe", "qwen3_moe") and config.norm_topk_prob):
+    w = w / w.sum(axis=-1, keepdims=True)
+  elif family == "deepseek_v2":
+    w = w * config.routed_scaling_factor  # HF 5 applies it whatever norm_topk_prob is
+  elif family == "deepseek_v3":
+    if config.norm_topk_prob:
+      w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
+    w = w * config.routed_scaling_factor
+  g, u, dn = fam.experts
+  y = 0.0
+  for e in range(E):
+    if "experts.gate_up_proj" in sd:
+      wg, wu = sd["experts.gate_up_proj"][e, :F], sd["experts.gate_up_proj"][e, F:]
+      wd = sd["experts.down_proj"][e]
+    else:
+      wg, wu = sd[f"experts.{e}.{g}.weight"], sd[f"experts.{e}.{u}.weight"]
+      wd = sd[f"experts.{e}.{dn}.weight"]
+    coef = (w * (xp.asarray(ids) == e)).sum(axis=1)
+    y = y + coef[:, None] * _mlp(xp, x, wg, wu, wd)
+  if fam.shared:
+    s = fam.shared
+    shared = _mlp(
+      xp, x, sd[f"{s}.gate_proj.weight"], sd[f"{s}.up_proj.weight"], sd[f"{s}.down_proj.weight"]
+    )
+    if fam.shared_gate:
+      shared = _sigmoid(xp, x @ sd["shared_expert_gate.weight"].T) * shared
+    y = y + shared
+  return y
+
+
+def _hf_grads(family, sd, x, ids, ct):
+  """jax.grad of sum(hf_moe * ct) in float64 wrt (sd, x)."""
+  with jax.enable_x64(True):
+    f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))
+    loss = lambda p, x: jnp.sum(hf_moe(jnp, family, p, x, ids) * f64(ct))
+    gp, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(jax.tree.map(f64, sd), f64(x))
+    return jax.tree.map(np.asarray, gp), np.asarray(gx)
+
+
+def _block_grads(params, x, config, mesh, ct):
+  def loss(p, x):
+    y, _ = moe.moe_layer(p, x, config, mesh)
+    return jnp.sum(y.astype(jnp.float32) * ct), y
+
+  (_, y), (gp, gx) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+  return np.asarray(y), jax.tree.map(np.asarray, gp), np.asarray(gx)
+
+
+def _close(got, want, tol, name):
+  atol = tol["atol"] * max(1.0, float(np.abs(want).max()))
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol["rtol"], atol=atol,
+                             err_msg=name)  # fmt: skip
+
+
+# NOTE: each family runs once, the families alternate between the (2, 4) and (1, 8) meshes and
+# between the two expert layouts (test_layouts_agree_and_placement shows both give the same
+# params). The experts' matmuls are `ragged_dot`: what is tested here is the conversion and the
+# routing semantics; the Pallas gmm path is test_moe's (and costs ~4x the compile time on CPU).
+@pytest.mark.parametrize(
+  "family, data, ep, fused",
+  [
+    ("mixtral", 2, 4, False),
+    ("qwen2_moe", 1, 8, True),
+    ("qwen3_moe", 2, 4, True),
+    ("deepseek_v2", 1, 8, False),
+    ("deepseek_v3", 2, 4, False),
+  ],
+)
+def test_family_matches_hf_forward_and_grads(family, data, ep, fused):
+  """from_hf + moe_layer (dropless) equals the family's HF forward; grads too (via to_hf)."""
+  config = replace(CONFIGS[family], gmm_impl="ragged_dot")
+  prefix = "model.layers.1.mlp."
+  sd = hf_state_dict(family, fused=fused, prefix=prefix)
+  # NOTE: another layer's weights in the same dict are ignored (a whole model's dict works).
+  other = hf_state_dict(family, fused=fused, seed=1, prefix="model.layers.11.mlp.")
+  params = from_hf(sd | other, config, prefix=prefix)
+  rng = np.random.default_rng(2)
+  x = rng.standard_normal((T, D)).astype(np.float32)
+  ct = rng.standard_normal((T, D)).astype(np.float32)
+  y, gp, gx = _block_grads(params, x, config, _mesh(data, ep), ct)
+
+  block = {k.removeprefix(prefix): np.asarray(v, np.float64) for k, v in sd.items()}
+  x64 = x.astype(np.float64)
+  ids = hf_choice(family, block, x64)
+  _close(y, hf_moe(np, family, block, x64, ids), F32_TOL, "y")
+  want_gp, want_gx = _hf_grads(family, block, x64, ids, ct)
+  _close(gx, want_gx, F32_TOL, "dx")
+  got_gp = to_hf(gp, config, family=family, fused=fused)
+  assert set(got_gp) == set(want_gp)
+  for k in want_gp:
+    _close(got_gp[k], want_gp[k], F32_TOL, f"d[{k}]")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("fused", [False, True])
+def test_round_trip(family, fused):
+  """to_hf(from_hf(sd)) == sd exactly (names, layouts, dtypes), with and without a prefix."""
+  config = CONFIGS[family]
+  prefix = "model.layers.0.mlp." if fused else ""
+  sd = hf_state_dict(family, fused=fused, prefix=prefix)
+  back = to_hf(from_hf(sd, config, prefix=prefix, family=family), config, family=family,
+               prefix=prefix, fused=fused)  # fmt: skip
+  assert list(back) == list(sd) or set(back) == set(sd)
+  for k, v in sd.items():
+    assert back[k].dtype == v.dtype and back[k].shape == v.shape, k
+    np.testing.assert_array_equal(back[k], v, err_msg=k)
+
+
+def test_layouts_agree_and_placement():
+  """Fused and per-expert forms give the same params; a placement stores wi/wo in slot order."""
+  config = CONFIGS["deepseek_v3"]
+  per_expert = hf_state_dict("deepseek_v3", fused=False)
+  fused = to_hf(from_hf(per_expert, config), config, family="deepseek_v3", fused=True)
+  a, b = from_hf(per_expert, config), from_hf(fused, config)
+  assert set(a) == set(b) == set(moe.param_specs(config))
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+  assert a["e_score_correction_bias"].dtype == np.float32
+  placement = (3, 1, 7, 0, 2, 6, 5, 4)
+  placed_config = replace(config, expert_placement=placement)
+  placed = from_hf(per_expert, placed_config)
+  np.testing.assert_array_equal(placed["wi"], a["wi"][list(placement)])
+  np.testing.assert_array_equal(placed["router"], a["router"])
+  back = to_hf(placed, placed_config, family="deepseek_v3")
+  for k, v in per_expert.items():
+    np.testing.assert_array_equal(back[k], v, err_msg=k)
+
+
+def test_weight_dtype():
+  """from_hf casts to config.weight_dtype (the correction bias stays f32); to_hf keeps dtypes."""
+  config = replace(CONFIGS["deepseek_v3"], weight_dtype="bfloat16")
+  sd = hf_state_dict("deepseek_v3", fused=True)
+  params = from_hf(sd, config)
+  bias = "e_score_correction_bias"
+  assert all(v.dtype == jnp.bfloat16 for k, v in params.items() if k != bias)
+  assert params[bias].dtype == np.float32
+  np.testing.assert_array_equal(params["router"], sd["gate.weight"].T.astype(jnp.bfloat16))
+  back = to_hf(params, config, family="deepseek_v3", fused=True)
+  assert back["experts.down_proj"].dtype == jnp.bfloat16
+
+
+def test_errors_name_the_key():
+  config = CONFIGS["deepseek_v3"]
+  pre = "model.layers.2.mlp."
+  sd = hf_state_dict("deepseek_v3", fused=False, prefix=pre)
+  missing = {k: v for k, v in sd.items() if not k.endswith("experts.5.up_proj.weight")}
+  with pytest.raises(ValueError, match=r"missing .*'model\.layers\.2\.mlp\.experts\.5\.up_proj"):
+    from_hf(missing, config, prefix=pre)
+  with pytest.raises(ValueError, match=r"unexpected .*experts\.8\.gate_proj\.weight"):
+    from_hf(sd | {pre + "experts.8.gate_proj.weight": np.zeros((F, D))}, config, prefix=pre)
+  with pytest.raises(ValueError, match=r"shared_experts\.down_proj\.weight' has shape \(16, 7\)"):
+    from_hf(sd | {pre + "shared_experts.down_proj.weight": np.zeros((D, 7))}, config, prefix=pre)
+  with pytest.raises(ValueError, match=r"no key starts with prefix='model\.layers\.3\.mlp\.'"):
+    from_hf(sd, config, prefix="model.layers.3.mlp")
+  no_bias = replace(CONFIGS["deepseek_v2"], num_shared_experts=1)
+  with pytest.raises(ValueError, match=r"gate\.e_score_correction_bias.*noaux_tc"):
+    from_hf(sd, no_bias, prefix=pre)
+  with pytest.raises(ValueError, match="'qwen2_moe' blocks gate their shared expert"):
+    from_hf(sd, config, prefix=pre, family="qwen2_moe")
+  with pytest.raises(ValueError, match="family='llama' is not one of"):
+    to_hf(from_hf(sd, config, prefix=pre), config, family="llama")
+  params = from_hf(sd, config, prefix=pre)
+  with pytest.raises(ValueError, match=r"params\['wo'\] has shape \(4, 8, 16\)"):
+    to_hf(params | {"wo": params["wo"][:4]}, config, family="deepseek_v3")
+  with pytest.raises(ValueError, match=r"missing \['e_score_correction_bias'\]"):
+    to_hf({k: v for k, v in params.items() if k != "e_score_correction_bias"}, config,
+          family="deepseek_v3")  # fmt: skip
+  qwen = CONFIGS["qwen2_moe"]
+  ungated = hf_state_dict("qwen2_moe", fused=True)
+  ungated.pop("shared_expert_gate.weight")
+  with pytest.raises(ValueError, match="missing .*'shared_expert_gate.weight'.*shared_expert_gate"):
+    from_hf(ungated, qwen)
+
+
+# --- the Qwen2-MoE shared-expert gate against pallas_moe.reference ----------------------------
+
+
+def test_shared_expert_gate_config():
+  with pytest.raises(ValueError, match="shared_expert_gate=True .* num_shared_experts=0"):
+    MoEConfig(num_experts=E, top_k=K, d_model=D, expert_ffn_dim=F, shared_expert_gate=True)
+  with pytest.raises(TypeError, match="shared_expert_gate must be a bool"):
+    MoEConfig(num_experts=E, top_k=K, d_model=D, expert_ffn_dim=F, num_shared_experts=1,
+              shared_expert_gate=1)  # fmt: skip
+  config = CONFIGS["qwen2_moe"]
+  params = moe.init_params(jax.random.key(0), config)
+  assert params["shared_gate"].shape == (D, 1)
+  assert moe.param_specs(config)["shared_gate"] == jax.sharding.PartitionSpec()
+  # NOTE: the gate's key is folded in: the other params are those of the ungated config.
+  ungated = moe.init_params(jax.random.key(0), replace(config, shared_expert_gate=False))
+  for k, v in ungated.items():
+    np.testing.assert_array_equal(params[k], v, err_msg=k)
+
+
+@functools.cache
+def _ref_grads_fn(config):
+  def loss(p, x, ct):
+    y, _, _ = reference.moe(p, x, config)
+    return jnp.sum(y * ct), y
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+# NOTE: ragged_dot experts as above: the gate acts after the experts, on the shared MLP only.
+# The f32 gate on the (1, 8) mesh is test_family_matches_hf_forward_and_grads[qwen2_moe]'s.
+@pytest.mark.parametrize("data, ep, dtype", [(2, 4, "bfloat16")])
+def test_shared_expert_gate_matches_reference(data, ep, dtype):
+  """moe_layer with the gated shared expert: forward and all grads equal reference.moe, here in
+  bf16 with the gate's logit in bf16 too (`float32_gate_logits=False`, as HF computes it)."""
+  config = replace(
+    CONFIGS["qwen2_moe"],
+    dtype=dtype,
+    weight_dtype=dtype,
+    float32_gate_logits=dtype == "float32",
+    gmm_impl="ragged_dot",
+  )
+  params = moe.init_params(jax.random.key(4), config)
+  x = jax.random.normal(jax.random.key(5), (T, D), jnp.float32).astype(dtype)
+  ct = jax.random.normal(jax.random.key(6), (T, D), jnp.float32)
+  y, gp, gx = _block_grads(params, x, config, _mesh(data, ep), ct)
+  (_, ry), (rgp, rgx) = _ref_grads_fn(config)(params, x, ct)
+  tol = F32_TOL if dtype == "float32" else BF16_TOL
+  f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+  _close(f64(y), f64(ry), tol, "y")
+  _close(f64(gx), f64(rgx), tol, "dx")
+  assert set(gp) == set(rgp)
+  for k in rgp:
+    _close(f64(gp[k]), f64(rgp[k]), tol, f"d{k}")
+  assert float(np.abs(f64(gp["shared_gate"])).max()) > 0
