@@ -83,7 +83,10 @@ class MoEConfig:
     float32_gate_logits: router matmul in f32 (default); False: in `dtype` (MaxText's flag).
       NOTE: MaxText's base.yml defaults it to false; ours is true because DeepSeek's published
       gate (HF `MoEGate`) computes its logits in f32, and bf16 logits flip top-k choices on
-      near ties. A MaxText config that sets the key keeps its value.
+      near ties. A MaxText config that sets the key keeps its value. The shared expert's
+      gate logit (`shared_expert_gate`) follows the same flag. `from_dict` of a Mixtral or
+      Qwen config.json sets it False (their routers compute logits in the model dtype) unless
+      the dict sets it.
     buffer_factor: None (default): dropless, see `moe.buffer_rows_for`. A float `f`: each
       device's receive buffer has `ceil(f * tokens_per_device * top_k)` rows; overflowing rows
       are dropped and counted.

@@ -9,6 +9,8 @@ gradients). Nothing here needs torch or transformers.
 from __future__ import annotations
 
 import functools
+import json
+import pathlib
 from dataclasses import replace
 
 import jax
@@ -27,47 +29,43 @@ F32_TOL = dict(rtol=1e-5, atol=1e-5)
 BF16_TOL = dict(rtol=5e-2, atol=2e-2)
 
 D, F, E, K, T = 16, 8, 8, 2, 32
-CONFIGS = {
-  # HF: softmax -> top-k -> always renormalised.
-  "mixtral": MoEConfig(num_experts=E, top_k=K, d_model=D, expert_ffn_dim=F, norm_topk_prob=True),
-  # HF: softmax -> top-k (norm_topk_prob: false in Qwen1.5-MoE), sigmoid-gated shared expert.
-  "qwen2_moe": MoEConfig(
-    num_experts=E,
-    top_k=K,
-    d_model=D,
-    expert_ffn_dim=F,
-    num_shared_experts=1,
-    shared_ffn_dim=12,
-    shared_expert_gate=True,
-  ),
-  "qwen3_moe": MoEConfig(num_experts=E, top_k=K, d_model=D, expert_ffn_dim=F, norm_topk_prob=True),
-  # HF: softmax, group score = best expert, masked top-k, times routed_scaling_factor.
-  "deepseek_v2": MoEConfig(
-    num_experts=E,
-    top_k=K,
-    d_model=D,
-    expert_ffn_dim=F,
-    num_shared_experts=2,
-    topk_method="group_limited_greedy",
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=2.5,
-  ),
-  # HF: sigmoid + bias for the choice, group score = top-2 sum, normalised, times the factor.
-  "deepseek_v3": MoEConfig(
-    num_experts=E,
-    top_k=K,
-    d_model=D,
-    expert_ffn_dim=F,
-    num_shared_experts=1,
-    score_func="sigmoid",
-    topk_method="noaux_tc",
-    n_group=4,
-    topk_group=2,
-    norm_topk_prob=True,
-    routed_scaling_factor=2.5,
-  ),
+_DATA = pathlib.Path(__file__).parent / "data" / "hf_configs"
+# Each family's config.json as transformers 5 saves it (tests/data/hf_configs), with only the
+# sizes shrunk to test scale; the routing keys stay as saved.
+_SAVED = {
+  "mixtral": "mixtral_default.json",
+  "qwen2_moe": "qwen2_moe_default.json",
+  "qwen3_moe": "qwen3_moe_norm_topk.json",
+  "deepseek_v2": "deepseek_v2_group_limited.json",
+  "deepseek_v3": "deepseek_v3_default.json",
 }
+_SIZES = {
+  "hidden_size": D,
+  "moe_intermediate_size": F,
+  "shared_expert_intermediate_size": 12,
+  "num_experts": E,
+  "num_local_experts": E,
+  "n_routed_experts": E,
+  "num_experts_per_tok": K,
+  "n_group": 4,
+  "topk_group": 2,
+}
+
+
+def _saved_config(family: str) -> dict:
+  """The family's saved config.json at test sizes (Mixtral's expert width is intermediate_size)."""
+  hf = json.loads((_DATA / _SAVED[family]).read_text())
+  hf |= {k: v for k, v in _SIZES.items() if k in hf}
+  if family == "mixtral":
+    hf["intermediate_size"] = F
+  hf["dtype"] = "float32"
+  return hf
+
+
+# NOTE: the HF rendering below reads the saved dicts (HF_CONFIGS); the block runs the MoEConfig
+# that `from_dict` reads strictly from the same dict: a misread routing key fails the comparison.
+HF_CONFIGS = {family: _saved_config(family) for family in _SAVED}
+CONFIGS = {family: MoEConfig.from_dict(hf) for family, hf in HF_CONFIGS.items()}
 
 
 def _mesh(data: int, ep: int):
@@ -76,7 +74,7 @@ def _mesh(data: int, ep: int):
 
 def hf_state_dict(family: str, *, fused: bool, seed: int = 0, prefix: str = "") -> dict:
   """Random float32 weights of one MoE block under HF names and [out, in] layouts."""
-  config, fam = CONFIGS[family], FAMILIES[family]
+  fam = FAMILIES[family]
   rng = np.random.default_rng(seed)
   w = lambda *shape: (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
   g, u, dn = fam.experts
@@ -91,7 +89,8 @@ def hf_state_dict(family: str, *, fused: bool, seed: int = 0, prefix: str = "") 
       sd |= {f"experts.{i}.{g}.weight": w(F, D), f"experts.{i}.{u}.weight": w(F, D)}
       sd[f"experts.{i}.{dn}.weight"] = w(D, F)
   if fam.shared:
-    s = config.shared_width
+    hf = HF_CONFIGS[family]
+    s = hf.get("shared_expert_intermediate_size") or hf["n_shared_experts"] * F
     sd[f"{fam.shared}.gate_proj.weight"] = w(s, D)
     sd[f"{fam.shared}.up_proj.weight"] = w(s, D)
     sd[f"{fam.shared}.down_proj.weight"] = w(D, s)
@@ -129,39 +128,39 @@ def _topk(a, k):
 
 def hf_choice(family: str, sd: dict, x: np.ndarray) -> np.ndarray:
   """[T, k] chosen experts (numpy, float64): the routers' non-differentiable part."""
-  config = CONFIGS[family]
+  hf = HF_CONFIGS[family]
   scores = _scores(np, family, sd, x)
   if family == "deepseek_v2":
     # DeepseekV2TopkRouter, group_limited_greedy: group score = max; other groups' scores -> 0.
-    grouped = scores.reshape(len(x), config.n_group, -1)
-    kept = _topk(grouped.max(-1), config.topk_group)
+    grouped = scores.reshape(len(x), hf["n_group"], -1)
+    kept = _topk(grouped.max(-1), hf["topk_group"])
     mask = np.zeros(grouped.shape[:2], bool)
     np.put_along_axis(mask, kept, True, axis=1)
-    scores = np.where(np.repeat(mask, E // config.n_group, axis=1), scores, 0.0)
+    scores = np.where(np.repeat(mask, E // hf["n_group"], axis=1), scores, 0.0)
   elif family == "deepseek_v3":
     # DeepseekV3TopkRouter: biased scores; group score = sum of the top 2; others -> -inf.
     choice = scores + sd["gate.e_score_correction_bias"]
-    grouped = choice.reshape(len(x), config.n_group, -1)
-    kept = _topk(np.sort(grouped, -1)[..., -2:].sum(-1), config.topk_group)
+    grouped = choice.reshape(len(x), hf["n_group"], -1)
+    kept = _topk(np.sort(grouped, -1)[..., -2:].sum(-1), hf["topk_group"])
     mask = np.zeros(grouped.shape[:2], bool)
     np.put_along_axis(mask, kept, True, axis=1)
-    scores = np.where(np.repeat(mask, E // config.n_group, axis=1), choice, -np.inf)
-  return _topk(scores, config.top_k)
+    scores = np.where(np.repeat(mask, E // hf["n_group"], axis=1), choice, -np.inf)
+  return _topk(scores, hf["num_experts_per_tok"])
 
 
 def hf_moe(xp, family: str, sd: dict, x, ids):
   """The family's MoE block output [T, d] given the choice `ids`, differentiable in sd and x."""
-  config, fam = CONFIGS[family], FAMILIES[family]
+  hf, fam = HF_CONFIGS[family], FAMILIES[family]
   scores = _scores(xp, family, sd, x)
   w = xp.take_along_axis(scores, xp.asarray(ids), axis=1)
-  if family == "mixtral" or (family in ("qwen2_moe", "qwen3_moe") and config.norm_topk_prob):
+  if family == "mixtral" or (family in ("qwen2_moe", "qwen3_moe") and hf["norm_topk_prob"]):
     w = w / w.sum(axis=-1, keepdims=True)
   elif family == "deepseek_v2":
-    w = w * config.routed_scaling_factor  # HF 5 applies it whatever norm_topk_prob is
+    w = w * hf["routed_scaling_factor"]  # HF 5 applies it whatever norm_topk_prob is
   elif family == "deepseek_v3":
-    if config.norm_topk_prob:
+    if hf["norm_topk_prob"]:
       w = w / (w.sum(axis=-1, keepdims=True) + 1e-20)
-    w = w * config.routed_scaling_factor
+    w = w * hf["routed_scaling_factor"]
   g, u, dn = fam.experts
   y = 0.0
   for e in range(E):
