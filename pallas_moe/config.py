@@ -103,6 +103,11 @@ class MoEConfig:
       aux loss and `expert_load` keep the original expert ids; only `wi`/`wo` are stored in slot
       order (`moe.place_experts`). A list or numpy array is stored as a tuple of ints. Get one
       from `bench.ep.topology_aware_placement` (README, "Overlapping the expert exchange").
+    dedup_dispatch: True: a token crosses the expert exchange once per destination device
+      (not once per routed expert); the receiver expands it into one row per local expert and
+      sums their weighted outputs into one row for the way back (`pallas_moe.dedup`). False:
+      one row per (token, choice) each way. None (default): True where it moves fewer bytes
+      under uniform routing (`moe.dedup_dispatch_for`; never when E_l = 1 or top_k = 1).
   """
 
   num_experts: int
@@ -135,6 +140,7 @@ class MoEConfig:
   debug_nan_poison: bool = False
   batch_split: int | None = None
   expert_placement: tuple[int, ...] | None = None
+  dedup_dispatch: bool | None = None
 
   def __post_init__(self):
     for name in ("num_experts", "top_k", "d_model", "expert_ffn_dim"):
@@ -186,6 +192,10 @@ class MoEConfig:
       raise ValueError(
         f"MoEConfig.batch_split (MaxText batch_split_factor) must be None (the default rule) or "
         f"an int >= 1, got {v!r}; use 1 for no split."
+      )
+    if not (self.dedup_dispatch is None or isinstance(self.dedup_dispatch, bool)):
+      raise ValueError(
+        f"MoEConfig.dedup_dispatch must be None (auto), True or False, got {self.dedup_dispatch!r}."
       )
     if self.data_axis == self.expert_axis:
       raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}.")
