@@ -108,6 +108,13 @@ class MoEConfig:
       sums their weighted outputs into one row for the way back (`pallas_moe.dedup`). False:
       one row per (token, choice) each way. None (default): True where it moves fewer bytes
       under uniform routing (`moe.dedup_dispatch_for`; never when E_l = 1 or top_k = 1).
+    dispatch_quantization: None (default), "int8" or "fp8": the forward dispatch sends 8-bit
+      rows (int8: absmax per row; fp8: e4m3 with one f32 scale per 128 columns, as
+      DeepSeek-V3), their f32 scales in the same row; dequantized on arrival. The combine and
+      the backward's exchanges stay in `dtype`; gradients are straight-through
+      (`dedup.quantized_dispatch`). Uses the deduplicated exchange's packed rows, so it turns
+      `dedup_dispatch=None` on (and refuses `dedup_dispatch=False`). No effect without expert
+      parallelism (nothing is exchanged).
   """
 
   num_experts: int
@@ -141,6 +148,7 @@ class MoEConfig:
   batch_split: int | None = None
   expert_placement: tuple[int, ...] | None = None
   dedup_dispatch: bool | None = None
+  dispatch_quantization: str | None = None
 
   def __post_init__(self):
     for name in ("num_experts", "top_k", "d_model", "expert_ffn_dim"):
@@ -196,6 +204,13 @@ class MoEConfig:
     if not (self.dedup_dispatch is None or isinstance(self.dedup_dispatch, bool)):
       raise ValueError(
         f"MoEConfig.dedup_dispatch must be None (auto), True or False, got {self.dedup_dispatch!r}."
+      )
+    _check_choice("dispatch_quantization", self.dispatch_quantization, (None, "int8", "fp8"))
+    if self.dispatch_quantization is not None and self.dedup_dispatch is False:
+      raise ValueError(
+        f"MoEConfig.dispatch_quantization={self.dispatch_quantization!r} sends the deduplicated "
+        "exchange's packed rows: leave dedup_dispatch None (or True), or set "
+        "dispatch_quantization=None."
       )
     if self.data_axis == self.expert_axis:
       raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}.")

@@ -54,6 +54,8 @@ __all__ = [
   "extra_words",
   "pack_rows",
   "plan",
+  "quantize_rows",
+  "quantized_dispatch",
   "reduce_rows",
   "send_layout",
   "sum_home",
@@ -212,6 +214,136 @@ def _unpack_bwd(d, k, id_dtype, _, ct):
 
 
 unpack_rows.defvjp(_unpack_fwd, _unpack_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8-bit dispatch.
+# ---------------------------------------------------------------------------------------------
+
+DISPATCH_QUANTIZATIONS = (None, "int8", "fp8")
+# NOTE: DeepSeek-V3 dispatches fp8 (e4m3) with one f32 scale per 1 x 128 tile of a row.
+FP8_BLOCK = 128
+_FP8_MAX = 448.0
+
+
+def scale_columns(*, d: int, kind: str) -> int:
+  """f32 scales per row: 1 for int8 (absmax per row), ceil(d / 128) for fp8 (per block)."""
+  return 1 if kind == "int8" else -(-d // FP8_BLOCK)
+
+
+def quantize_rows(x, *, kind: str):
+  """8-bit rows and their f32 scales (`x ~ dequantize_rows(...)`).
+
+  Args:
+    x: [n, d] float rows.
+    kind: "int8" (symmetric, absmax per row, values in [-127, 127]) or "fp8" (e4m3, absmax
+      per 128-column block scaled to 448).
+
+  Returns:
+    `(q [n, d] int8 or float8_e4m3fn, scales [n, scale_columns] f32)`; an all-zero row or
+    block gets scale 1 (its values are 0).
+  """
+  n, d = x.shape
+  x = x.astype(jnp.float32)
+  if kind == "int8":
+    amax = jnp.max(jnp.abs(x), axis=1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)
+    q = jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8)
+    return q, scale
+  if kind != "fp8":
+    raise ValueError(f"kind must be 'int8' or 'fp8', got {kind!r}.")
+  nb = scale_columns(d=d, kind=kind)
+  xb = jnp.pad(x, ((0, 0), (0, nb * FP8_BLOCK - d))).reshape(n, nb, FP8_BLOCK)
+  amax = jnp.max(jnp.abs(xb), axis=2)
+  scale = jnp.where(amax > 0, amax / _FP8_MAX, 1.0)
+  q = (xb / scale[:, :, None]).astype(jnp.float8_e4m3fn).reshape(n, nb * FP8_BLOCK)[:, :d]
+  return q, scale
+
+
+def dequantize_rows(q, scale, *, kind: str, dtype):
+  """Inverse of `quantize_rows` (up to its rounding), in `dtype`."""
+  n, d = q.shape
+  v = q.astype(jnp.float32)
+  if kind == "int8":
+    return (v * scale).astype(dtype)
+  nb = scale.shape[1]
+  vb = jnp.pad(v, ((0, 0), (0, nb * FP8_BLOCK - d))).reshape(n, nb, FP8_BLOCK)
+  return (vb * scale[:, :, None]).reshape(n, nb * FP8_BLOCK)[:, :d].astype(dtype)
+
+
+def _pack8(rows, w, ids, *, kind: str):
+  q, scale = quantize_rows(rows, kind=kind)
+  q8 = jax.lax.bitcast_convert_type(q, jnp.int8) if kind == "fp8" else q
+  return jnp.concatenate(
+    [q8, _to_words(scale, jnp.int8), _to_words(w, jnp.int8), _to_words(ids, jnp.int8)], axis=1
+  )
+
+
+def _unpack8(packed, *, d: int, k: int, kind: str, id_dtype, dtype):
+  ns = scale_columns(d=d, kind=kind)
+  q8 = packed[:, :d]
+  q = jax.lax.bitcast_convert_type(q8, jnp.float8_e4m3fn) if kind == "fp8" else q8
+  scale = _from_words(packed[:, d : d + 4 * ns], jnp.float32, ns)
+  w = _from_words(packed[:, d + 4 * ns : d + 4 * ns + 4 * k], jnp.float32, k)
+  ids = _from_words(packed[:, d + 4 * ns + 4 * k :], id_dtype, k)
+  return dequantize_rows(q, scale, kind=kind, dtype=dtype), w, ids
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def quantized_dispatch(rows, w, ids, plan, axis_name, kind: str, poison: bool):
+  """The deduplicated dispatch with 8-bit rows; its transpose (the backward) stays bf16.
+
+  Forward: each row is quantized (`quantize_rows`), and its scales, routing weights and ids
+  travel as raw bytes in the same int8 row (one `ragged_all_to_all`, no second exchange for
+  the scales: they are 4 B of 2 KiB+ per row); the receiver dequantizes to the rows' dtype.
+  Backward: straight-through (quantization counts as identity): the received rows' and
+  weights' cotangents are packed in the rows' dtype (`pack_rows`'s layout) and go back by the
+  combine's offsets, the dispatch's transpose.
+
+  Args:
+    rows: [n, d] send rows (the plain path's `pack_rows` x).
+    w: [n, k] f32 weights.
+    ids: [n, k] local ids.
+    plan: the `plan` of this dispatch.
+    axis_name: the expert axis.
+    kind: "int8" or "fp8".
+    poison: received slack rows become NaN (debugging).
+
+  Returns:
+    `(x [U, d] in rows' dtype, w [U, k] f32, ids [U, k])` on the receiver, like
+    `unpack_rows(dispatch(pack_rows(...)))`.
+  """
+  return _quantized_dispatch(rows, w, ids, plan, axis_name, kind, poison)
+
+
+def _quantized_dispatch(rows, w, ids, plan, axis_name, kind, poison):
+  packed = _pack8(rows, w, ids, kind=kind)
+  # NOTE: int8 words cannot hold NaN: the slack is poisoned after dequantizing instead.
+  buf = collectives.dispatch(packed, plan, axis_name=axis_name)
+  x, wb, ib = _unpack8(
+    buf, d=rows.shape[1], k=w.shape[1], kind=kind, id_dtype=ids.dtype, dtype=rows.dtype
+  )
+  if poison:
+    live = jnp.arange(x.shape[0], dtype=jnp.int32) < plan.recv_group_sizes[0]
+    x = jnp.where(live[:, None], x, jnp.nan)
+  return x, wb, ib
+
+
+def _qd_fwd(rows, w, ids, plan, axis_name, kind, poison):
+  out = _quantized_dispatch(rows, w, ids, plan, axis_name, kind, poison)
+  return out, (plan, ids, jnp.zeros((rows.shape[0], 0), rows.dtype))
+
+
+def _qd_bwd(axis_name, kind, poison, res, ct):
+  plan, ids, like = res
+  dx, dw, _ = ct
+  ct_packed = _pack(dx.astype(like.dtype), dw, jnp.zeros(dw.shape, ids.dtype))
+  back = collectives.combine(ct_packed, plan, num_rows=like.shape[0], axis_name=axis_name)
+  d_rows, d_w, _ = _unpack(back, d=dx.shape[1], k=dw.shape[1], id_dtype=ids.dtype)
+  return d_rows, d_w, None, None
+
+
+quantized_dispatch.defvjp(_qd_fwd, _qd_bwd)
 
 
 # ---------------------------------------------------------------------------------------------

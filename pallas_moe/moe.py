@@ -486,7 +486,8 @@ def exchange_bytes_per_token(
   Returns:
     `(dispatch, combine)` bytes, counting every row (a row to the sender's own device too).
     Plain: k rows of d each way. Dedup: `dedup.expected_destinations` rows each way, the
-    dispatch's carrying the f32 weights and the ids of the row's choices as extra words.
+    dispatch's carrying the f32 weights and the ids of the row's choices as extra words (with
+    `dispatch_quantization`: 1 B per value plus the f32 scales).
   """
   d, k = config.d_model, config.top_k
   isz = jnp.dtype(config.compute_dtype).itemsize
@@ -497,7 +498,14 @@ def exchange_bytes_per_token(
   rows = dedup_lib.expected_destinations(
     num_experts=config.num_experts, top_k=k, expert_parallelism=ep
   )
-  extra = dedup_lib.extra_words(k=k, dt=config.compute_dtype, num_local=config.num_experts // ep)
+  num_local = config.num_experts // ep
+  quant = config.dispatch_quantization
+  if quant is not None:
+    # NOTE: 1 B per value, then f32 scales, f32 weights and int8/int32 ids as raw bytes.
+    ids = k * jnp.dtype(dedup_lib._id_dtype(num_local)).itemsize
+    sent = d + 4 * dedup_lib.scale_columns(d=d, kind=quant) + 4 * k + ids
+    return rows * sent, rows * row
+  extra = dedup_lib.extra_words(k=k, dt=config.compute_dtype, num_local=num_local)
   return rows * (row + extra * isz), rows * row
 
 
@@ -519,6 +527,8 @@ def dedup_dispatch_for(config: MoEConfig, *, expert_parallelism: int) -> bool:
     return False
   if config.dedup_dispatch is not None:
     return config.dedup_dispatch
+  if config.dispatch_quantization is not None:
+    return True  # NOTE: the 8-bit rows travel in the deduplicated exchange's packed layout.
   if config.top_k == 1 or config.num_experts // expert_parallelism == 1:
     return False
   plain = sum(exchange_bytes_per_token(config, expert_parallelism=expert_parallelism, dedup=False))
@@ -722,16 +732,27 @@ def _pipelined_dedup_exchange(
     ch = chunks[c]
     with _chunk_scope(c, split), jax.named_scope("dispatch"):
       lay = ch.layout
+      if config.dispatch_quantization is not None:
+        ch.buf = dedup_lib.quantized_dispatch(
+          ch.x[lay.token],
+          lay.weights,
+          lay.local_ids,
+          ch.plan,
+          axis,
+          config.dispatch_quantization,
+          poison,
+        )
+        return
       packed = dedup_lib.pack_rows(ch.x[lay.token], lay.weights, lay.local_ids)
-      ch.buf = collectives.dispatch(packed, ch.plan, axis_name=axis, poison=poison)
+      buf = collectives.dispatch(packed, ch.plan, axis_name=axis, poison=poison)
+      ch.buf = dedup_lib.unpack_rows(buf, ch.x.shape[1], k, lay.local_ids.dtype)
 
   dispatch(0)
   for c, ch in enumerate(chunks):
     if c + 1 < split:
       dispatch(c + 1)
     with _chunk_scope(c, split):
-      d = ch.x.shape[1]
-      x_b, w_b, ids_b = dedup_lib.unpack_rows(ch.buf, d, k, ch.layout.local_ids.dtype)
+      x_b, w_b, ids_b = ch.buf
       rows, sizes, src, weight, valid = dedup_lib.expand(
         x_b,
         w_b,
