@@ -21,6 +21,8 @@ once per destination device with its routing weights and local expert ids packed
 the receiver expands it into one row per local expert for the gmm (an HBM gather) and sums their
 weighted outputs into one row for the way back; the sender sums the rows that come home over
 devices. Same sums in another order. See `pallas_moe.dedup` (its drops are whole sent rows).
+`config.dispatch_quantization` ("int8" | "fp8") sends those rows in 8 bits with their scales in
+the same row (`dedup.quantized_dispatch`); the combine and the backward stay in `dtype`.
 
 Expert placement (`config.expert_placement`, a permutation `placement` of range(E)): weight slot
 j (device j // E_l) holds global expert placement[j]; `place_experts` stores `wi`/`wo` that way.
@@ -487,11 +489,12 @@ def exchange_bytes_per_token(
     `(dispatch, combine)` bytes, counting every row (a row to the sender's own device too).
     Plain: k rows of d each way. Dedup: `dedup.expected_destinations` rows each way, the
     dispatch's carrying the f32 weights and the ids of the row's choices as extra words (with
-    `dispatch_quantization`: 1 B per value plus the f32 scales).
+    `dispatch_quantization`: 1 B per value plus the f32 scales); every row padded as the TPU
+    exchange pads it (`dedup.wire_row_bytes`).
   """
   d, k = config.d_model, config.top_k
   isz = jnp.dtype(config.compute_dtype).itemsize
-  row = d * isz
+  row = dedup_lib.wire_row_bytes(d, isz)
   if not dedup:
     return float(k * row), float(k * row)
   ep = expert_parallelism
@@ -504,9 +507,9 @@ def exchange_bytes_per_token(
     # NOTE: 1 B per value, then f32 scales, f32 weights and int8/int32 ids as raw bytes.
     ids = k * jnp.dtype(dedup_lib._id_dtype(num_local)).itemsize
     sent = d + 4 * dedup_lib.scale_columns(d=d, kind=quant) + 4 * k + ids
-    return rows * sent, rows * row
+    return rows * dedup_lib.wire_row_bytes(sent, 1), rows * row
   extra = dedup_lib.extra_words(k=k, dt=config.compute_dtype, num_local=num_local)
-  return rows * (row + extra * isz), rows * row
+  return rows * dedup_lib.wire_row_bytes(d + extra, isz), rows * row
 
 
 def dedup_dispatch_for(config: MoEConfig, *, expert_parallelism: int) -> bool:
