@@ -106,8 +106,10 @@ class MoEConfig:
     dedup_dispatch: True: a token crosses the expert exchange once per destination device
       (not once per routed expert); the receiver expands it into one row per local expert and
       sums their weighted outputs into one row for the way back (`pallas_moe.dedup`). False:
-      one row per (token, choice) each way. None (default): True where it moves fewer bytes
-      under uniform routing (`moe.dedup_dispatch_for`; never when E_l = 1 or top_k = 1).
+      one row per (token, choice) each way. None (default): the step model's verdict for
+      layers it has seen (off where the receiver's extra HBM passes cost more than the
+      exchange saves, e.g. v5p), else True where it moves fewer bytes under uniform routing
+      (`moe.dedup_dispatch_for`; never when E_l = 1 or top_k = 1).
     dispatch_quantization: None (default), "int8" or "fp8": the forward dispatch sends 8-bit
       rows (int8: absmax per row; fp8: e4m3 with one f32 scale per 128 columns, as
       DeepSeek-V3), their f32 scales in the same row; dequantized on arrival. The combine and

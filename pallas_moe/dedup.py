@@ -84,6 +84,52 @@ def expected_destinations(*, num_experts: int, top_k: int, expert_parallelism: i
   return ep * (1.0 - miss)
 
 
+# The modeled step's verdict (`python -m bench.ep --options dedup`, uniform routing, exact
+# buffers, best chunk count): whether the deduplicated exchange beats the plain one. Fewer
+# bytes is not enough: its expand/reduce passes run on the TensorCore, and where the exchange
+# is a small part of the step (v5p; v5e for DeepSeek-V2-Lite) they cost more than it saves.
+# (num_experts, top_k, d_model, ep, tokens per device) -> (v5e, v5p, v6e); None: not modeled.
+MODELED_DEDUP: dict[tuple[int, int, int, int, int], tuple[bool | None, ...]] = {
+  # deepseek-v2-lite: 1.07, 1.11, 0.98 x plain at 4096; 1.05, 1.15, 0.89 at 16384.
+  (64, 6, 2048, 8, 4096): (False, False, True),
+  (64, 6, 2048, 8, 16384): (False, False, True),
+  # qwen3-30b-a3b: 0.93, 1.05, 0.83 at 4096; 0.85, 1.04, 0.75 at 16384.
+  (128, 8, 2048, 8, 4096): (True, False, True),
+  (128, 8, 2048, 8, 16384): (True, False, True),
+  # deepseek-v3: 0.94 on v6e at EP 32, 16384 tokens.
+  (256, 8, 7168, 32, 16384): (None, None, True),
+}
+_MODELED_CHIPS = ("v5e", "v5p", "v6e")
+
+
+def modeled_choice(
+  *, num_experts: int, top_k: int, d_model: int, ep: int, tokens: int, generation: str
+) -> bool | None:
+  """`MODELED_DEDUP`'s verdict for a layer, or None where the model has no verdict.
+
+  Dims the table knows but a case (ep, tokens, generation) it has not modeled give False (the
+  plain exchange: never slower than before); dims it does not know give None.
+
+  Args:
+    num_experts: E.
+    top_k: k.
+    d_model: d.
+    ep: expert parallelism.
+    tokens: tokens per device (of the whole batch, before any batch split).
+    generation: TPU generation name.
+
+  Returns:
+    True / False, or None for unknown dims.
+  """
+  dims = (num_experts, top_k, d_model)
+  if not any(key[:3] == dims for key in MODELED_DEDUP):
+    return None
+  row = MODELED_DEDUP.get((*dims, ep, tokens))
+  if row is None or generation not in _MODELED_CHIPS:
+    return False
+  return bool(row[_MODELED_CHIPS.index(generation)])
+
+
 # ---------------------------------------------------------------------------------------------
 # Packing: rows, weights and ids in one array of the rows' dtype.
 # ---------------------------------------------------------------------------------------------

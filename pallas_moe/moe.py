@@ -512,16 +512,23 @@ def exchange_bytes_per_token(
   return rows * dedup_lib.wire_row_bytes(d + extra, isz), rows * row
 
 
-def dedup_dispatch_for(config: MoEConfig, *, expert_parallelism: int) -> bool:
+def dedup_dispatch_for(
+  config: MoEConfig, *, expert_parallelism: int, tokens_per_device: int | None = None
+) -> bool:
   """Whether the block deduplicates its exchange (`config.dedup_dispatch`; None: auto).
 
-  Auto: True where the deduplicated exchange moves fewer bytes (dispatch + combine, uniform
-  routing, `exchange_bytes_per_token`). With E_l = 1 or top_k = 1 a token never has two choices
-  on one device, so it only adds the weight words: False.
+  Auto: for a layer the step model has seen (`dedup.MODELED_DEDUP`: DeepSeek-V2-Lite,
+  Qwen3-30B-A3B, DeepSeek-V3 dims), its verdict for the current TPU generation, so that no
+  modeled case gets slower (the receiver's expand/reduce passes cost TensorCore time the
+  exchange must pay back; on v5p it does not). Other layers: True where the deduplicated
+  exchange moves fewer bytes (dispatch + combine, uniform routing, `exchange_bytes_per_token`).
+  With E_l = 1 or top_k = 1 a token never has two choices on one device: False.
+  `config.dispatch_quantization` needs it: True.
 
   Args:
     config: the layer config.
     expert_parallelism: ep.
+    tokens_per_device: T (for the modeled verdict); None: the bytes rule.
 
   Returns:
     The choice (False for ep = 1: there is no exchange).
@@ -534,6 +541,17 @@ def dedup_dispatch_for(config: MoEConfig, *, expert_parallelism: int) -> bool:
     return True  # NOTE: the 8-bit rows travel in the deduplicated exchange's packed layout.
   if config.top_k == 1 or config.num_experts // expert_parallelism == 1:
     return False
+  if tokens_per_device is not None:
+    verdict = dedup_lib.modeled_choice(
+      num_experts=config.num_experts,
+      top_k=config.top_k,
+      d_model=config.d_model,
+      ep=expert_parallelism,
+      tokens=tokens_per_device,
+      generation=tiling_lib.current_generation().name,
+    )
+    if verdict is not None:
+      return verdict
   plain = sum(exchange_bytes_per_token(config, expert_parallelism=expert_parallelism, dedup=False))
   dedup = sum(exchange_bytes_per_token(config, expert_parallelism=expert_parallelism, dedup=True))
   return dedup < plain
@@ -601,7 +619,7 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     )
     for c in range(split)
   ]
-  dedup = ep > 1 and dedup_dispatch_for(config, expert_parallelism=ep)
+  dedup = ep > 1 and dedup_dispatch_for(config, expert_parallelism=ep, tokens_per_device=t)
   for c, ch in enumerate(chunks):
     with _chunk_scope(c, split):
       if dedup:
