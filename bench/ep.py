@@ -82,11 +82,15 @@ from bench.tables import format_table
 __all__ = [
   "CHIPS",
   "DEFAULT_BATCH_SPLIT",
+  "EXCHANGE_OPTIONS",
   "IciSpec",
   "Slice",
   "all_to_all_us",
+  "dedup_fraction",
   "default_batch_split",
+  "dispatch_row_bytes",
   "link_loads",
+  "local_extra_bytes",
   "main",
   "pipeline_us",
   "placement_study",
@@ -452,6 +456,121 @@ def wire_rows(*, model: str, ep: int, tokens: int, policy: str, routing: str) ->
   return traffic_rows(send_counts=counts, buffer_rows=buf)
 
 
+# NOTE: the exchange options `case_row` models, as (dedup, dispatch quantization) pairs.
+EXCHANGE_OPTIONS: dict[str, tuple[bool, str | None]] = {
+  "plain": (False, None),
+  "plain+int8": (False, "int8"),
+  "dedup": (True, None),
+  "dedup+int8": (True, "int8"),
+  "dedup+fp8": (True, "fp8"),
+}
+
+
+def expert_probabilities(*, num_experts: int, routing: str, seed: int | None = None) -> np.ndarray:
+  """[E] the per-row expert distribution `bench.ep_cases` draws its send counts from."""
+  from bench.ep_cases import _SEED
+
+  rng = np.random.default_rng(_SEED if seed is None else seed)
+  if routing == "uniform":
+    return np.full(num_experts, 1.0 / num_experts)
+  p = 1.0 / np.arange(1, num_experts + 1)
+  # NOTE: the same first draw as `ep_cases._send_counts` (its permutation of the Zipf weights).
+  return rng.permutation(p / p.sum())
+
+
+@functools.lru_cache(maxsize=64)
+def dedup_fraction(*, model: str, ep: int, routing: str, samples: int = 16384) -> np.ndarray:
+  """[ep] per destination: deduplicated rows per (token, choice) row.
+
+  A token sends a device one row if any of its k experts is there (`pallas_moe.dedup`). Uniform
+  routing: exactly `P(hit) / (k / ep)` with `P(hit) = 1 - C(E - E_l, k) / C(E, k)`. Zipf(1):
+  tokens drawn as k distinct experts from the Zipf weights (Gumbel top-k, seed 0, `samples`
+  tokens), the ratio of their hit rate to their row rate per device.
+
+  Args:
+    model: a key of `bench.shapes.SHAPES`.
+    ep: devices.
+    routing: "uniform" or "zipf".
+    samples: Monte Carlo tokens for non-uniform routing.
+
+  Returns:
+    float64 [ep], each in [1/min(k, E_l), 1].
+  """
+  from bench.shapes import SHAPES
+  from pallas_moe.dedup import expected_destinations
+
+  base = SHAPES[model]
+  e, k = base.num_groups, base.top_k
+  if routing == "uniform":
+    r = expected_destinations(num_experts=e, top_k=k, expert_parallelism=ep)
+    return np.full(ep, r / k)
+  p = expert_probabilities(num_experts=e, routing=routing)
+  rng = np.random.default_rng(1)
+  g = np.log(p)[None, :] + rng.gumbel(size=(samples, e))
+  chosen = np.argpartition(-g, k - 1, axis=1)[:, :k] // (e // ep)  # [samples, k] devices
+  pairs = np.stack([(chosen == q).sum(axis=1) for q in range(ep)], axis=1)  # [samples, ep]
+  hits = (pairs > 0).sum(axis=0)
+  return hits / np.maximum(pairs.sum(axis=0), 1)
+
+
+def dispatch_row_bytes(*, d: int, top_k: int, num_local: int, dedup: bool, quant) -> float:
+  """Bytes of one dispatched row: the values, their scales, the deduplicated row's extra words.
+
+  Args:
+    d: d_model.
+    top_k: k.
+    num_local: E_l (the ids' width: int8 up to 128).
+    dedup: rows carry k f32 routing weights and k ids (`pallas_moe.dedup.pack_rows`).
+    quant: None (bf16), "int8" (absmax per row: one f32 scale) or "fp8" (e4m3, one f32 scale
+      per 128 columns, DeepSeek-V3's 1x128 tiles).
+
+  Returns:
+    Bytes per row as the TPU exchange moves it: padded to 128 32-bit words
+    (`pallas_moe.dedup.wire_row_bytes`; a bf16 row of 2048 values plus 15 words of weights
+    and ids takes 2304 values' room, an int8 row of 2048 + 34 bytes 2560).
+  """
+  from pallas_moe.dedup import wire_row_bytes
+
+  meta = top_k * 4 + top_k * (1 if num_local <= 128 else 4) if dedup else 0
+  if quant is None:
+    return float(wire_row_bytes(d + -(-meta // BF16_BYTES), BF16_BYTES))
+  if quant == "int8":
+    return float(wire_row_bytes(d + 4 + meta, 1))
+  if quant == "fp8":
+    return float(wire_row_bytes(d + 4 * math.ceil(d / 128) + meta, 1))
+  raise ValueError(f"quant must be None, 'int8' or 'fp8', got {quant!r}.")
+
+
+def local_extra_bytes(
+  *, d: int, pairs_in: float, rows_in: float, pairs_out: float, rows_out: float, quant
+) -> float:
+  """HBM bytes the deduplicated exchange adds per direction on one device (vs the plain one).
+
+  Receiver: expand (gather `pairs_in` rows: read + write bf16, 4 B/elem), reduce (read the
+  gmm's bf16 rows and scatter-add into f32 received rows: 2 + 8 B/elem), cast the `rows_in`
+  sums to bf16 (6 B/elem). Sender: gathers and sums home `rows_out` rows instead of sorting and
+  unsorting `pairs_out` (14 B/elem either way: the plain block's sort gather and weighted
+  unsort, which the step model does not count, are credited back). An 8-bit dispatch adds the
+  quantize pass on the sender (3 B/elem) and the dequantize pass on the receiver (3 B/elem). The
+  backward does the transposes: the same bytes.
+
+  Args:
+    d: d_model.
+    pairs_in: expert rows the busiest receiver runs.
+    rows_in: deduplicated rows it receives.
+    pairs_out: (token, choice) rows the busiest sender has.
+    rows_out: deduplicated rows it sends.
+    quant: dispatch quantization or None.
+
+  Returns:
+    Bytes (may be negative where the sender's savings win).
+  """
+  recv = 14 * pairs_in + 6 * rows_in
+  send = 14 * (rows_out - pairs_out)
+  q = 3 * (rows_in + rows_out) if quant else 0
+  return float(d * (recv + send + q))
+
+
 _GMM_CACHE: dict[tuple, dict[str, tuple[float, float]]] = {}
 
 
@@ -492,6 +611,10 @@ def gmm_us(*, model: str, ep: int, tokens: int, policy: str, routing: str, chips
   return {c: have[c] for c in chips}
 
 
+def _option_label(*, dedup: bool, quant) -> str:
+  return ("dedup" if dedup else "plain") + (f"+{quant}" if quant else "")
+
+
 def case_row(
   *,
   model: str,
@@ -504,6 +627,8 @@ def case_row(
   compiled_overlap: float = 0.0,
   wraparound: bool | None = None,
   fp8_dispatch: bool = False,
+  dedup: bool = False,
+  dispatch_quantization: str | None = None,
 ) -> dict:
   """One modeled EP step (see the module docstring).
 
@@ -518,7 +643,13 @@ def case_row(
     compiled_overlap: fraction of min(comm, gmm) the compiled unchunked step hides (0 = serial).
     wraparound: see `slice_for`.
     fp8_dispatch: the lever: the forward dispatch in fp8 with 1x128 scales (combine and the
-      backward stay bf16).
+      backward stay bf16); the same as `dispatch_quantization="fp8"`.
+    dedup: the deduplicated exchange (`MoEConfig.dedup_dispatch`): rows per token = distinct
+      destination devices (`dedup_fraction`), rows carry weights and ids
+      (`dispatch_row_bytes`), and the receiver's expand/reduce HBM passes
+      (`local_extra_bytes`) run on the TensorCore with the gmm.
+    dispatch_quantization: None, "int8" or "fp8": the forward dispatch's row format (the
+      combine and the backward's exchanges stay bf16).
 
   Returns:
     A dict of the figures.
@@ -526,24 +657,63 @@ def case_row(
   from bench.shapes import SHAPES
 
   base = SHAPES[model]
+  if fp8_dispatch:
+    dispatch_quantization = "fp8"
+  quant = dispatch_quantization
   sl = slice_for(chip=chip, ep=ep, wraparound=wraparound)
-  rows = wire_rows(model=model, ep=ep, tokens=tokens, policy=policy, routing=routing)
+  pair_rows = wire_rows(model=model, ep=ep, tokens=tokens, policy=policy, routing=routing)
+  rows = (
+    pair_rows * dedup_fraction(model=model, ep=ep, routing=routing)[None, :]
+    if dedup
+    else (pair_rows)
+  )
   off = rows.copy()
   np.fill_diagonal(off, 0)
-  row_bytes = base.k * BF16_BYTES
-  disp_row_bytes = base.k * FP8_ROW_BYTES_PER_ELEM if fp8_dispatch else row_bytes
+  d = base.k
+  num_local = base.num_groups // ep
+  row_bytes = d * BF16_BYTES
+  disp_row_bytes = dispatch_row_bytes(
+    d=d, top_k=base.top_k, num_local=num_local, dedup=dedup, quant=quant
+  )
+  # NOTE: the dispatch's transpose carries the rows' and the weights' cotangents (bf16 rows and
+  # the same extra words), the combine's transpose bf16 rows.
+  back_row_bytes = dispatch_row_bytes(
+    d=d, top_k=base.top_k, num_local=num_local, dedup=dedup, quant=None
+  )
   t_disp = all_to_all_us(traffic=off * disp_row_bytes, chip=chip, sl=sl, latency=False)
   t_comb = all_to_all_us(traffic=off.T * row_bytes, chip=chip, sl=sl, latency=False)
   t_disp_bf16 = all_to_all_us(traffic=off * row_bytes, chip=chip, sl=sl, latency=False)
+  t_back = all_to_all_us(traffic=off.T * back_row_bytes, chip=chip, sl=sl, latency=False)
   lat = ALPHA_COLLECTIVE_US + ALPHA_HOP_US * sl.diameter
   fwd_comm = t_disp + t_comb + 2 * lat
-  bwd_comm = t_disp_bf16 + t_comb + 2 * lat  # NOTE: d_out (dispatch-like), d_rows (combine-like).
+  bwd_comm = t_disp_bf16 + t_back + 2 * lat  # NOTE: d_out (dispatch-like), d_rows (combine-like).
   g_fwd, g_bwd = gmm_us(
     model=model, ep=ep, tokens=tokens, policy=policy, routing=routing, chips=[chip]
   )[chip]
-  serial = fwd_comm + g_fwd + bwd_comm + g_bwd
+  from pallas_moe.generations import get_generation
+
+  hbm = get_generation(chip).hbm_bytes_per_s
+  local = dict(pairs_in=0.0, rows_in=0.0, pairs_out=0.0, rows_out=0.0)
+  local_us = 0.0
+  if dedup or quant:
+    local = dict(
+      pairs_in=float(pair_rows.sum(axis=0).max()),
+      rows_in=float(rows.sum(axis=0).max()),
+      pairs_out=float(pair_rows.sum(axis=1).max()),
+      rows_out=float(rows.sum(axis=1).max()),
+    )
+    if dedup:
+      extra = local_extra_bytes(d=d, **local, quant=quant)
+    else:
+      extra = 3.0 * d * (local["rows_in"] + local["rows_out"])
+    # NOTE: the backward's transposes: the same passes (the 8-bit ones only in the forward).
+    q = 3.0 * d * (local["rows_in"] + local["rows_out"]) if quant else 0.0
+    local_us = max(2 * extra - q, 0.0) / hbm * 1e6
+  g_fwd_l = g_fwd + local_us / 2
+  g_bwd_l = g_bwd + local_us / 2
+  serial = fwd_comm + g_fwd_l + bwd_comm + g_bwd_l
   compute_only = g_fwd + g_bwd
-  hidden = compiled_overlap * (min(fwd_comm, g_fwd) + min(bwd_comm, g_bwd))
+  hidden = compiled_overlap * (min(fwd_comm, g_fwd_l) + min(bwd_comm, g_bwd_l))
   per_c = {}
   for c in chunks:
     if tokens % c:
@@ -551,12 +721,13 @@ def case_row(
     cf, cb = gmm_us(
       model=model, ep=ep, tokens=tokens // c, policy=policy, routing=routing, chips=[chip]
     )[chip]
+    cf, cb = cf + local_us / 2 / c, cb + local_us / 2 / c
     fwd = chunked_step(
       comm_dispatch_us=t_disp, comm_combine_us=t_comb, latency_us=lat, gmm_chunk_us=cf, chunks=c
     )
     bwd = chunked_step(
-      comm_dispatch_us=t_comb,
-      comm_combine_us=t_disp_bf16,
+      comm_dispatch_us=t_disp_bf16,
+      comm_combine_us=t_back,
       latency_us=lat,
       gmm_chunk_us=cb,
       chunks=c,
@@ -570,8 +741,14 @@ def case_row(
     chip=chip,
     policy=policy,
     routing=routing,
-    fp8_dispatch=fp8_dispatch,
+    fp8_dispatch=quant == "fp8",
+    dedup=dedup,
+    dispatch_quantization=quant,
+    option=_option_label(dedup=dedup, quant=quant),
     slice=sl.label,
+    wire_rows_per_token=float(off.sum(axis=1).max() / tokens),
+    dispatch_row_bytes=disp_row_bytes,
+    local_us=local_us,
     dispatch_mb=float(off.sum(axis=1).max() * disp_row_bytes / 1e6),
     combine_mb=float(off.sum(axis=0).max() * row_bytes / 1e6),
     self_fraction=float(np.trace(rows) / max(rows.sum(), 1)),
@@ -765,6 +942,13 @@ _COLUMNS = (
 )
 
 
+def _option_suffix(r: dict) -> str:
+  option = r.get("option", "fp8" if r["fp8_dispatch"] else "plain")
+  if option == "fp8":
+    return " fp8-dispatch"
+  return "" if option == "plain" else f" {option}"
+
+
 def step_table(rows: list[dict], *, markdown: bool, title: str) -> str:
   """Formats `case_row` rows.
 
@@ -778,7 +962,7 @@ def step_table(rows: list[dict], *, markdown: bool, title: str) -> str:
   """
   body = [
     [
-      f"{r['model']}@{r['tokens']}/ep{r['ep']}" + (" fp8-dispatch" if r["fp8_dispatch"] else ""),
+      f"{r['model']}@{r['tokens']}/ep{r['ep']}" + _option_suffix(r),
       r["chip"],
       r["slice"],
       r["routing"],
@@ -800,6 +984,55 @@ def step_table(rows: list[dict], *, markdown: bool, title: str) -> str:
   return format_table(title, _COLUMNS, body, markdown=markdown)
 
 
+def option_table(rows: list[dict], *, markdown: bool) -> str:
+  """One row per case and exchange option: wire rows, bytes, local passes, best step."""
+  cols = [
+    "case",
+    "chip",
+    "routing",
+    "option",
+    "wire rows/token",
+    "disp B/row",
+    "disp MB",
+    "ICI fwd+bwd µs",
+    "local µs",
+    "compute-only µs",
+    "best µs (c)",
+    "x",
+    "vs plain",
+  ]
+  plain = {
+    (r["model"], r["ep"], r["tokens"], r["chip"], r["routing"]): r["best_us"]
+    for r in rows
+    if r["option"] == "plain"
+  }
+  body = [
+    [
+      f"{r['model']}@{r['tokens']}/ep{r['ep']}",
+      r["chip"],
+      r["routing"],
+      r["option"],
+      _f(r["wire_rows_per_token"], 2),
+      _f(r["dispatch_row_bytes"]),
+      _f(r["dispatch_mb"]),
+      _f(r["ici_fwd_us"] + r["ici_bwd_us"]),
+      _f(r["local_us"]),
+      _f(r["compute_only_us"]),
+      f"{_f(r['best_us'])} ({r['best_chunks']})",
+      _f(r["best_ratio"], 2),
+      _f(r["best_us"] / plain[(r["model"], r["ep"], r["tokens"], r["chip"], r["routing"])], 2),
+    ]
+    for r in rows
+  ]
+  return format_table(
+    "Exchange options: modeled step fwd+bwd, best chunk count ('wire rows/token': rows a "
+    "device sends off-device per token; 'local µs': the expand/reduce and 8-bit passes)",
+    cols,
+    body,
+    markdown=markdown,
+  )
+
+
 def chunk_table(rows: list[dict], *, markdown: bool) -> str:
   """Step µs per chunk count (the pipeline's dependence on c)."""
   cs = sorted({c for r in rows for c in r["chunked"]})
@@ -808,7 +1041,7 @@ def chunk_table(rows: list[dict], *, markdown: bool) -> str:
     [f"{r['model']}@{r['tokens']}/ep{r['ep']}", r["chip"], r["routing"]]
     + [_f(r["chunked"][c]["step_us"]) if c in r["chunked"] else "-" for c in cs]
     for r in rows
-    if not r["fp8_dispatch"]
+    if r.get("option", "plain") == "plain"
   ]
   return format_table(
     "Chunked step µs per chunk count c (fwd + bwd)", cols, body, markdown=markdown
@@ -885,6 +1118,12 @@ def main(argv=None) -> None:
   p.add_argument("--wraparound", choices=("auto", "yes", "no"), default="auto")
   p.add_argument("--placement", action="store_true", help="also the placement study")
   p.add_argument("--no_fp8", action="store_true", help="skip the fp8-dispatch rows")
+  p.add_argument(
+    "--options",
+    default="dedup,dedup+int8,dedup+fp8",
+    help=f"comma list of exchange options besides plain ({', '.join(EXCHANGE_OPTIONS)}); "
+    "'' for none",
+  )
   p.add_argument("--markdown", default=None)
   p.add_argument("--json", default=None)
   a = p.parse_args(argv)
@@ -902,7 +1141,11 @@ def main(argv=None) -> None:
     if (models is None or m in models) and (eps is None or e in eps)
   ]
   chunks = tuple(int(c) for c in a.chunks.split(","))
-  rows, fp8 = [], []
+  rows, fp8, opts = [], [], []
+  options = [o for o in a.options.split(",") if o and o != "plain"]
+  for o in options:
+    if o not in EXCHANGE_OPTIONS:
+      raise SystemExit(f"--options: unknown option {o!r}; pick from {list(EXCHANGE_OPTIONS)}.")
   for (model, ep), tokens, routing, chip in itertools.product(
     configs, [int(t) for t in a.tokens.split(",")], a.routing.split(","), a.chips.split(",")
   ):
@@ -918,10 +1161,23 @@ def main(argv=None) -> None:
           fp8_dispatch=True,
         )
       )
+    opts.append(rows[-1])
+    for o in options:
+      dd, q = EXCHANGE_OPTIONS[o]
+      opts.append(
+        case_row(
+          **kw,
+          chunks=chunks,
+          compiled_overlap=a.compiled_overlap,
+          wraparound=wrap,
+          dedup=dd,
+          dispatch_quantization=q,
+        )
+      )
     _log(f"{model}@{tokens}/ep{ep} {routing} {chip}: done ({time.time() - t0:.0f}s)")
   jax.config.update("jax_disable_most_optimizations", False)
   place = [_placement_row(r, wraparound=wrap) for r in rows] if a.placement else []
-  out = {"steps": rows, "fp8_dispatch": fp8, "placement": place}
+  out = {"steps": rows, "fp8_dispatch": fp8, "options": opts, "placement": place}
   text, md = [], []
   for markdown, acc in ((False, text), (True, md)):
     acc.append(
@@ -933,6 +1189,8 @@ def main(argv=None) -> None:
         fp8, markdown=markdown, title="Lever: forward dispatch in fp8 (labelled, not the baseline)"
       )
     )
+    if options:
+      acc.append(option_table(opts, markdown=markdown))
     acc.append(placement_table(place, markdown=markdown))
   print("\n".join(x for x in text if x))
   _log(f"bench.ep total {time.time() - t0:.0f}s")

@@ -38,6 +38,10 @@ SMALL_EP = dict(
   dtype="bfloat16",
   weight_dtype="bfloat16",
   buffer_factor=2.0,
+  # NOTE: the plain exchange (one row per choice), whose compiled schedule RESULTS.md and
+  # tests/test_schedule.py describe; the deduplicated one (auto-on at these dims) adds the
+  # receiver's expand/reduce between exchange and gmm and has not been studied here.
+  dedup_dispatch=False,
 )
 TOKENS_PER_DEVICE = 1024
 FLAG_SETS = {

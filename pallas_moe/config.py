@@ -141,6 +141,20 @@ class MoEConfig:
       aux loss and `expert_load` keep the original expert ids; only `wi`/`wo` are stored in slot
       order (`moe.place_experts`). A list or numpy array is stored as a tuple of ints. Get one
       from `bench.ep.topology_aware_placement` (README, "Overlapping the expert exchange").
+    dedup_dispatch: True: a token crosses the expert exchange once per destination device
+      (not once per routed expert); the receiver expands it into one row per local expert and
+      sums their weighted outputs into one row for the way back (`pallas_moe.dedup`). False:
+      one row per (token, choice) each way. None (default): the step model's verdict for
+      layers it has seen (off where the receiver's extra HBM passes cost more than the
+      exchange saves, e.g. v5p), else True where it moves fewer bytes under uniform routing
+      (`moe.dedup_dispatch_for`; never when E_l = 1 or top_k = 1).
+    dispatch_quantization: None (default), "int8" or "fp8": the forward dispatch sends 8-bit
+      rows (int8: absmax per row; fp8: e4m3 with one f32 scale per 128 columns, as
+      DeepSeek-V3), their f32 scales in the same row; dequantized on arrival. The combine and
+      the backward's exchanges stay in `dtype`; gradients are straight-through
+      (`dedup.quantized_dispatch`). Uses the deduplicated exchange's packed rows, so it turns
+      `dedup_dispatch=None` on (and refuses `dedup_dispatch=False`). No effect without expert
+      parallelism (nothing is exchanged).
   """
 
   num_experts: int
@@ -176,6 +190,8 @@ class MoEConfig:
   debug_nan_poison: bool = False
   batch_split: int | None = None
   expert_placement: tuple[int, ...] | None = None
+  dedup_dispatch: bool | None = None
+  dispatch_quantization: str | None = None
 
   def __post_init__(self):
     for name in ("num_experts", "top_k", "d_model", "expert_ffn_dim"):
@@ -243,6 +259,17 @@ class MoEConfig:
       raise ValueError(
         f"MoEConfig.batch_split (MaxText batch_split_factor) must be None (the default rule) or "
         f"an int >= 1, got {v!r}; use 1 for no split."
+      )
+    if not (self.dedup_dispatch is None or isinstance(self.dedup_dispatch, bool)):
+      raise ValueError(
+        f"MoEConfig.dedup_dispatch must be None (auto), True or False, got {self.dedup_dispatch!r}."
+      )
+    _check_choice("dispatch_quantization", self.dispatch_quantization, (None, "int8", "fp8"))
+    if self.dispatch_quantization is not None and self.dedup_dispatch is False:
+      raise ValueError(
+        f"MoEConfig.dispatch_quantization={self.dispatch_quantization!r} sends the deduplicated "
+        "exchange's packed rows: leave dedup_dispatch None (or True), or set "
+        "dispatch_quantization=None."
       )
     if self.data_axis == self.expert_axis:
       raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}.")

@@ -1,6 +1,6 @@
 """Demo: train a scaled-down DeepSeek-V2-Lite-shaped MoE layer on 8 CPU devices (data=2 x expert=4).
 
-  python -m pallas_moe.demo [--steps 30] [--routing noaux_tc]
+  python -m pallas_moe.demo [--steps 30] [--routing noaux_tc] [--dispatch_quantization int8]
 
 64 routed experts, top-6, 2 shared experts, small widths. `--routing noaux_tc` routes as
 DeepSeek-V3 does instead (sigmoid scores, 8 groups of 8 experts, best 4 groups, a correction bias
@@ -78,6 +78,7 @@ def main(
   lr: float = 1e-2,
   log: bool = True,
   routing: str = "greedy",
+  dispatch_quantization: str | None = None,
 ) -> dict:
   """Trains the student for `steps` steps.
 
@@ -87,11 +88,14 @@ def main(
     lr: Adam learning rate.
     log: print per-step losses and the summary.
     routing: see `demo_config`.
+    dispatch_quantization: None, "int8" or "fp8": 8-bit forward dispatch
+      (`MoEConfig.dispatch_quantization`).
 
   Returns:
     dict with `losses` (per step MSE), `tokens_per_s`, `dropped_rows` (total), `buffer_rows`
     (per compiled bucket), `max_over_mean_load` (per step, busiest expert's rows / mean).
   """
+  import dataclasses
   import functools
 
   import jax
@@ -101,6 +105,8 @@ def main(
   from pallas_moe import moe
 
   config = demo_config(routing)
+  if dispatch_quantization is not None:
+    config = dataclasses.replace(config, dispatch_quantization=dispatch_quantization)
   mesh = jax.make_mesh(
     (DATA, EXPERT),
     (config.data_axis, config.expert_axis),
@@ -194,6 +200,17 @@ if __name__ == "__main__":
   parser.add_argument("--steps", type=int, default=30)
   parser.add_argument("--tokens", type=int, default=256)
   parser.add_argument("--routing", choices=("greedy", "noaux_tc"), default="greedy")
+  parser.add_argument(
+    "--dispatch_quantization",
+    choices=("int8", "fp8"),
+    default=None,
+    help="8-bit forward dispatch (MoEConfig.dispatch_quantization); default: none",
+  )
   args = parser.parse_args()
   _cpu_setup()
-  main(steps=args.steps, tokens=args.tokens, routing=args.routing)
+  main(
+    steps=args.steps,
+    tokens=args.tokens,
+    routing=args.routing,
+    dispatch_quantization=args.dispatch_quantization,
+  )

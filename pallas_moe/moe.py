@@ -16,6 +16,15 @@ Data flow on one device (inside `jax.shard_map` over a mesh with a data axis and
                over the k choices (+ the shared-expert MLP, with Qwen2-MoE's per-token gate
                `sigmoid(x @ shared_gate)` when `config.shared_expert_gate`)
 
+Deduplicated exchange (`config.dedup_dispatch`, `dedup_dispatch_for`; the default where it moves
+fewer bytes): instead of sort / dispatch / combine / unsort above, a token crosses the exchange
+once per destination device with its routing weights and local expert ids packed into the row;
+the receiver expands it into one row per local expert for the gmm (an HBM gather) and sums their
+weighted outputs into one row for the way back; the sender sums the rows that come home over
+devices. Same sums in another order. See `pallas_moe.dedup` (its drops are whole sent rows).
+`config.dispatch_quantization` ("int8" | "fp8") sends those rows in 8 bits with their scales in
+the same row (`dedup.quantized_dispatch`); the combine and the backward stay in `dtype`.
+
 Expert placement (`config.expert_placement`, a permutation `placement` of range(E)): weight slot
 j (device j // E_l) holds global expert placement[j]; `place_experts` stores `wi`/`wo` that way.
 The router (weights, correction bias, DeepSeek's groups) keeps the original ids; right after the
@@ -59,6 +68,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_moe import batch_split as batch_split_lib
 from pallas_moe import collectives
+from pallas_moe import dedup as dedup_lib
 from pallas_moe import tiling as tiling_lib
 from pallas_moe.config import MoEConfig, check_expert_placement
 from pallas_moe.ops import gmm
@@ -69,8 +79,10 @@ __all__ = [
   "aux_loss_probs",
   "batch_split_for",
   "buffer_rows_for",
+  "dedup_dispatch_for",
   "default_batch_split",
   "dropless_buffer_rows",
+  "exchange_bytes_per_token",
   "expert_slots",
   "init_params",
   "load_balance_loss",
@@ -559,6 +571,88 @@ def batch_split_for(config: MoEConfig, *, tokens_per_device: int, expert_paralle
   return split
 
 
+def exchange_bytes_per_token(
+  config: MoEConfig, *, expert_parallelism: int, dedup: bool
+) -> tuple[float, float]:
+  """Expected bytes one token sends in the dispatch and in the combine, under uniform routing.
+
+  Args:
+    config: the layer config (`num_experts`, `top_k`, `d_model`, `dtype`).
+    expert_parallelism: ep.
+    dedup: the deduplicated exchange (`pallas_moe.dedup`) or the plain one.
+
+  Returns:
+    `(dispatch, combine)` bytes, counting every row (a row to the sender's own device too).
+    Plain: k rows of d each way. Dedup: `dedup.expected_destinations` rows each way, the
+    dispatch's carrying the f32 weights and the ids of the row's choices as extra words (with
+    `dispatch_quantization`: 1 B per value plus the f32 scales); every row padded as the TPU
+    exchange pads it (`dedup.wire_row_bytes`).
+  """
+  d, k = config.d_model, config.top_k
+  isz = jnp.dtype(config.compute_dtype).itemsize
+  row = dedup_lib.wire_row_bytes(d, isz)
+  if not dedup:
+    return float(k * row), float(k * row)
+  ep = expert_parallelism
+  rows = dedup_lib.expected_destinations(
+    num_experts=config.num_experts, top_k=k, expert_parallelism=ep
+  )
+  num_local = config.num_experts // ep
+  quant = config.dispatch_quantization
+  if quant is not None:
+    # NOTE: 1 B per value, then f32 scales, f32 weights and int8/int32 ids as raw bytes.
+    ids = k * jnp.dtype(dedup_lib._id_dtype(num_local)).itemsize
+    sent = d + 4 * dedup_lib.scale_columns(d=d, kind=quant) + 4 * k + ids
+    return rows * dedup_lib.wire_row_bytes(sent, 1), rows * row
+  extra = dedup_lib.extra_words(k=k, dt=config.compute_dtype, num_local=num_local)
+  return rows * dedup_lib.wire_row_bytes(d + extra, isz), rows * row
+
+
+def dedup_dispatch_for(
+  config: MoEConfig, *, expert_parallelism: int, tokens_per_device: int | None = None
+) -> bool:
+  """Whether the block deduplicates its exchange (`config.dedup_dispatch`; None: auto).
+
+  Auto: for a layer the step model has seen (`dedup.MODELED_DEDUP`: DeepSeek-V2-Lite,
+  Qwen3-30B-A3B, DeepSeek-V3 dims), its verdict for the current TPU generation, so that no
+  modeled case gets slower (the receiver's expand/reduce passes cost TensorCore time the
+  exchange must pay back; on v5p it does not). Other layers: True where the deduplicated
+  exchange moves fewer bytes (dispatch + combine, uniform routing, `exchange_bytes_per_token`).
+  With E_l = 1 or top_k = 1 a token never has two choices on one device: False.
+  `config.dispatch_quantization` needs it: True.
+
+  Args:
+    config: the layer config.
+    expert_parallelism: ep.
+    tokens_per_device: T (for the modeled verdict); None: the bytes rule.
+
+  Returns:
+    The choice (False for ep = 1: there is no exchange).
+  """
+  if expert_parallelism <= 1:
+    return False
+  if config.dedup_dispatch is not None:
+    return config.dedup_dispatch
+  if config.dispatch_quantization is not None:
+    return True  # NOTE: the 8-bit rows travel in the deduplicated exchange's packed layout.
+  if config.top_k == 1 or config.num_experts // expert_parallelism == 1:
+    return False
+  if tokens_per_device is not None:
+    verdict = dedup_lib.modeled_choice(
+      num_experts=config.num_experts,
+      top_k=config.top_k,
+      d_model=config.d_model,
+      ep=expert_parallelism,
+      tokens=tokens_per_device,
+      generation=tiling_lib.current_generation().name,
+    )
+    if verdict is not None:
+      return verdict
+  plain = sum(exchange_bytes_per_token(config, expert_parallelism=expert_parallelism, dedup=False))
+  dedup = sum(exchange_bytes_per_token(config, expert_parallelism=expert_parallelism, dedup=True))
+  return dedup < plain
+
+
 def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int | None = None):
   """The MoE block on one device's tokens (call inside `jax.shard_map`, or plainly for ep = 1).
 
@@ -582,9 +676,11 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
 
   Returns:
     `(y, aux)`: y [T, d] in `config.dtype`; aux a dict of scalars: `aux_loss` (unweighted
-    load-balancing loss), `dropped_rows` (global count of (token, choice) rows that did not fit,
-    over all chunks), `needed_rows` (the largest receive count of any device and chunk: the
-    exact dropless buffer of a chunk), `buffer_rows` (the static buffer of a chunk); and
+    load-balancing loss), `dropped_rows` (global count of sent rows that did not fit, over all
+    chunks: (token, choice) rows, or with the deduplicated exchange (token, device) rows, each
+    taking all of the token's choices on that device), `needed_rows` (the largest count of
+    expert rows any device and chunk wanted: the exact dropless buffer of a chunk),
+    `buffer_rows` (the static expert-row buffer of a chunk); and
     `expert_load` [E] int32, the rows routed to each expert over the global batch, in original
     expert order whatever `config.expert_placement` is (for `update_routed_bias`).
   """
@@ -612,23 +708,36 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     config, tokens_per_device=tc, expert_parallelism=ep, buffer_rows=buffer_rows
   )
   chunks = [
-    _Chunk(x=x[c * tc : (c + 1) * tc], weights=routing.weights[c * tc : (c + 1) * tc])
+    _Chunk(
+      x=x[c * tc : (c + 1) * tc],
+      weights=routing.weights[c * tc : (c + 1) * tc],
+      slot_ids=slot_ids[c * tc : (c + 1) * tc],
+    )
     for c in range(split)
   ]
+  dedup = ep > 1 and dedup_dispatch_for(config, expert_parallelism=ep, tokens_per_device=t)
   for c, ch in enumerate(chunks):
     with _chunk_scope(c, split):
-      _sort_chunk(ch, slot_ids[c * tc : (c + 1) * tc], config=config)
+      if dedup:
+        _layout_chunk(ch, config=config, ep=ep)
+      else:
+        _sort_chunk(ch, config=config)
   if ep == 1:
     for c, ch in enumerate(chunks):
       with _chunk_scope(c, split):
         ch.out = expert_mlp(ch.rows, wi, wo, ch.group_sizes, config=config)
         ch.dropped = jnp.zeros((), jnp.int32)
         ch.needed = jnp.asarray(tc * k, jnp.int32)
+  elif dedup:
+    _pipelined_dedup_exchange(chunks, wi, wo, config=config, buffer_rows=rows_b)
   else:
     _pipelined_exchange(chunks, wi, wo, config=config, buffer_rows=rows_b)
   ys = []
   for c, ch in enumerate(chunks):
     with _chunk_scope(c, split):
+      if ch.y is not None:
+        ys.append(ch.y)
+        continue
       # NOTE: inverse[r] is where flat row r = t * k + j sits in sorted order.
       per_choice = ch.out[ch.inverse].reshape(tc, k, -1).astype(jnp.float32)
       ys.append(jnp.einsum("tk,tkd->td", ch.weights, per_choice, precision=_HIGHEST))
@@ -674,6 +783,7 @@ class _Chunk:
 
   x: jax.Array
   weights: jax.Array
+  slot_ids: jax.Array
   order: jax.Array | None = None
   inverse: jax.Array | None = None
   group_sizes: jax.Array | None = None
@@ -685,6 +795,10 @@ class _Chunk:
   out: jax.Array | None = None
   dropped: jax.Array | None = None
   needed: jax.Array | None = None
+  # NOTE: the deduplicated path's send rows and their delivery, and its [T, d] f32 result.
+  layout: dedup_lib.SendLayout | None = None
+  delivered: jax.Array | None = None
+  y: jax.Array | None = None
 
 
 def _chunk_scope(c: int, split: int):
@@ -692,9 +806,10 @@ def _chunk_scope(c: int, split: int):
   return jax.named_scope(f"batch_split_{c}") if split > 1 else contextlib.nullcontext()
 
 
-def _sort_chunk(ch: _Chunk, slot_ids, *, config: MoEConfig) -> None:
+def _sort_chunk(ch: _Chunk, *, config: MoEConfig) -> None:
   """Sorts a chunk's (token, choice) rows by weight slot; fills order, inverse, sizes, rows."""
   k = config.top_k
+  slot_ids = ch.slot_ids
   # NOTE: slots, not expert ids (`expert_slots`): the group sizes, the plan and the received
   # groups follow the weights' order. Without a placement they are the same.
   ch.order, ch.inverse, ch.group_sizes = sort_by_expert(slot_ids, num_experts=config.num_experts)
@@ -703,6 +818,93 @@ def _sort_chunk(ch: _Chunk, slot_ids, *, config: MoEConfig) -> None:
   # NOTE: the expert of each sorted row, by a gather (a searchsorted over the group ends is a
   # while loop on TPU, which XLA's scheduler then places under the exchanges).
   ch.sorted_expert = slot_ids.reshape(-1)[ch.order].astype(jnp.int32)
+
+
+def _layout_chunk(ch: _Chunk, *, config: MoEConfig, ep: int) -> None:
+  """A chunk's deduplicated send rows (`dedup.send_layout`) and its per-slot group sizes."""
+  num_local = config.num_experts // ep
+  ch.layout = dedup_lib.send_layout(ch.slot_ids, ch.weights, num_local=num_local, ep=ep)
+  # NOTE: per-slot counts for the aux loss and expert_load (the plain path's group sizes).
+  ch.group_sizes = jnp.bincount(ch.slot_ids.reshape(-1), length=config.num_experts).astype(
+    jnp.int32
+  )
+
+
+def _pipelined_dedup_exchange(
+  chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buffer_rows: int
+) -> None:
+  """`_pipelined_exchange` with deduplicated rows (`pallas_moe.dedup`); fills y, dropped, needed.
+
+  `buffer_rows` is the expert-row capacity P of a chunk (as in the plain path); the exchange's
+  receive buffer has `min(P, ep * T)` rows. Same trace order as `_pipelined_exchange`.
+  """
+  axis = config.expert_axis
+  poison = config.debug_nan_poison
+  split = len(chunks)
+  ep = int(jax.lax.axis_size(axis))
+  num_local = config.num_experts // ep
+  k = config.top_k
+  tc = chunks[0].x.shape[0]
+  unique_rows = max(1, min(buffer_rows, ep * tc))
+  # NOTE: at the static worst case nothing can overflow: no clipping, no second all_gather.
+  may_drop = buffer_rows < ep * tc * min(k, num_local)
+  for c, ch in enumerate(chunks):
+    with _chunk_scope(c, split):
+      ch.plan, ch.delivered = dedup_lib.plan(
+        ch.layout,
+        axis_name=axis,
+        buffer_rows=unique_rows,
+        pair_rows=buffer_rows,
+        may_drop=may_drop,
+      )
+
+  def dispatch(c):
+    ch = chunks[c]
+    with _chunk_scope(c, split), jax.named_scope("dispatch"):
+      lay = ch.layout
+      if config.dispatch_quantization is not None:
+        ch.buf = dedup_lib.quantized_dispatch(
+          ch.x[lay.token],
+          lay.weights,
+          lay.local_ids,
+          ch.plan,
+          axis,
+          config.dispatch_quantization,
+          poison,
+        )
+        return
+      packed = dedup_lib.pack_rows(ch.x[lay.token], lay.weights, lay.local_ids)
+      buf = collectives.dispatch(packed, ch.plan, axis_name=axis, poison=poison)
+      ch.buf = dedup_lib.unpack_rows(buf, ch.x.shape[1], k, lay.local_ids.dtype)
+
+  dispatch(0)
+  for c, ch in enumerate(chunks):
+    if c + 1 < split:
+      dispatch(c + 1)
+    with _chunk_scope(c, split):
+      x_b, w_b, ids_b = ch.buf
+      rows, sizes, src, weight, valid = dedup_lib.expand(
+        x_b,
+        w_b,
+        ids_b,
+        received=ch.plan.recv_group_sizes[0],
+        num_local=num_local,
+        pair_rows=buffer_rows,
+      )
+      n = tc * k
+      expected = n if n < rows.shape[0] else None
+      y_rows = expert_mlp(rows, wi, wo, sizes, config=config, expected_rows=expected)
+      y_u = dedup_lib.reduce_rows(y_rows, src=src, weight=weight, valid=valid, num_rows=unique_rows)
+      with jax.named_scope("combine"):
+        back = collectives.combine(
+          y_u.astype(ch.x.dtype),
+          ch.plan,
+          num_rows=ch.layout.token.shape[0],
+          axis_name=axis,
+          poison=poison,
+        )
+      ch.y = dedup_lib.sum_home(back, ch.layout, ch.delivered, tokens=tc)
+      ch.dropped, ch.needed = ch.plan.num_dropped, ch.plan.needed_rows
 
 
 def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buffer_rows: int):

@@ -61,9 +61,10 @@ def _forward(params, x, config, mesh, *, buffer_rows=None):
 def test_buffers_and_drops_are_per_chunk():
   """All tokens routed to one device: with a capacity factor each chunk's buffer is
   ceil(f * T/S * k) and each chunk drops its own overflow; the exact dropless buffer
-  (`dropless_buffer_rows`) is a chunk's need and drops nothing."""
+  (`dropless_buffer_rows`) is a chunk's need and drops nothing. The plain exchange (one row
+  per choice), whose drops are (token, choice) rows; test_dedup checks the deduplicated one's."""
   data, ep, split = 2, 4, 2
-  base = MoEConfig(**SMALL, batch_split=split)
+  base = MoEConfig(**SMALL, batch_split=split, dedup_dispatch=False)
   params, x = _adversarial(base, tokens=64, ep=ep)
   mesh = _mesh(data, ep)
   _, _, ids = reference.moe(params, x, base)

@@ -133,6 +133,37 @@ def test_cli_tiny(tmp_path, capsys):
   # NOTE: uniform dispatch of 256 tokens x 6 rows x d_model 2048 bf16, 7/8 of it off-device.
   assert rec["dispatch_mb"] == pytest.approx(256 * 6 * 2048 * 2 * 7 / 8 / 1e6, rel=0.1)
   assert "Modeled EP step" in capsys.readouterr().out
+  opts = {r["option"]: r for r in json.loads(out.read_text())["options"]}
+  assert set(opts) == {"plain", "dedup", "dedup+int8", "dedup+fp8"}
+  # NOTE: dedup sends 4.43 of 6 rows per token (uniform, 8 experts per device); int8 ~halves
+  # the forward dispatch's row bytes; the backward stays bf16.
+  ratio = opts["dedup"]["wire_rows_per_token"] / opts["plain"]["wire_rows_per_token"]
+  assert ratio == pytest.approx(4.43 / 6, rel=0.05)  # busiest sender of a 256-token draw
+  assert opts["dedup+int8"]["dispatch_row_bytes"] == 2560  # 2048 + 4 + 6 * 5, padded
+  assert opts["dedup+int8"]["ici_bwd_us"] == pytest.approx(opts["dedup"]["ici_bwd_us"])
+  assert (
+    opts["dedup+int8"]["ici_fwd_us"] < opts["dedup"]["ici_fwd_us"] < opts["plain"]["ici_fwd_us"]
+  )
+  assert opts["dedup"]["local_us"] > 0
+
+
+def test_dedup_fraction_and_row_bytes():
+  """Deduplicated rows per (token, choice) row: exact for uniform routing, sampled for Zipf
+  (between 1 / min(k, E_l) and 1); the dispatched row's bytes per format."""
+  from pallas_moe.dedup import expected_destinations
+
+  u = ep.dedup_fraction(model="qwen3-30b-a3b", ep=8, routing="uniform")
+  r = expected_destinations(num_experts=128, top_k=8, expert_parallelism=8)
+  np.testing.assert_allclose(u, r / 8)
+  z = ep.dedup_fraction(model="qwen3-30b-a3b", ep=8, routing="zipf", samples=2048)
+  assert ((z >= 1 / 8) & (z <= 1)).all() and z.std() > 0
+  assert ep.dedup_fraction(model="mixtral-8x7b", ep=8, routing="uniform").tolist() == [1.0] * 8
+  kw = dict(d=7168, top_k=8, num_local=8)
+  assert ep.dispatch_row_bytes(**kw, dedup=False, quant=None) == 2 * 7168
+  # NOTE: rows pad to 128 32-bit words in the TPU exchange (`dedup.wire_row_bytes`).
+  assert ep.dispatch_row_bytes(**kw, dedup=False, quant="fp8") == 7680  # 7168 + 4 * 56
+  assert ep.dispatch_row_bytes(**kw, dedup=True, quant="int8") == 7680  # 7168 + 4 + 8 * 5
+  assert ep.dispatch_row_bytes(**kw, dedup=True, quant=None) == 2 * 7424  # 7168 + 18 words
 
 
 def test_topology_aware_placement_is_a_block_permutation_that_helps_zipf_on_a_mesh():

@@ -197,9 +197,10 @@ def _kept_numpy(ids, *, num_experts, data, ep, rows):
 
 
 def test_factor_policy_drops_exactly_and_dropped_rows_are_zero():
-  """A capacity factor drops rows; the count is exact and they add exactly 0 (NaN poison on)."""
+  """A capacity factor drops rows; the count is exact and they add exactly 0 (NaN poison on).
+  The plain exchange: a drop is a (token, choice) row (test_dedup: the deduplicated one's)."""
   data, ep = 2, 4
-  config = MoEConfig(**SMALL, buffer_factor=1.25, debug_nan_poison=True)
+  config = MoEConfig(**SMALL, buffer_factor=1.25, debug_nan_poison=True, dedup_dispatch=False)
   params, x = _adversarial(config, tokens=64, ep=ep)
   mesh = _mesh(data, ep)
   _, _, ids = reference.moe(params, x, config)
