@@ -456,11 +456,12 @@ class MoEConfig:
     if source.get("weight_quantization") == "quantization":
       # NOTE: MaxText's one key sets both modes; an explicit activation_quantization must agree.
       act = _MAXTEXT_QUANTIZATION[d["quantization"]][1]
-      if "activation_quantization" in values and values["activation_quantization"] != act:
+      # NOTE: read from the dict, not `values`: an explicit None there sets nothing.
+      if "activation_quantization" in d and d["activation_quantization"] != act:
         raise ValueError(
           f"MoEConfig.from_dict: 'quantization'={d['quantization']!r} means "
           f"activation_quantization={act!r} but 'activation_quantization'="
-          f"{values['activation_quantization']!r}; drop one of them."
+          f"{d['activation_quantization']!r}; drop one of them."
         )
       values["activation_quantization"] = act
     if "routed_bias" in d and not d["routed_bias"] and values.get("topk_method") == "noaux_tc":
