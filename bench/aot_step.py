@@ -122,11 +122,23 @@ def _root_opcode(lines: list[str]) -> str | None:
   return None
 
 
+def _buffer_sized(dims: list[int], rows: int) -> bool:
+  """A dimension, or a product of leading dimensions ([rows / 8, 8, ...] is a buffer's rows
+  split by a reshape), of at least `rows`."""
+  lead = 1
+  for d in dims:
+    lead *= d
+    if d >= rows or lead >= rows:
+      return True
+  return False
+
+
 def big_copies(text: str, *, rows: int) -> list[str]:
-  """Copies and transposes of arrays with a dimension of at least `rows` in compiled HLO text.
+  """Copies and transposes of buffer-sized arrays in compiled HLO text.
 
   An instruction `copy`, `transpose` or `copy-start`, or a fusion whose fused computation's root
-  is one of those, whose result shape has a dimension >= rows.
+  is one of those, whose result shape has a dimension, or a product of leading dimensions, of at
+  least `rows` (the buffer's rows, possibly split by a reshape).
 
   Returns:
     "opcode dtype[shape]" per instruction (fusions as "fusion(root) dtype[shape]").
@@ -143,7 +155,7 @@ def big_copies(text: str, *, rows: int) -> list[str]:
         continue
       dtype, shape, op = m.group(2), m.group(3), m.group(4)
       dims = [int(d) for d in shape.split(",") if d]
-      if not dims or max(dims) < rows:
+      if not _buffer_sized(dims, rows):
         continue
       if op in kinds:
         out.append(f"{op} {dtype}[{shape}]")
