@@ -218,25 +218,41 @@ def _zeros_outside_active(active_tiles, *, rows, n, tm, dtype, interpret, vary_l
 
 
 def _result_and_cost(
-  lhs, rhs, rhs_scales, lhs_scales, existing_out, others, *, n, out_dtype, tiles_n
+  lhs,
+  rhs,
+  rhs_scales,
+  lhs_scales,
+  existing_out,
+  others,
+  *,
+  n,
+  out_dtype,
+  tiles_n,
+  rows=None,
+  whole_output=False,
 ):
   """`common.call_kernel`'s result and cost arguments, shared by both gmm kernels.
 
-  The result is [m, n] (aliasing existing_out when compiled). XLA's cost estimate counts lhs
-  and its row scales once per n-tile, rhs and its scales once, the output (and existing_out)
-  once. `others` are the remaining operands the result varies with (group sizes, offset).
+  The result is [m, n] (aliasing existing_out when compiled). XLA's cost estimate is the work
+  on `rows` rows (the caller's `expected_rows`; None: all m): flops 2 * rows * k * n; lhs's
+  rows and their scales once per n-tile, rhs and its scales once, the output rows once (all m
+  rows with `whole_output`, the visit kernel, which writes every tile; with existing_out all of
+  it read and written). `others` are the remaining operands the result varies with (group
+  sizes, offset).
   """
   m, k = lhs.shape
+  rows = m if rows is None else min(rows, m)
   has_existing = existing_out is not None
   operands = (lhs, rhs, *others, existing_out, rhs_scales, lhs_scales)
+  out_bytes = jnp.dtype(out_dtype).itemsize * n
   return dict(
     out_shape=common.out_struct((m, n), out_dtype, *operands),
-    flops=2 * m * k * n,
-    bytes_accessed=lhs.size * lhs.dtype.itemsize * tiles_n
+    flops=2 * rows * k * n,
+    bytes_accessed=rows * k * lhs.dtype.itemsize * tiles_n
     + rhs.size * rhs.dtype.itemsize
     + (rhs_scales.size * 4 if rhs_scales is not None else 0)
-    + (m * 4 * tiles_n if lhs_scales is not None else 0)
-    + m * n * jnp.dtype(out_dtype).itemsize * (2 if has_existing else 1),
+    + (rows * 4 * tiles_n if lhs_scales is not None else 0)
+    + (2 * m * out_bytes if has_existing else (m if whole_output else rows) * out_bytes),
     alias_last_operand=has_existing,
   )
 
@@ -257,6 +273,7 @@ def gmm_pallas(
   narrow_dot: bool = False,
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
+  expected_rows: int | None = None,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -288,6 +305,8 @@ def gmm_pallas(
     sub_m: rows per MXU pass; sub-blocks of the m-tile outside the visit's group are skipped.
       Must divide tm. None: the whole tile (no skipping).
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    expected_rows: the rows the caller expects sum(group_sizes) to be; the cost estimate XLA
+      gets counts the work on those rows, not on all m. None: m.
     count_rows: instrumentation for interpret mode: also return [tiles_n, max_visits] int32 rows
       pushed through the MXU per (n-tile, visit) for one sweep over k.
     interpret: see `common.run_kernel`.
@@ -480,6 +499,8 @@ def gmm_pallas(
       n=n,
       out_dtype=out_dtype,
       tiles_n=tiles_n,
+      rows=expected_rows,
+      whole_output=True,
     ),
     counts_shape=(tiles_n, schedule.max_visits) if count_rows else None,
     valid_counts=jnp.arange(schedule.max_visits) < schedule.num_visits,
@@ -511,6 +532,7 @@ def gmm_rowtile_pallas(
   sequential_sweeps: bool = False,
   rows_stationary: bool = False,
   fill_unowned: bool = True,
+  expected_rows: int | None = None,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -539,6 +561,8 @@ def gmm_rowtile_pallas(
     sub_m: rows per MXU pass (divides tm); sub-blocks without rows of a group are skipped for
       that group. None: the whole tile.
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    expected_rows: the rows the caller expects sum(group_sizes) to be; the cost estimate XLA
+      gets counts the work on those rows, not on all m. None: m.
     sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e): the first weights
       of n-tile j + 1 are prefetched while the last group of n-tile j computes, instead of being
       loaded (exposed) at the start of n-tile j + 1. Both grid axes are then "arbitrary".
@@ -967,6 +991,7 @@ def gmm_rowtile_pallas(
     n=n,
     out_dtype=out_dtype,
     tiles_n=tiles_n,
+    rows=expected_rows,
   )
   result_and_cost["out_shape"] = common.out_struct(
     (out_rows, n), out_dtype, lhs, rhs, group_sizes, group_offset, base, rhs_scales, lhs_scales

@@ -66,6 +66,11 @@ TypeError naming it and these versions: a newer MaxText's new argument must fail
 - Refused with a ValueError saying what to use: a qwix rule (above), quantize dtypes other than
   int8 / int4 / float8_e4m3fn, `use_manual_quantization=True` with quantization (MaxText's
   batch-split scheme), and pre-quantized qwix QArray operands (moe_quantize_token_all_gather).
+- Rows outside the local groups (a receive buffer's slack past sum(group_sizes), other shards'
+  rows with `group_offset`) are left undefined without `existing_out`, in the output and in the
+  lhs gradient, as megablox leaves them (`pallas_moe.gmm(..., unowned_rows="undefined")`):
+  MaxText never reads them, and writing zeros there would cost a zero-fill kernel and HBM copies
+  of its buffer. With `existing_out` they keep its values.
 - `interpret`: None means compiled on TPU and interpret mode elsewhere (MaxText's None means
   compiled; its layer passes True off TPU); True, False or `pltpu.InterpretParams` are passed
   through.
@@ -296,8 +301,19 @@ def _frozen_gmm(static: _QuantStatic, lhs, q, group_sizes, group_offset, existin
     existing_out,
     static.transpose_rhs,
     static.interpret,
+    unowned_rows=_unowned_rows(existing_out),
     **kw,
   )
+
+
+def _unowned_rows(existing_out: Any) -> str:
+  """gmm's `unowned_rows` for MaxText's calls: "undefined" without existing_out, as megablox.
+
+  NOTE: megablox never writes the rows outside the local groups (a receive buffer's slack past
+  sum(group_sizes), other shards' rows) and MaxText never reads them, so pallas_moe does not
+  write zeros there either: no zero-fill kernel, no buffer for it, no copy of it per call.
+  """
+  return "zero" if existing_out is not None else "undefined"
 
 
 def _native_fp8(static: _QuantStatic) -> bool:
@@ -565,6 +581,7 @@ def gmm(
       existing_out,
       transpose_rhs,
       interpret,
+      unowned_rows=_unowned_rows(existing_out),
     )
   else:
     for argument, x, ndim in (("lhs", lhs, 2), ("rhs", rhs, 3)):

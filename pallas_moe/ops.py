@@ -229,6 +229,7 @@ class _GmmStatic:
   weight_dtype: str | None = None  # Quantized paths: "int8" or "float8_e4m3fn".
   activation_dtype: str | None = None  # lhs quantized per row in the forward (same as weights).
   narrow_dot: bool = False  # The forward multiplies the narrow values on the MXU (see gmm).
+  expected_rows: int | None = None  # The kernels' cost estimates count these rows (see gmm).
 
 
 def _round_tm(tiles: Any) -> Any:
@@ -302,6 +303,7 @@ def _gmm_fwd_impl(static: _GmmStatic, lhs, rhs, group_sizes, group_offset, exist
     group_offset=group_offset,
     existing_out=existing_out,
     transpose_rhs=static.transpose_rhs,
+    expected_rows=static.expected_rows,
     interpret=static.interpret,
   )
 
@@ -320,9 +322,11 @@ def _weight_grad(static, lhs, dout, group_sizes, group_offset, *, num_groups, ou
   """The weight gradient by tgmm, laid out as the weights ([G, k, n], or [G, n, k] transposed).
 
   NOTE: tgmm contracts over rows; its operands are picked so the output is already in the weights'
-  layout and no weight gradient needs a transpose: lhs^T @ dout, or dout^T @ lhs.
+  layout and no weight gradient needs a transpose: lhs^T @ dout, or dout^T @ lhs. Its first
+  operand is passed as the [m, *] array it is (`transpose_lhs`: the kernel contracts its rows in
+  VMEM), so XLA makes no transposed copy of lhs or dout in HBM.
   """
-  t_lhs, t_rhs = (dout.T, lhs) if static.transpose_rhs else (lhs.T, dout)
+  t_lhs, t_rhs = (dout, lhs) if static.transpose_rhs else (lhs, dout)
   return _run_tgmm(
     static.drhs,
     t_lhs,
@@ -331,6 +335,8 @@ def _weight_grad(static, lhs, dout, group_sizes, group_offset, *, num_groups, ou
     out_dtype=out_dtype,
     group_offset=group_offset,
     num_actual_groups=num_groups,
+    transpose_lhs=True,
+    expected_rows=static.expected_rows,
     interpret=static.interpret,
   )
 
@@ -351,6 +357,7 @@ def _gmm_diff_bwd(static, residuals, dout):
     out_dtype=lhs.dtype,
     group_offset=group_offset,
     transpose_rhs=not static.transpose_rhs,
+    expected_rows=static.expected_rows,
     interpret=static.interpret,
   )
   drhs = _weight_grad(
@@ -846,6 +853,7 @@ def gmm(
     weight_dtype=weight_dtype,
     activation_dtype=activation_dtype,
     narrow_dot=narrow_dot,
+    expected_rows=expected_rows,
   )
   if qweights is not None:
     lhs, values, scales, group_sizes, group_offset, existing_out = (

@@ -44,19 +44,36 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_moe import common, metadata
 
 
-def _bytes_accessed(
-  lhs, rhs, lhs_scales, rhs_scales, *, num_groups, out_dtype, tiles, has_existing
-):
-  """HBM bytes a tgmm call reads and writes, for XLA's cost estimate: lhs and its scales once per
-  n-tile, rhs and its scales once per k-tile, the output (and existing_out) once."""
+def tgmm_cost(
+  lhs, rhs, lhs_scales, rhs_scales, *, m, k, n, rows, num_groups, out_dtype, tiles, has_existing
+) -> dict[str, int]:
+  """The CostEstimate a tgmm call gives XLA: the work it will do on `rows` of its m rows.
+
+  `rows` is the caller's `expected_rows` (the real rows of an expert-parallel receive buffer)
+  or all m: the kernels visit only the m-tiles holding local rows, so a buffer's slack costs
+  nothing and is not counted. flops = 2 * rows * k * n; bytes: lhs's rows (and per-token
+  scales) once per n-tile, rhs's once per k-tile, per-channel scales once per tile of theirs,
+  the output (and existing_out) once.
+
+  Returns:
+    dict(flops=, bytes_accessed=) for `common.call_kernel`.
+  """
   tiles_k, tiles_n = tiles
-  k, n = lhs.shape[0], rhs.shape[1]
-  return (
-    lhs.size * lhs.dtype.itemsize * tiles_n
-    + rhs.size * rhs.dtype.itemsize * tiles_k
-    + (lhs_scales.size * 4 * tiles_n if lhs_scales is not None else 0)
-    + (rhs_scales.size * 4 * tiles_k if rhs_scales is not None else 0)
-    + num_groups * k * n * jnp.dtype(out_dtype).itemsize * (2 if has_existing else 1)
+  frac = rows / m if m else 0.0
+
+  def scale_bytes(scales, channel_shape, reads):
+    if scales is None:
+      return 0
+    per_token = tuple(scales.shape) != channel_shape
+    return int(scales.size * 4 * (frac if per_token else 1)) * reads
+
+  return dict(
+    flops=2 * rows * k * n,
+    bytes_accessed=rows * k * lhs.dtype.itemsize * tiles_n
+    + rows * n * rhs.dtype.itemsize * tiles_k
+    + scale_bytes(lhs_scales, (k, 1), tiles_n)
+    + scale_bytes(rhs_scales, (1, n), tiles_k)
+    + num_groups * k * n * jnp.dtype(out_dtype).itemsize * (2 if has_existing else 1),
   )
 
 
@@ -80,13 +97,15 @@ def tgmm_pallas(
   narrow_dot: bool = False,
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
+  transpose_lhs: bool = False,
+  expected_rows: int | None = None,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Runs the tgmm kernel on validated arguments.
 
   Args:
-    lhs: [k, m].
+    lhs: [k, m], or [m, k] with `transpose_lhs`.
     rhs: [m, n].
     group_sizes: [num_groups_total] int32.
     tiling: (tm, tk, tn), already clamped to the dims and aligned.
@@ -106,6 +125,11 @@ def tgmm_pallas(
     sub_m: rows per MXU pass (a multiple of 128 dividing tm); sub-blocks of the m-tile outside
       the visit's group are skipped. None: the whole tile.
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
+    transpose_lhs: lhs is [m, k] (the gmm's own lhs, as the forward read it) and the kernel
+      contracts its rows in VMEM (`lax.dot_general` over dim 0 of both blocks), so the caller
+      needs no [k, m] transposed copy of it in HBM. No lhs scales then.
+    expected_rows: the rows of m the caller expects to be real (sum(group_sizes)); the cost
+      estimate XLA gets (`tgmm_cost`) counts those, not all m. None: m.
     count_rows: instrumentation for interpret mode: also return [tiles_k, tiles_n, max_visits]
       int32 rows pushed through the MXU per grid step.
     interpret: see `common.run_kernel`.
@@ -113,10 +137,12 @@ def tgmm_pallas(
   Returns:
     [num_actual_groups, k, n] of `out_dtype` (and the row counts with `count_rows`).
   """
-  k, m = lhs.shape
+  m, k = lhs.shape if transpose_lhs else lhs.shape[::-1]
   n = rhs.shape[1]
   tm, tk, tn = tiling
   sub_m = common.check_sub_m(sub_m, tm)
+  if transpose_lhs and lhs_scales is not None:
+    raise ValueError("lhs_scales are for a [k, m] lhs; pass transpose_lhs=False with them.")
   tiles_k, tiles_n = metadata.cdiv(k, tk), metadata.cdiv(n, tn)
   lhs_q, rhs_q = lhs_scales is not None, rhs_scales is not None
   # NOTE: a per-channel scale ([k, 1] of lhs, [1, n] of rhs) is constant along the contraction m
@@ -197,9 +223,14 @@ def tgmm_pallas(
       # operands: rows of a ragged last m-tile are uninitialized (NaN under interpret mode) and
       # 0 * NaN = NaN.
       lo = row0 + r0
-      lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, sub_m), 1)
+      if transpose_lhs:
+        lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (sub_m, tk), 0)
+        lhs_blk = lhs_ref[rows, :]
+      else:
+        lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, sub_m), 1)
+        lhs_blk = lhs_ref[:, rows]
       rhs_rows = lo + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
-      lhs_blk, rhs_blk = lhs_ref[:, rows], rhs_ref[rows, :]
+      rhs_blk = rhs_ref[rows, :]
       if lhs_q and not narrow_dot:
         lhs_blk = lhs_blk.astype(jnp.float32)
         if lhs_token:
@@ -212,9 +243,10 @@ def tgmm_pallas(
           rhs_blk = rhs_blk * rhs_s_ref[rows, :]
       lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_blk, 0)
       rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_blk, 0)
-      acc_ref[...] += jnp.dot(
+      acc_ref[...] += lax.dot_general(
         lhs_blk.astype(compute_dtype),
         rhs_blk.astype(compute_dtype),
+        dimension_numbers=(((0 if transpose_lhs else 1,), (0,)), ((), ())),
         preferred_element_type=dot_acc_dtype,
       ).astype(jnp.float32)
       return carry
@@ -240,7 +272,7 @@ def tgmm_pallas(
 
   # Index maps get (k_i, n_i, visit, *prefetch refs).
   def lhs_map(k_i, n_i, visit, offsets, group, tile, active, goff):
-    return k_i, tile[visit]
+    return (tile[visit], k_i) if transpose_lhs else (k_i, tile[visit])
 
   def rhs_map(k_i, n_i, visit, offsets, group, tile, active, goff):
     return tile[visit], n_i
@@ -266,7 +298,7 @@ def tgmm_pallas(
 
   f32 = lambda s: None if s is None else s.astype(jnp.float32)  # noqa: E731
   operands, in_specs = common.present_operands(
-    (lhs, pl.BlockSpec((tk, tm), lhs_map)),
+    (lhs, pl.BlockSpec((tm, tk) if transpose_lhs else (tk, tm), lhs_map)),
     (rhs, pl.BlockSpec((tm, tn), rhs_map)),
     (
       f32(lhs_scales),
@@ -301,12 +333,15 @@ def tgmm_pallas(
     scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
     dimension_semantics=("parallel", "parallel", "arbitrary"),
     vmem_limit_bytes=vmem_limit_bytes,
-    flops=2 * m * k * n,
-    bytes_accessed=_bytes_accessed(
+    **tgmm_cost(
       lhs,
       rhs,
       lhs_scales,
       rhs_scales,
+      m=m,
+      k=k,
+      n=n,
+      rows=m if expected_rows is None else min(expected_rows, m),
       num_groups=num_actual_groups,
       out_dtype=out_dtype,
       tiles=(tiles_k, tiles_n),
@@ -343,13 +378,15 @@ def tgmm_rowtile_pallas(
   sequential_sweeps: bool = False,
   rows_stationary: bool = False,
   interior_subs: int = INTERIOR_SUBS,
+  transpose_lhs: bool = False,
+  expected_rows: int | None = None,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Runs the row-tile tgmm kernel on validated arguments.
 
   Args:
-    lhs: [k, m].
+    lhs: [k, m], or [m, k] with `transpose_lhs`.
     rhs: [m, n].
     group_sizes: [num_groups_total] int32.
     tiling: (tm, tk, tn); tk must divide k and tn divide n (manual output DMAs are not ragged).
@@ -374,6 +411,11 @@ def tgmm_rowtile_pallas(
       The group's last sub-block (masked) and the sub-blocks left over from the runs are still
       multiplied one at a time, so MXU rows do not change. 1: every interior sub-block is its
       own unmasked dot.
+    transpose_lhs: lhs is [m, k] (the gmm's own lhs, as the forward read it): its rows move
+      like rhs's (sublane granules) into [tm, tk] slots and the dots contract dim 0 of both
+      blocks (`lax.dot_general`), so the caller needs no [k, m] transposed copy in HBM.
+    expected_rows: the rows of m the caller expects to be real; the cost estimate XLA gets
+      (`tgmm_cost`) counts those, not all m. None: m.
     count_rows: interpret-mode instrumentation: also return [tiles_k, tiles_n, tiles_m, 4] int32,
       per grid step: rows pushed through the MXU, output blocks written, rhs rows fetched and
       lhs rows (columns) fetched for the step's tile (whichever step started the DMAs).
@@ -382,7 +424,7 @@ def tgmm_rowtile_pallas(
   Returns:
     [num_actual_groups, k, n] of `out_dtype` (and the counts with `count_rows`).
   """
-  k, m = lhs.shape
+  m, k = lhs.shape if transpose_lhs else lhs.shape[::-1]
   n = rhs.shape[1]
   tm, tk, tn = tiling
   sub_m = common.check_sub_m(sub_m, tm)
@@ -396,7 +438,7 @@ def tgmm_rowtile_pallas(
   # (sub_m == tm) its dynamic offset 0 would not be provably aligned (see `common.sub_block`).
   run_loop = sub_m < tm and tm // sub_m >= interior_subs
   compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
-  lhs_granule = common.row_granule(lhs.dtype, lanes=True)
+  lhs_granule = common.row_granule(lhs.dtype, lanes=not transpose_lhs)
   rhs_granule = common.row_granule(rhs.dtype)
   # NOTE: m's last m % 128 columns of lhs cannot be DMAed into the lane-tiled [tk, tm] slot: a
   # slice of a VMEM ref along its lane dim must span whole 128-lane tiles (Mosaic rejects a
@@ -404,7 +446,8 @@ def tgmm_rowtile_pallas(
   # are copied into the slot as values. `common.tile_row_copies` moves the aligned columns
   # before them (it is told lhs has lhs_m columns). A tm of all m columns that is not a multiple
   # of 128 is fetched whole and has no separate tail.
-  lhs_tail = m % lhs_granule if tm % lhs_granule == 0 else 0
+  # (A transposed [m, k] lhs has m on its sublanes, like rhs: no tail.)
+  lhs_tail = m % lhs_granule if tm % lhs_granule == 0 and not transpose_lhs else 0
   lhs_m = m - lhs_tail
   groups = metadata.make_tile_groups(
     group_sizes=group_sizes,
@@ -467,11 +510,19 @@ def tgmm_rowtile_pallas(
       # NOTE: m is lhs's lane (last) dim: its rows move in lane granules of 128; rhs's m is its
       # sublane dim (8 rows of 32 bits). `common.window` keeps a window of a whole dim static.
       lhs_hi = jnp.minimum(hi, lhs_m - tile_row0) if lhs_tail else hi
-      lhs_copies = common.tile_row_copies(
-        hbm_rows=lambda start, size: lhs_hbm.at[
+      if transpose_lhs:
+        lhs_hbm_rows = lambda start, size: lhs_hbm.at[  # noqa: E731
+          common.window(start, size, m), common.window(w_k0, tk, k)
+        ]
+        lhs_vmem_rows = lambda off, size: lhs_vmem.at[slot, common.window(off, size, tm), :]  # noqa: E731
+      else:
+        lhs_hbm_rows = lambda start, size: lhs_hbm.at[  # noqa: E731
           common.window(w_k0, tk, k), common.window(start, size, m)
-        ],
-        vmem_rows=lambda off, size: lhs_vmem.at[slot, :, common.window(off, size, tm)],
+        ]
+        lhs_vmem_rows = lambda off, size: lhs_vmem.at[slot, :, common.window(off, size, tm)]  # noqa: E731
+      lhs_copies = common.tile_row_copies(
+        hbm_rows=lhs_hbm_rows,
+        vmem_rows=lhs_vmem_rows,
         sem=in_sems.at[0, slot],
         granule=lhs_granule,
         row0=tile_row0,
@@ -559,7 +610,8 @@ def tgmm_rowtile_pallas(
       counts_ref[k_i, n_i, t, 0] = 0
       counts_ref[k_i, n_i, t, 1] = 0
       # NOTE: the rows the step's DMAs moved (whoever started them): rhs rows, lhs columns.
-      for index, copies, axis in ((2, rhs_copies, 0), (3, lhs_copies, 1)):
+      lhs_axis = 0 if transpose_lhs else 1
+      for index, copies, axis in ((2, rhs_copies, 0), (3, lhs_copies, lhs_axis)):
         counts_ref[k_i, n_i, t, index] = sum(
           jnp.where(pred, desc.dst_ref.shape[axis], 0) for pred, desc in copies
         )
@@ -584,7 +636,8 @@ def tgmm_rowtile_pallas(
         # lane (lhs) and sublane (rhs) slices need.
         r0 = pl.multiple_of(sub * sub_m, sub_m)
         rows = pl.ds(r0, subs * sub_m)
-      lhs_blk, rhs_blk = lhs_ref[:, rows], rhs_ref[rows, :]
+      lhs_blk = lhs_ref[rows, :] if transpose_lhs else lhs_ref[:, rows]
+      rhs_blk = rhs_ref[rows, :]
       if masked:
         # NOTE: rows are the contraction dim: only rows of the group contribute. Both operands
         # are masked: rows of the slot outside the fetched range (past m in a ragged last tile,
@@ -592,22 +645,28 @@ def tgmm_rowtile_pallas(
         # under interpret mode) and 0 * NaN = NaN. An unmasked run reads only sub-blocks wholly
         # inside the group, which are fetched.
         lo = row0 + r0
-        width = lhs_blk.shape[1]
-        lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, width), 1)
+        width = rhs_blk.shape[0]
+        if transpose_lhs:
+          lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (width, tk), 0)
+        else:
+          lhs_cols = lo + lax.broadcasted_iota(jnp.int32, (tk, width), 1)
         rhs_rows = lo + lax.broadcasted_iota(jnp.int32, (width, tn), 0)
         lhs_blk = jnp.where((lhs_cols >= start) & (lhs_cols < end), lhs_blk, 0)
         rhs_blk = jnp.where((rhs_rows >= start) & (rhs_rows < end), rhs_blk, 0)
+      # NOTE: lhs's rows are its dim 0 when transposed ([rows, tk]), else dim 1 ([tk, rows]).
+      lhs_rows_dim = 0 if transpose_lhs else 1
       if rows_stationary:
-        # NOTE: [rows, tn] contracted on its rows with [tk, rows] on its columns: [tn, tk].
+        # NOTE: [rows, tn] contracted on its rows with lhs on its rows: [tn, tk].
         return lax.dot_general(
           rhs_blk.astype(compute_dtype),
           lhs_blk.astype(compute_dtype),
-          dimension_numbers=(((0,), (1,)), ((), ())),
+          dimension_numbers=(((0,), (lhs_rows_dim,)), ((), ())),
           preferred_element_type=jnp.float32,
         )
-      return jnp.dot(
+      return lax.dot_general(
         lhs_blk.astype(compute_dtype),
         rhs_blk.astype(compute_dtype),
+        dimension_numbers=(((lhs_rows_dim,), (0,)), ((), ())),
         preferred_element_type=jnp.float32,
       )
 
@@ -737,7 +796,7 @@ def tgmm_rowtile_pallas(
     ),
     out_spec=pl.BlockSpec(memory_space=pl.ANY),
     scratch_shapes=[
-      pltpu.VMEM((2, tk, tm), lhs.dtype),
+      pltpu.VMEM((2, tm, tk) if transpose_lhs else (2, tk, tm), lhs.dtype),
       pltpu.VMEM((2, tm, tn), rhs.dtype),
       # NOTE: one semaphore per operand and slot: [lhs, rhs] x [slot 0, slot 1].
       pltpu.SemaphoreType.DMA((2, 2)),
@@ -751,14 +810,17 @@ def tgmm_rowtile_pallas(
     if sequential_sweeps
     else ("parallel", "parallel", "arbitrary"),
     vmem_limit_bytes=vmem_limit_bytes,
-    flops=2 * m * k * n,
-    # NOTE: an upper bound: all m rows, though the kernel reads only the local rows (their count
-    # is not static).
-    bytes_accessed=_bytes_accessed(
+    # NOTE: the kernel moves only the local rows; their count is not static: the caller's
+    # expectation, else all m rows (an upper bound).
+    **tgmm_cost(
       lhs,
       rhs,
       None,
       None,
+      m=m,
+      k=k,
+      n=n,
+      rows=m if expected_rows is None else min(expected_rows, m),
       num_groups=num_groups,
       out_dtype=out_dtype,
       tiles=(tiles_k, tiles_n),

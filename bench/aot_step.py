@@ -1,0 +1,594 @@
+"""What XLA makes of an expert-parallel MoE training step around the gmm kernels, AOT-compiled.
+
+  python -m bench.aot_step [--topologies v5e:2x4 v6e:2x4] [--meshes 8x1 4x2] [--markdown]
+
+The step: `jax.value_and_grad` of a sum-of-squares loss of MaxText's `RoutedAndSharedMoE`
+(maxtext 0.2.5, DeepSeek-V2-Lite dims: emb 2048, expert width 1408, 64 experts top-6, 2 shared
+experts; `sparse_matmul` + `megablox`, 4096 tokens per device, bf16 activations, the dropless
+receive buffer), compiled for a TPU topology from this host (libtpu; no TPU needed) with expert
+parallelism `ep` x data `data`. Variants:
+
+- `megablox`: MaxText's stock layer (its megablox fork, `jax.lax.ragged_all_to_all`).
+- `pm_mt_tiles`: `pallas_moe.maxtext.swap_into` (pallas_moe's kernels at MaxText's tiles).
+- `pm_own_tiles`: the same with `tiling=None` (pallas_moe's heuristic tiles).
+- `pm_moe_layer`: pallas_moe's own block (`pallas_moe.moe.moe_layer`) at the same dims and
+  receive-buffer rows (the loss adds its aux loss).
+
+Where maxtext is not installed (Python < 3.12), the first three run on a MaxText-shaped
+`sparse_matmul` program of ours instead (`expert_program`: the receive buffer through the three
+gmms of MaxText's experts, wi_0, wi_1, silu x linear, wo, inside `shard_map`), with upstream
+megablox (`jax.experimental.pallas.ops.tpu.megablox`) as the stock kernels.
+
+Reported per compiled program (`analyze`): memory_analysis() temp / peak / argument bytes;
+cost_analysis() bytes accessed split into the Pallas kernels' own CostEstimates (read from the
+Mosaic custom calls' backend config) and the rest (XLA's ops); the number of Mosaic calls; and
+every copy or transpose whose shape has a receive-buffer-sized dimension (the HLO instruction, or
+the fusion whose root it is), which is what an extra layout change or a copy of an aliased
+buffer looks like in the compiled program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import os
+import re
+import sys
+import types
+from typing import Any
+
+if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/accel0"):
+  os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+__all__ = ["Dims", "analyze", "big_copies", "expert_program", "kernel_costs", "measure", "table"]
+
+VARIANTS = ("megablox", "pm_mt_tiles", "pm_own_tiles", "pm_moe_layer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Dims:
+  """The MoE layer (DeepSeek-V2-Lite by default) and the tokens per device."""
+
+  emb: int = 2048
+  mlp: int = 1408
+  num_experts: int = 64
+  top_k: int = 6
+  shared: int = 2
+  tokens_per_device: int = 4096
+
+  def buffer_rows(self, ep: int) -> int:
+    """The dropless receive buffer (MaxText's `get_ragged_buffer_size`, ours is the same):
+    tokens x top_k x min(ep, experts / top_k)."""
+    return int(self.tokens_per_device * self.top_k * min(ep, self.num_experts / self.top_k))
+
+
+DEEPSEEK_V2_LITE = Dims()
+# MaxText's default megablox tiles (base.yml wi_tile_* / wo_tile_*: 512, 1024, 1024 everywhere).
+MAXTEXT_TILES = (512, 1024, 1024)
+
+
+def _topology(name: str):
+  from jax.experimental import topologies
+
+  return topologies.get_topology_desc(topology_name=name, platform="tpu")
+
+
+# --------------------------------------------------------------------------------------------
+# HLO analysis.
+# --------------------------------------------------------------------------------------------
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+)\s*=\s*(\S+?)\[([\d,]*)\]\S*\s+([\w\-]+)\(")
+
+
+def _logical_lines(text: str) -> list[str]:
+  """HLO text lines with instructions that span several lines (a custom call's metadata holds
+  newlines) joined into one."""
+  out = []
+  for line in text.splitlines():
+    header = not line[:1].isspace() and line.rstrip().endswith("{")
+    starts = _INSTR.match(line) or header or line.strip() in ("}", "")
+    if out and not starts:
+      out[-1] += " " + line.strip()
+    else:
+      out.append(line)
+  return out
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+  comps, name = {}, None
+  for line in _logical_lines(text):
+    head = re.match(r"^(?:ENTRY\s+)?(%?[\w.\-]+)\s.*\{\s*$", line)
+    if head and not line.startswith(" "):
+      name = head.group(1).lstrip("%")
+      comps[name] = []
+    elif name is not None:
+      comps[name].append(line)
+  return comps
+
+
+def _root_opcode(lines: list[str]) -> str | None:
+  for line in lines:
+    if line.strip().startswith("ROOT"):
+      m = _INSTR.match(line)
+      return m.group(4) if m else None
+  return None
+
+
+def _buffer_sized(dims: list[int], rows: int) -> bool:
+  """A dimension, or a product of leading dimensions ([rows / 8, 8, ...] is a buffer's rows
+  split by a reshape), of at least `rows`."""
+  lead = 1
+  for d in dims:
+    lead *= d
+    if d >= rows or lead >= rows:
+      return True
+  return False
+
+
+def big_copies(text: str, *, rows: int) -> list[str]:
+  """Copies and transposes of buffer-sized arrays in compiled HLO text.
+
+  An instruction `copy`, `transpose` or `copy-start`, or a fusion whose fused computation's root
+  is one of those, whose result shape has a dimension, or a product of leading dimensions, of at
+  least `rows` (the buffer's rows, possibly split by a reshape).
+
+  Returns:
+    "opcode dtype[shape]" per instruction (fusions as "fusion(root) dtype[shape]").
+  """
+  comps = _computations(text)
+  out = []
+  kinds = ("copy", "transpose", "copy-start")
+  for name, lines in comps.items():
+    if name.startswith("fused_") or ".fused" in name or "fused_computation" in name:
+      continue
+    for line in lines:
+      m = _INSTR.match(line)
+      if not m:
+        continue
+      dtype, shape, op = m.group(2), m.group(3), m.group(4)
+      dims = [int(d) for d in shape.split(",") if d]
+      if not _buffer_sized(dims, rows):
+        continue
+      if op in kinds:
+        out.append(f"{op} {dtype}[{shape}]")
+      elif op == "fusion":
+        called = re.search(r"calls=(%?[\w.\-]+)", line)
+        root = _root_opcode(comps.get(called.group(1).lstrip("%"), [])) if called else None
+        if root in kinds:
+          out.append(f"fusion({root}) {dtype}[{shape}]")
+  return out
+
+
+def kernel_costs(text: str) -> list[dict]:
+  """The CostEstimate of every Mosaic call (tpu_custom_call) in compiled HLO text: name (the
+  instruction's, i.e. the kernel's name), flops and bytes_accessed (0 where it has none)."""
+  out = []
+  for line in _logical_lines(text):
+    if 'custom_call_target="tpu_custom_call"' not in line:
+      continue
+    m = _INSTR.match(line)
+    name = m.group(1).lstrip("%").split(".")[0] if m else "?"
+    cost = re.search(r'cost_estimate\\?":\{([^}]*)\}', line)
+    fields = {}
+    if cost:
+      for key, val in re.findall(r'(\w+)\\?":\\?"?([\d.eE+\-]+)', cost.group(1)):
+        fields[key] = float(val)
+    flops, bytes_accessed = fields.get("flops", 0.0), fields.get("bytes_accessed", 0.0)
+    out.append(dict(name=name, flops=flops, bytes_accessed=bytes_accessed))
+  return out
+
+
+def analyze(compiled, *, rows: int) -> dict[str, Any]:
+  """Memory, cost, Mosaic calls and buffer-sized copies of a compiled program.
+
+  Args:
+    compiled: a `jax.stages.Compiled`.
+    rows: the receive buffer's rows (copies of arrays with a dimension this large are listed).
+
+  Returns:
+    dict(temp, peak, args, out, bytes_total, bytes_kernels, bytes_xla, flops_total,
+    flops_kernels, mosaic_calls, kernels, copies).
+  """
+  ma = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0]
+  text = compiled.as_text()
+  kernels = kernel_costs(text)
+  total = float(cost.get("bytes accessed", 0.0))
+  kbytes = sum(k["bytes_accessed"] for k in kernels)
+  peak = getattr(ma, "peak_memory_in_bytes", None)
+  return dict(
+    temp=int(ma.temp_size_in_bytes),
+    peak=None if peak is None else int(peak),
+    args=int(ma.argument_size_in_bytes),
+    out=int(ma.output_size_in_bytes),
+    bytes_total=total,
+    bytes_kernels=kbytes,
+    bytes_xla=total - kbytes,
+    flops_total=float(cost.get("flops", 0.0)),
+    flops_kernels=sum(k["flops"] for k in kernels),
+    mosaic_calls=len(kernels),
+    kernels=[k["name"] for k in kernels],
+    copies=big_copies(text, rows=rows),
+  )
+
+
+# --------------------------------------------------------------------------------------------
+# MaxText's layer.
+# --------------------------------------------------------------------------------------------
+
+
+def have_maxtext() -> bool:
+  """maxtext (0.2.5, Python >= 3.12) is importable."""
+  if sys.version_info < (3, 12):
+    return False
+  try:
+    import maxtext.layers.moe  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def _maxtext_config(dims: Dims, *, ep: int, data: int, out_dir: str):
+  import maxtext
+  from maxtext.configs import pyconfig
+
+  base_yml = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+  return pyconfig.initialize(
+    [None, base_yml],
+    base_output_directory=out_dir,
+    model_name="deepseek2-16b",
+    override_model_config=True,
+    base_emb_dim=dims.emb,
+    base_moe_mlp_dim=dims.mlp,
+    num_experts=dims.num_experts,
+    num_experts_per_tok=dims.top_k,
+    shared_experts=dims.shared,
+    ici_expert_parallelism=ep,
+    ici_data_parallelism=data,
+    ici_fsdp_parallelism=1,
+    dcn_data_parallelism=1,
+    per_device_batch_size=1,
+    max_target_length=dims.tokens_per_device,
+    dtype="bfloat16",
+    sparse_matmul=True,
+    megablox=True,
+    attention="dot_product",
+    hardware="tpu",
+    compile_topology_num_slices=1,
+    enable_checkpointing=False,
+    skip_jax_distributed_system=True,
+    run_name="pallas_moe_aot_step",
+    jax_cache_dir="",
+  )
+
+
+def _own_tiles_module() -> types.ModuleType:
+  """pallas_moe.maxtext with `tiling` dropped: pallas_moe's heuristic tiles."""
+  from pallas_moe import maxtext as mblx
+
+  mod = types.ModuleType("pallas_moe_maxtext_own_tiles")
+  mod.__dict__.update({k: v for k, v in vars(mblx).items() if not k.startswith("__")})
+
+  def gmm(*args, **kwargs):
+    kwargs["tiling"] = None
+    return mblx.gmm(*args, **kwargs)
+
+  mod.gmm = gmm
+  return mod
+
+
+def maxtext_compiled(variant: str, *, topology: str, ep: int, data: int, dims: Dims, out_dir: str):
+  """Compiles value_and_grad(sum(RoutedAndSharedMoE(x)**2)) over (params, x) for `topology`."""
+  from flax import nnx
+  from flax.linen import partitioning
+  from maxtext.layers import initializers, moe
+  from maxtext.utils import maxtext_utils
+
+  from pallas_moe import maxtext as mblx
+
+  topo = _topology(topology)
+  cfg = _maxtext_config(dims, ep=ep, data=data, out_dir=out_dir)
+  mesh = Mesh(maxtext_utils.create_device_mesh(cfg, devices=topo.devices), cfg.mesh_axes)
+  assert dict(mesh.shape)["expert"] == ep and dict(mesh.shape)["data"] == data
+  originals = None
+  if variant != "megablox":
+    originals = mblx.swap_into(moe)
+    if variant == "pm_own_tiles":
+      moe.mblx = _own_tiles_module()
+  try:
+    with jax.set_mesh(mesh), partitioning.axis_rules(cfg.logical_axis_rules):
+
+      def build():
+        return moe.RoutedAndSharedMoE(
+          config=cfg,
+          mesh=mesh,
+          kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
+          kernel_axes=("embed", None),
+          rngs=nnx.Rngs(0),
+          weight_dtype=cfg.weight_dtype,
+          dtype=cfg.dtype,
+        )
+
+      abstract = nnx.eval_shape(build)
+      graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+
+      def sds(tree):
+        shardings = _logical_to_mesh(nnx.get_partition_spec(tree), mesh, cfg.logical_axis_rules)
+        return jax.tree.map(
+          lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s), tree, shardings
+        )
+
+      params, rest = sds(state), sds(rest)
+      batch = cfg.per_device_batch_size * mesh.size
+      x_sharding = NamedSharding(mesh, P(("data", "expert"), None, None))
+      x = jax.ShapeDtypeStruct(
+        (int(batch), cfg.max_target_length, cfg.emb_dim), jnp.bfloat16, sharding=x_sharding
+      )
+
+      def loss(params, x, rest):
+        out, _, _ = nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+      step = jax.value_and_grad(loss, argnums=(0, 1))
+      with jax.default_device(topo.devices[0]):
+        return jax.jit(step).lower(params, x, rest).compile()
+  finally:
+    if originals:
+      for name, value in originals.items():
+        setattr(moe, name, value)
+
+
+def _logical_to_mesh(specs, mesh, rules):
+  from flax import linen as nn
+
+  return jax.tree.map(
+    lambda s: NamedSharding(mesh, nn.logical_to_mesh_axes(s, rules)),
+    specs,
+    is_leaf=lambda s: isinstance(s, P),
+  )
+
+
+# --------------------------------------------------------------------------------------------
+# Our MaxText-shaped program (no maxtext) and pallas_moe's own block.
+# --------------------------------------------------------------------------------------------
+
+
+def _stock_gmm():
+  """Upstream megablox's differentiable gmm (jax.experimental.pallas.ops.tpu.megablox)."""
+  from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+  return gmm
+
+
+def expert_program(
+  variant: str, *, mesh: Mesh, dims: Dims, rows: int, tiles=MAXTEXT_TILES, dtype=jnp.bfloat16
+):
+  """MaxText's `sparse_matmul` experts on a receive buffer, as a jittable step and its args.
+
+  Per device (shard_map over ("data", "expert")): `rows` buffer rows [rows, emb] and the local
+  experts' group sizes; wi_0 and wi_1 [E_l, emb, mlp], wo [E_l, mlp, emb]; out = gmm(silu(gmm(x,
+  wi_0)) * gmm(x, wi_1), wo), MaxText's three calls with its 9-int tiling; loss sum(out**2).
+  The group sizes are an argument (their values are not static), so the kernels see a receive
+  buffer with slack as in MaxText.
+
+  Args:
+    variant: "megablox" (upstream megablox), "pm_mt_tiles" (pallas_moe.maxtext.gmm at `tiles`)
+      or "pm_own_tiles" (pallas_moe.maxtext.gmm, tiling=None).
+    mesh: a mesh with axes ("data", "expert").
+    dims: the layer.
+    rows: buffer rows per device.
+    tiles: MaxText's (tm, tk, tn) for every pass.
+    dtype: activations and weights.
+
+  Returns:
+    (step, args): `jax.value_and_grad` of the loss over (x, wi_0, wi_1, wo), and abstract args.
+  """
+  from pallas_moe import maxtext as mblx
+
+  ep = dict(mesh.shape)["expert"]
+  local = dims.num_experts // ep
+  if variant == "megablox":
+    stock = _stock_gmm()
+    gmm = lambda x, w, gs: stock(x, w, gs, dtype, tiles)  # noqa: E731
+  elif variant in ("pm_mt_tiles", "pm_own_tiles"):
+    tiling = tiles * 3 if variant == "pm_mt_tiles" else None
+    gmm = lambda x, w, gs: mblx.gmm(x, w, gs, dtype, tiling)  # noqa: E731
+  else:
+    raise ValueError(f"variant={variant!r}: megablox, pm_mt_tiles or pm_own_tiles.")
+
+  def experts(x, wi_0, wi_1, wo, gs):
+    h = jax.nn.silu(gmm(x, wi_0, gs)) * gmm(x, wi_1, gs)
+    return gmm(h.astype(dtype), wo, gs)
+
+  rows_spec, w_spec, gs_spec = P(("data", "expert")), P("expert"), P(("data", "expert"))
+  sharded = jax.shard_map(
+    experts,
+    mesh=mesh,
+    in_specs=(rows_spec, w_spec, w_spec, w_spec, gs_spec),
+    out_specs=rows_spec,
+    check_vma=False,
+  )
+
+  def loss(x, wi_0, wi_1, wo, gs):
+    return jnp.sum(jnp.square(sharded(x, wi_0, wi_1, wo, gs).astype(jnp.float32)))
+
+  def sds(shape, spec, dt=dtype):
+    return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+
+  e, d, f = dims.num_experts, dims.emb, dims.mlp
+  args = (
+    sds((rows * mesh.size, d), rows_spec),
+    sds((e, d, f), w_spec),
+    sds((e, d, f), w_spec),
+    sds((e, f, d), w_spec),
+    sds((local * mesh.size,), gs_spec, jnp.int32),
+  )
+  return jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), args
+
+
+def _mesh(topology: str, *, ep: int, data: int) -> Mesh:
+  devices = np.array(_topology(topology).devices)
+  if devices.size != ep * data:
+    raise ValueError(f"{topology} has {devices.size} devices, not ep * data = {ep * data}.")
+  axis_types = (jax.sharding.AxisType.Explicit,) * 2
+  return Mesh(devices.reshape(data, ep), ("data", "expert"), axis_types=axis_types)
+
+
+def _compile(step, args, device):
+  with jax.default_device(device):
+    return jax.jit(step).lower(*args).compile()
+
+
+def moe_layer_compiled(*, topology: str, ep: int, data: int, dims: Dims):
+  """pallas_moe.moe.moe_layer's value_and_grad at `dims`, dropless (the same buffer rows)."""
+  from bench.moe_memory import aot_step_compiled
+  from pallas_moe.config import MoEConfig
+
+  config = MoEConfig(
+    num_experts=dims.num_experts,
+    top_k=dims.top_k,
+    d_model=dims.emb,
+    expert_ffn_dim=dims.mlp,
+    num_shared_experts=dims.shared,
+    dtype="bfloat16",
+    weight_dtype="bfloat16",
+    buffer_factor=None,
+  )
+  return aot_step_compiled(
+    topology=topology,
+    data=data,
+    ep=ep,
+    tokens_per_device=dims.tokens_per_device,
+    config=config,
+    with_value=True,
+  )
+
+
+def measure(
+  variant: str,
+  *,
+  topology: str,
+  ep: int,
+  data: int,
+  dims: Dims = DEEPSEEK_V2_LITE,
+  program: str | None = None,
+  out_dir: str = "/tmp/pallas_moe_aot_step",
+) -> dict[str, Any]:
+  """Compiles one variant for one topology and mesh and analyzes it (`analyze`).
+
+  Args:
+    variant: one of VARIANTS.
+    topology: e.g. "v5e:2x4".
+    ep: expert parallelism.
+    data: data parallelism (ep * data devices).
+    dims: the layer.
+    program: "maxtext" (MaxText's layer) or "ours" (`expert_program`); None: maxtext where it
+      is installed. Ignored for "pm_moe_layer".
+    out_dir: MaxText's base_output_directory.
+
+  Returns:
+    `analyze`'s dict with variant, topology, ep, data, rows and program.
+  """
+  rows = dims.buffer_rows(ep)
+  if program is None:
+    program = "maxtext" if have_maxtext() else "ours"
+  if variant == "pm_moe_layer":
+    compiled, program = moe_layer_compiled(topology=topology, ep=ep, data=data, dims=dims), "moe"
+  elif program == "maxtext":
+    compiled = maxtext_compiled(
+      variant, topology=topology, ep=ep, data=data, dims=dims, out_dir=out_dir
+    )
+  else:
+    mesh = _mesh(topology, ep=ep, data=data)
+    step, args = expert_program(variant, mesh=mesh, dims=dims, rows=rows)
+    compiled = _compile(step, args, mesh.devices.flat[0])
+  rec = analyze(compiled, rows=rows)
+  rec.update(variant=variant, topology=topology, ep=ep, data=data, rows=rows, program=program)
+  return rec
+
+
+def table(records: list[dict], *, markdown: bool) -> str:
+  """Formats `measure` records: bytes in MB (1e6), flops in TFLOP."""
+  mb = lambda b: "-" if b is None else f"{b / 1e6:,.0f}"  # noqa: E731
+  cols = (
+    "topology",
+    "ep x data",
+    "variant",
+    "temp_MB",
+    "peak_MB",
+    "args_MB",
+    "kernel_est_MB",
+    "xla_ops_MB",
+    "kernel_TFLOP",
+    "mosaic",
+    "buffer-sized copies",
+  )
+  rows = []
+  for r in records:
+    copies = "; ".join(r["copies"]) or "none"
+    rows.append(
+      [
+        r["topology"],
+        f"{r['ep']}x{r['data']}",
+        r["variant"],
+        mb(r["temp"]),
+        mb(r["peak"]),
+        mb(r["args"]),
+        mb(r["bytes_kernels"]),
+        mb(r["bytes_xla"]),
+        f"{r['flops_kernels'] / 1e12:.2f}",
+        str(r["mosaic_calls"]),
+        copies,
+      ]
+    )
+  if markdown:
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+  else:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    out += ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in rows]
+  return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--topologies", nargs="+", default=["v5e:2x4", "v6e:2x4"])
+  parser.add_argument("--meshes", nargs="+", default=["8x1", "4x2"], help="ep x data")
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+  parser.add_argument("--program", choices=["maxtext", "ours"], default=None)
+  parser.add_argument("--markdown", action="store_true")
+  parser.add_argument("--json", default=None, help="also write the records to this file")
+  args = parser.parse_args(argv)
+  import json
+
+  records = []
+  for topology in args.topologies:
+    for mesh in args.meshes:
+      ep, data = (int(x) for x in mesh.split("x"))
+      for variant in args.variants:
+        rec = measure(variant, topology=topology, ep=ep, data=data, program=args.program)
+        print(json.dumps(rec), file=sys.stderr, flush=True)
+        records.append(rec)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(records, f, indent=1)
+  print(
+    f"# {datetime.date.today()} jax {jax.__version__}, "
+    f"DeepSeek-V2-Lite dims, {DEEPSEEK_V2_LITE.tokens_per_device} tokens per device"
+  )
+  print(table(records, markdown=args.markdown), end="")
+
+
+if __name__ == "__main__":
+  main()

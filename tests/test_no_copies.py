@@ -1,0 +1,143 @@
+"""No HBM copies around the kernels: the weight-gradient kernels read gmm's lhs as it is.
+
+Interpret mode: both tgmm kernels with `transpose_lhs` (lhs given as [m, k], rows contracted in
+VMEM) equal the float64 reference on a ragged m with a shard of the groups, the row-tile one
+also with `rows_stationary`, under the TPU simulator (out-of-bounds reads raise) and its race
+detector; and the cost estimates count `expected_rows`.
+
+AOT (real Mosaic): the compiled MaxText-shaped experts step makes no copy megablox's does not.
+
+`bench.aot_step.expert_program` (MaxText's three gmm calls on an expert-parallel receive buffer
+with slack, wi_0, wi_1 -> silu x linear -> wo, value_and_grad) AOT-compiled for v5e with
+pallas_moe's MaxText adapter, at MaxText's tiles (the visit kernels) and at pallas_moe's own
+(the row-tile kernels). Pinned: exactly megablox's nine Mosaic calls (three gmm, three lhs
+gradients, three weight gradients: no zero-fill kernels) and no copy or transpose of a
+buffer-sized array (the weight-gradient kernels read the forward's lhs as it is; no aliased
+zero buffer is shared between calls). Small dims keep each compile to a few seconds.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_testing import INTERPRET_MODES, RACE_PARAMS, no_races_or_oob, np_tgmm, tolerance
+
+from bench import aot_step
+from pallas_moe.tgmm import tgmm_pallas, tgmm_rowtile_pallas
+
+F32 = jnp.float32
+# m = 203 (ragged against every tile), a shard of 3 of 5 groups (offset 1), an empty group.
+M, K, N = 203, 64, 256
+SIZES = np.array([30, 61, 0, 70, 20], np.int32)
+
+
+def _check_transposed(kernel, interpret, **kw):
+  kx, ky = jax.random.split(jax.random.key(3))
+  x = jax.random.normal(kx, (M, K), F32)  # gmm's lhs, [m, k]
+  dy = jax.random.normal(ky, (M, N), F32)
+  out = kernel(
+    x,
+    dy,
+    jnp.asarray(SIZES),
+    out_dtype=F32,
+    group_offset=jnp.int32(1),
+    num_actual_groups=3,
+    transpose_lhs=True,
+    interpret=interpret,
+    **kw,
+  )
+  want = np_tgmm(np.asarray(x).T, np.asarray(dy), SIZES, group_offset=1, num_actual_groups=3)
+  np.testing.assert_allclose(np.asarray(out), want, **tolerance(in_dtype=F32, out_dtype=F32, k=M))
+  assert not np.any(np.asarray(out)[1])  # the empty group: exact zeros
+
+
+@pytest.mark.parametrize("mode", ["hlo", "tpu"])
+def test_tgmm_visit_kernel_reads_lhs_untransposed(mode):
+  _check_transposed(tgmm_pallas, INTERPRET_MODES[mode], tiling=(128, 64, 128), sub_m=128)
+
+
+@pytest.mark.parametrize("rows_stationary", [False, True], ids=["", "rs"])
+def test_tgmm_rowtile_kernel_reads_lhs_untransposed(capfd, rows_stationary):
+  """Under the simulator with 2 cores and the race detector: the [tm, tk] lhs slots' row DMAs
+  stay in bounds (the ragged last tile) and race-free, with and without rows_stationary."""
+  with no_races_or_oob(capfd):
+    _check_transposed(
+      tgmm_rowtile_pallas,
+      RACE_PARAMS,
+      tiling=(64, 32, 128),
+      sub_m=16,
+      interior_subs=2,
+      rows_stationary=rows_stationary,
+    )
+
+
+def test_cost_estimates_count_expected_rows():
+  """flops and bytes in the kernels' CostEstimates: the expected rows' work, else all m."""
+  x, dy = jnp.zeros((M, K), F32), jnp.zeros((M, N), F32)
+
+  def costs(expected_rows):
+    fn = lambda x, dy, gs: tgmm_rowtile_pallas(  # noqa: E731
+      x,
+      dy,
+      gs,
+      tiling=(64, 32, 128),
+      out_dtype=F32,
+      group_offset=jnp.int32(0),
+      num_actual_groups=5,
+      transpose_lhs=True,
+      expected_rows=expected_rows,
+      interpret=True,
+    )
+    jaxpr = jax.make_jaxpr(fn)(x, dy, jnp.asarray(SIZES))
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    return eqn.params["cost_estimate"]
+
+  full, expected = costs(None), costs(100)
+  assert full.flops == 2 * M * K * N and expected.flops == 2 * 100 * K * N
+  out_bytes = 5 * K * N * 4
+  # lhs rows once per n-tile (2), rhs rows once per k-tile (2), the output once.
+  assert expected.bytes_accessed == 100 * K * 4 * 2 + 100 * N * 4 * 2 + out_bytes
+  assert full.bytes_accessed == M * K * 4 * 2 + M * N * 4 * 2 + out_bytes
+
+
+# pallas_moe's own tiles run the row-tile kernels; MaxText-style tiles of 256 (tk below k, tn not
+# dividing 384) run the visit kernels. 4 experts per device over ep 4; buffer 256 tokens x top-2
+# x 4 = 2048 rows.
+DIMS = aot_step.Dims(emb=1024, mlp=384, num_experts=16, top_k=2, shared=0, tokens_per_device=256)
+MT_TILES = (256, 256, 256)
+MESH = dict(topology="v5e:2x2", ep=4, data=1)
+STOCK_CALLS = 9
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("variant", ["pm_mt_tiles", "pm_own_tiles"])
+def test_experts_step_has_no_copies_and_megablox_calls(variant):
+  rows = DIMS.buffer_rows(MESH["ep"])
+  mesh = aot_step._mesh(MESH["topology"], ep=MESH["ep"], data=MESH["data"])
+  step, args = aot_step.expert_program(variant, mesh=mesh, dims=DIMS, rows=rows, tiles=MT_TILES)
+  compiled = aot_step._compile(step, args, mesh.devices.flat[0])
+  rec = aot_step.analyze(compiled, rows=rows)
+  kernels = rec["kernels"]
+  if variant == "pm_mt_tiles":
+    assert kernels.count("pallas_moe_tgmm") == 3, kernels  # the visit kernels
+  else:
+    assert "pallas_moe_tgmm_rowtile" in kernels and "pallas_moe_gmm_rowtile" in kernels, kernels
+  assert rec["mosaic_calls"] == STOCK_CALLS, kernels
+  assert rec["copies"] == []
+  # NOTE: the cost estimates say the kernels' work: each of the nine has 2 * rows * k * n flops.
+  k_n = DIMS.emb * DIMS.mlp
+  assert rec["flops_kernels"] == 9 * 2 * rows * k_n
+
+
+@pytest.mark.aot
+def test_big_copies_finds_a_transpose():
+  """The detector itself: a transposed copy of a buffer-sized operand is listed."""
+  mesh = aot_step._mesh(MESH["topology"], ep=MESH["ep"], data=MESH["data"])
+  dev = mesh.devices.flat[0]
+  x = jax.ShapeDtypeStruct(
+    (2048, 256), jnp.bfloat16, sharding=jax.NamedSharding(jax.sharding.Mesh([dev], ("x",)), jax.P())
+  )
+  compiled = aot_step._compile(lambda x: (x.T * 2, x + 1), (x,), dev)
+  assert aot_step.big_copies(compiled.as_text(), rows=2048)
