@@ -15,7 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe import F32_TOL, _assert_close, _block_grads, _mesh, _ref_grads, _setup
+from test_moe import (
+  F32_TOL,
+  _adversarial,
+  _assert_close,
+  _block_grads,
+  _mesh,
+  _ref_grads,
+  _setup,
+)
 
 from pallas_moe import dedup, moe, reference
 from pallas_moe.config import MoEConfig
@@ -77,15 +85,6 @@ def test_no_expert_parallelism_is_the_plain_program():
   assert jaxpr(dataclasses.replace(config, dedup_dispatch=True)) == jaxpr(
     dataclasses.replace(config, dedup_dispatch=False)
   )
-
-
-def _adversarial(config, *, tokens, ep):
-  """Tokens that all route to experts of expert-shard 0 (k <= E_l)."""
-  params, x = _setup(config, tokens=tokens, seed=11)
-  e_local = config.num_experts // ep
-  x = x.at[:, 0].set(1.0)
-  params["router"] = params["router"].at[0, :e_local].add(30.0)
-  return params, x
 
 
 def test_capacity_factor_drops_sent_rows_exactly_and_poison_never_leaks():
