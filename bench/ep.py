@@ -770,7 +770,7 @@ def case_row(
 
 
 # ----------------------------------------------------------------------------------------------
-# Expert placement (acceptance 4).
+# Expert placement.
 
 
 def placement_study(*, rows: np.ndarray, sl: Slice, iters: int = 2000, seed: int = 0) -> dict:
@@ -857,7 +857,7 @@ def topology_aware_placement(
 # ----------------------------------------------------------------------------------------------
 # The block's default chunk count.
 
-# NOTE: from `python -m bench.ep` (RESULTS.md, EP step): the modeled best c of {1, 2, 4, 8} per
+# NOTE: from `python -m bench.ep` (RESULTS.md, "EP step"): the modeled best c of {1, 2, 4, 8} per
 # case, exact buffers, uniform routing, default slices. (model, ep, tokens per device, chip) → c.
 # Where the step is comm-bound (most cases) c = 2 already hides the gmm under the exchange and
 # more chunks only add per-collective latency and smaller, relatively costlier gmms; where a

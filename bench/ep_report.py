@@ -86,7 +86,7 @@ def _case_key(r: dict, *, policy: str | None = None) -> tuple:
 def targets(
   records: list[dict], slack1: list[dict], *, ours: str = OURS, tail_written: bool | None = None
 ) -> list[dict]:
-  """Acceptance 3 per EP case of ours: one row per (case, op, chip).
+  """The EP targets per EP case of ours: one row per (case, op, chip).
 
   - slack: ours ≤ 1.05 × ours at slack 1 + the tail's zero-write time (`tail_write_us`), or
     ≤ 1.05 × ours at slack 1 where the tail is not written (`tail_written=False`);
@@ -236,7 +236,7 @@ def targets_table(rows: list[dict], *, markdown: bool) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Acceptance 4: the MoE block's gmm calls per layer.
+# The MoE block's gmm calls per layer.
 #
 # NOTE: `moe.expert_mlp` makes two differentiable gmm calls per layer: up = gmm(rows [B, d],
 # wi [E_l, d, 2f]) (gate and up fused) and down = gmm(swiglu [B, f], wo [E_l, f, d]). In the

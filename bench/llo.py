@@ -32,8 +32,8 @@ GHz; v6e's and tpu7x's exceed any published TPU clock, so there a vmatmul may ta
 than its rows. Then MXU-busy cycles are fewer and issue/MXU larger than reported here: the ratio
 is a lower bound on those two chips.) MXU-busy cycles of a loop = max over MXUs of Σ its
 vmatmuls' cycles; issue cycles = bundles; both are converted to µs at f. Check: on every case
-of bench/RESULTS.md (VLIW schedule) the compiled MXU-busy time equals the analytic model's MXU time
-(except megablox's ragged-k branch, which the model charges at its full tile).
+of bench/RESULTS.md ("The compiled VLIW schedule") the compiled MXU-busy time equals the analytic
+model's MXU time (except megablox's ragged-k branch, which the model charges at its full tile).
 
 What this is not: a simulation. It counts bundles as if each issued in one cycle with no stall
 (no DMA waits, no MXU result latency beyond what the scheduler already placed), and predicated

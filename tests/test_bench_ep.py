@@ -1,4 +1,4 @@
-"""bench's EP cases (issue 14): buffer sizes per policy, tokamax's tiles, the records' fields."""
+"""bench's EP cases: buffer sizes per policy, tokamax's tiles, the records' fields."""
 
 import dataclasses
 import importlib

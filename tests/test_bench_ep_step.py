@@ -1,4 +1,4 @@
-"""bench.ep (issue 15): the ICI hop model, the wire bytes, the pipeline bound, the CLI."""
+"""bench.ep, the modeled EP step: the ICI hop model, the wire bytes, the pipeline bound, the CLI."""
 
 import json
 

@@ -209,7 +209,7 @@ def test_direct_validation():
     MoEConfig(**base).top_k = 3
 
 
-# --- DeepSeek routing (issue 17): published MoE fields of the HF config.json files and of
+# --- DeepSeek routing: published MoE fields of the HF config.json files and of
 # MaxText's model configs (src/maxtext/configs/models/*.yml), as dicts. -------------------------
 
 HF_DEEPSEEK_V2_LITE_MOE = {

@@ -1,4 +1,4 @@
-"""bench.llo: the compiled kernel's VLIW schedule (issue 16).
+"""bench.llo: the compiled kernel's VLIW schedule.
 
 The parser tests read `tests/data/gmm_rowtile_v5e_final_bundles.txt`: the final bundles of our
 row-tile gmm (`pallas_moe-maxtext` tiles, m = 2048, k = n = 256, 4 groups: grid (1, 4), tm = 512,

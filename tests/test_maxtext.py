@@ -52,8 +52,8 @@ def _operands(*, transpose_rhs=False):
   return x, w, jnp.asarray(GROUP_SIZES)
 
 
-def test_issue_calls_run_and_match_reference():
-  """The three calls of the issue (TypeErrors before), and the ignored arguments."""
+def test_maxtext_call_forms_run_and_match_reference():
+  """MaxText's call forms (tiling by keyword or position, `use_qwix_quantization`), ignored args."""
   x, w, gs = _operands()
   want = reference.gmm(x, w, gs, F32)
   _close(mblx.gmm(x, w, gs, F32, tiling=(128,) * 9), want)

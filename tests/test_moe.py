@@ -105,7 +105,7 @@ SMALL = dict(num_experts=8, top_k=2, d_model=32, expert_ffn_dim=16, num_shared_e
   ],
 )
 def test_block_matches_dense_reference(data, ep, dtype):
-  """Forward, aux loss and all gradients equal the per-expert-loop reference (acceptance 1)."""
+  """Forward, aux loss and all gradients equal the per-expert-loop reference."""
   config = MoEConfig(**SMALL, dtype=dtype, weight_dtype=dtype, norm_topk_prob=dtype == "float32")
   params, x = _setup(config, tokens=64)
   got = _block_grads(params, x, config, _mesh(data, ep))
@@ -152,7 +152,7 @@ def _counts_per_device(ids, *, num_experts, data, ep):
 
 @pytest.mark.parametrize("mode", ["static_bound", "exact"])
 def test_adversarial_routing_dropless(mode):
-  """All tokens to one device's experts: nothing is dropped by the default policy (acceptance 3)."""
+  """All tokens to one device's experts: nothing is dropped by the default policy."""
   data, ep = 2, 4
   config = MoEConfig(**SMALL)
   params, x = _adversarial(config, tokens=64, ep=ep)
@@ -251,7 +251,7 @@ def test_errors():
 
 
 def test_demo_loss_falls():
-  """The demo's training loop on data=2 x expert=4 (fewer steps): the loss falls (acceptance 5)."""
+  """The demo's training loop on data=2 x expert=4 (fewer steps): the loss falls."""
   from pallas_moe import demo
 
   result = demo.main(steps=8, tokens=128, log=False)
@@ -262,7 +262,7 @@ def test_demo_loss_falls():
 
 @pytest.mark.aot
 def test_training_step_compiles_for_v5e_2x4_ep8():
-  """One training step, compiled ahead of time for a v5e:2x4 TPU topology, EP=8 (acceptance 6)."""
+  """One training step, compiled ahead of time for a v5e:2x4 TPU topology, EP=8."""
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from bench.moe_memory import aot_step_temp_bytes
 

@@ -1,4 +1,4 @@
-"""Tests for `MoEConfig.expert_placement` (issue 15, acceptance 4): experts stored in slot order.
+"""Tests for `MoEConfig.expert_placement`: experts stored in slot order.
 
 A placed block (weights moved by `moe.place_experts`, config with the placement) must compute
 what the unplaced block computes: same outputs, aux loss, `expert_load` (original expert order)

@@ -166,7 +166,7 @@ def _params(config, *, seed=0):
 
 @pytest.mark.parametrize("config", [GREEDY, V2, V3], ids=["greedy", "v2_group_limited", "v3_noaux"])
 def test_route_matches_deepseek_reference(config):
-  """ids exactly and weights to f32 rounding, on 256 tokens (acceptance 1)."""
+  """ids exactly and weights to f32 rounding, on 256 tokens."""
   params = _params(config, seed=1)
   x = jax.random.normal(jax.random.key(2), (256, config.d_model), jnp.float32)
   bias = params.get(routing.BIAS_KEY)
@@ -368,7 +368,7 @@ def test_update_routed_bias_formula():
 
 
 def test_bias_update_evens_out_skewed_load():
-  """Skewed routing: max/mean load falls over steps of the jitted update (acceptance 2)."""
+  """Skewed routing: max/mean load falls over steps of the jitted update."""
   config = V3
   params = _params(config, seed=6)
   x = jax.random.normal(jax.random.key(7), (512, config.d_model), jnp.float32)

@@ -1,4 +1,4 @@
-"""The row-tile kernels' row-block DMAs in the cost model (issue 14): gmm's lhs and output and
+"""The row-tile kernels' row-block DMAs in the cost model: gmm's lhs and output and
 tgmm's lhs and rhs move only a visited tile's local rows, rounded out to the DMA granule, so a
 receive buffer with slack costs what the same rows cost in a buffer of exactly their size."""
 
