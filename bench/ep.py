@@ -82,6 +82,7 @@ from bench.tables import format_table
 __all__ = [
   "CHIPS",
   "DEFAULT_BATCH_SPLIT",
+  "DEFAULT_BATCH_SPLIT_DEDUP",
   "EXCHANGE_OPTIONS",
   "IciSpec",
   "Slice",
@@ -893,6 +894,21 @@ DEFAULT_BATCH_SPLIT: dict[tuple[str, int, int, str], int] = {
   ("deepseek-v2-lite", 8, 16384, "v5e"): 8,
   ("deepseek-v2-lite", 8, 16384, "v5p"): 8,
   ("deepseek-v2-lite", 8, 16384, "v6e"): 2,
+}
+
+
+# NOTE: the same with the deduplicated exchange (`--options dedup`; bench/ep_tables.md, "Exchange
+# options"), for the cases `pallas_moe.dedup.MODELED_DEDUP` has modeled: its expand/reduce passes
+# add TensorCore time per chunk that more chunks hide under the exchange, so the best count
+# moves up (v6e at 16,384 tokens: 8 instead of 2).
+DEFAULT_BATCH_SPLIT_DEDUP: dict[tuple[str, int, int, str], int] = {
+  ("deepseek-v3", 32, 16384, "v6e"): 8,
+  **{
+    (model, 8, tokens, chip): 4 if tokens == 4096 else 8
+    for model in ("qwen3-30b-a3b", "deepseek-v2-lite")
+    for tokens in (4096, 16384)
+    for chip in ("v5e", "v5p", "v6e")
+  },
 }
 
 

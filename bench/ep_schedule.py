@@ -1,7 +1,7 @@
 """What the compiled EP training step overlaps: each exchange, async or not, kernels under it.
 
   python -m bench.ep_schedule [--topology v5e:2x4 v6e:2x4] [--batch_split 1 2] [--data 1]
-                              [--flags default "async a2a" sync]
+                              [--flags default "async a2a" sync] [--dedup]
 
 AOT-compiles `value_and_grad` of the MoE layer's loss (`bench.moe_memory.aot_step_compiled`) for
 each topology, batch split and flag set (the default program; libtpu's async all-to-all flags
@@ -40,8 +40,9 @@ SMALL_EP = dict(
   weight_dtype="bfloat16",
   buffer_factor=2.0,
   # NOTE: the plain exchange (one row per choice), whose compiled schedule RESULTS.md and
-  # tests/test_schedule.py describe; the deduplicated one (auto-on at these dims) adds the
-  # receiver's expand/reduce between exchange and gmm and has not been studied here.
+  # tests/test_schedule.py describe; the deduplicated one (auto-on at these dims, `--dedup`)
+  # adds the receiver's expand/reduce between exchange and gmm (`pallas_moe.schedule`'s
+  # docstring; tests/test_dedup.py pins its split step).
   dedup_dispatch=False,
 )
 TOKENS_PER_DEVICE = 1024
@@ -153,6 +154,7 @@ if __name__ == "__main__":
   parser.add_argument("--topology", nargs="+", default=["v5e:2x4", "v6e:2x4"])
   parser.add_argument("--batch_split", type=int, nargs="+", default=[1, 2])
   parser.add_argument("--data", type=int, default=1)
+  parser.add_argument("--dedup", action="store_true", help="the deduplicated exchange")
   parser.add_argument("--flags", nargs="+", choices=list(FLAG_SETS), default=list(FLAG_SETS))
   parser.add_argument(
     "--fixture", help="write the trimmed v5e:2x4 async batch_split=2 program here, and stop"
@@ -181,7 +183,11 @@ if __name__ == "__main__":
       for split in args.batch_split:
         t0 = time.perf_counter()
         sched = compiled_schedule(
-          topology=topo, batch_split=split, data=args.data, compiler_options=opts
+          topology=topo,
+          batch_split=split,
+          data=args.data,
+          compiler_options=opts,
+          overrides=dict(dedup_dispatch=True) if args.dedup else None,
         )
         print(f"# {topo} {flags} split={split}: compiled in {time.perf_counter() - t0:.1f} s")
         rows.extend((topo, flags, split, r) for r in schedule.summary(sched))

@@ -17,7 +17,11 @@ So the default is:
   false in `LIBTPU_INIT_ARGS`): 1 chunk, since splitting only makes the matmuls smaller;
 - exchange async (libtpu's default from 0.0.50; or the ragged flag set true): the chunk count
   the step model picked for the case (`MODELED_BATCH_SPLIT`, from `python -m bench.ep`, which
-  models the exchange on the slice's ICI and the gmm with `bench.costmodel`), else 1.
+  models the exchange on the slice's ICI and the gmm with `bench.costmodel`), else 1. With the
+  deduplicated exchange (`MoEConfig.dedup_dispatch`) the step model's choice for that exchange
+  (`MODELED_BATCH_SPLIT_DEDUP`): its receiver's expand/reduce passes run on the TensorCore
+  beside the gmm, and more, smaller chunks hide more of them under the exchange (v6e: 8 chunks
+  at 16,384 tokens where the plain exchange takes 2).
 
 The table is keyed by the layer's dims, not by a model name, so a config with DeepSeek-V3's dims
 gets DeepSeek-V3's choice whatever it is called. No jax at import.
@@ -32,6 +36,7 @@ from pallas_moe import schedule
 __all__ = [
   "ASYNC_EXCHANGE_FLAGS",
   "MODELED_BATCH_SPLIT",
+  "MODELED_BATCH_SPLIT_DEDUP",
   "async_exchange_enabled",
   "modeled_batch_split",
 ]
@@ -68,6 +73,23 @@ MODELED_BATCH_SPLIT: dict[tuple[int, int, int, int, int, int, str], int] = {
   for model, cases in _CHOICES.items()
   for (ep, tokens), per_chip in cases.items()
   for chip, c in zip(("v5e", "v5p", "v6e"), per_chip, strict=True)
+}
+
+
+# The same for the deduplicated exchange, from `bench.ep.DEFAULT_BATCH_SPLIT_DEDUP` (the best of
+# 1, 2, 4, 8 chunks of `python -m bench.ep --options dedup`, uniform routing, exact buffers), for
+# the layers `dedup.MODELED_DEDUP` has modeled.
+_CHOICES_DEDUP = {
+  "deepseek-v3": {(32, 16384): (None, None, 8)},
+  "qwen3-30b-a3b": {(8, 4096): (4, 4, 4), (8, 16384): (8, 8, 8)},
+  "deepseek-v2-lite": {(8, 4096): (4, 4, 4), (8, 16384): (8, 8, 8)},
+}
+MODELED_BATCH_SPLIT_DEDUP: dict[tuple[int, int, int, int, int, int, str], int] = {
+  (*_DIMS[model], ep, tokens, chip): c
+  for model, cases in _CHOICES_DEDUP.items()
+  for (ep, tokens), per_chip in cases.items()
+  for chip, c in zip(("v5e", "v5p", "v6e"), per_chip, strict=True)
+  if c is not None
 }
 
 
@@ -112,6 +134,7 @@ def modeled_batch_split(
   tokens_per_device: int,
   generation: str,
   async_exchange: bool,
+  dedup: bool = False,
 ) -> int:
   """The chunk count for a layer: the modeled choice where the exchange is async, else 1.
 
@@ -124,6 +147,8 @@ def modeled_batch_split(
     tokens_per_device: T.
     generation: TPU generation name ("v5e", "v5p", "v6e", ...).
     async_exchange: whether the compiled exchange is async (`async_exchange_enabled`).
+    dedup: the block deduplicates its exchange (`moe.dedup_dispatch_for`): look the case up in
+      `MODELED_BATCH_SPLIT_DEDUP` (falling back to `MODELED_BATCH_SPLIT`).
 
   Returns:
     c >= 1 dividing `tokens_per_device`.
@@ -140,4 +165,6 @@ def modeled_batch_split(
     generation,
   )
   c = MODELED_BATCH_SPLIT.get(key, 1)
+  if dedup:
+    c = MODELED_BATCH_SPLIT_DEDUP.get(key, c)
   return c if tokens_per_device % c == 0 else 1

@@ -515,8 +515,9 @@ def default_batch_split(
   `batch_split.async_exchange_enabled`) the default is 1; where it is async (libtpu >= 0.0.50's
   default, or `xla_tpu_enable_async_ragged_all_to_all=true` in `LIBTPU_INIT_ARGS` on 0.0.42.1) it is
   the chunk count the modeled EP step picked for the layer's dims, expert parallelism, tokens
-  per device and the current TPU generation (`batch_split.MODELED_BATCH_SPLIT`; 1 for a case the
-  model has not seen). See `pallas_moe.batch_split`.
+  per device and the current TPU generation (`batch_split.MODELED_BATCH_SPLIT`, or
+  `MODELED_BATCH_SPLIT_DEDUP` when the block deduplicates its exchange, `dedup_dispatch_for`; 1
+  for a case the model has not seen). See `pallas_moe.batch_split`.
 
   Args:
     config: the layer config.
@@ -539,6 +540,9 @@ def default_batch_split(
     tokens_per_device=tokens_per_device,
     generation=tiling_lib.current_generation().name,
     async_exchange=async_exchange,
+    dedup=dedup_dispatch_for(
+      config, expert_parallelism=expert_parallelism, tokens_per_device=tokens_per_device
+    ),
   )
 
 
@@ -878,11 +882,18 @@ def _pipelined_dedup_exchange(
       ch.buf = dedup_lib.unpack_rows(buf, ch.x.shape[1], k, lay.local_ids.dtype)
 
   dispatch(0)
+  prev = None
   for c, ch in enumerate(chunks):
     if c + 1 < split:
       dispatch(c + 1)
     with _chunk_scope(c, split):
       x_b, w_b, ids_b = ch.buf
+      if prev is not None:
+        # NOTE: without this XLA:TPU fuses the chunks' receiver passes (unpacking the ids, the
+        # sort keys) into one multi-output fusion, so chunk c's expert rows wait for chunk c+1's
+        # dispatch and nothing runs under the exchanges (AOT-compiled v5e/v6e 2x4, libtpu
+        # 0.0.50.1). Ordering chunk c's receive after chunk c-1's expand keeps them apart.
+        (x_b, w_b, ids_b), _ = jax.lax.optimization_barrier(((x_b, w_b, ids_b), prev))
       rows, sizes, src, weight, valid = dedup_lib.expand(
         x_b,
         w_b,
@@ -893,6 +904,7 @@ def _pipelined_dedup_exchange(
       )
       n = tc * k
       expected = n if n < rows.shape[0] else None
+      prev = src
       y_rows = expert_mlp(rows, wi, wo, sizes, config=config, expected_rows=expected)
       y_u = dedup_lib.reduce_rows(y_rows, src=src, weight=weight, valid=valid, num_rows=unique_rows)
       with jax.named_scope("combine"):

@@ -31,6 +31,21 @@ its transpose adds two small `all-to-all`s of offsets:
   `SYNC_COLLECTIVE_OPTIONS` (both false) brings back the synchronous program.
 Versions between 0.0.42.1 and 0.0.50.1 were not measured: `ragged_async_by_default` treats
 them as the older behaviour.
+
+The deduplicated exchange (`MoEConfig.dedup_dispatch`, `pallas_moe.dedup`) is still one native
+`ragged-all-to-all` each way per chunk (its weights and ids travel packed in the rows), but the
+receiver's passes are XLA ops between exchange and gmm: a sort of the received ids (expand), a
+gather of the expert rows, a scatter-add of the weighted outputs (reduce), and the sender's
+scatter-add home. What the compiler overlaps (v5e:2x4 / v6e:2x4, EP 8, `bench.ep_schedule`'s
+layer): unsplit, nothing under the forward exchanges; those passes sit on the critical path on
+every version (0.0.50.1 even leaves 2 of the 4 exchanges synchronous on v6e). With 2 chunks
+and the exchange async, XLA fused the two chunks' receiver passes (the ids' unpacking and sort
+keys) into one multi-output fusion, so each chunk's expert rows waited for both dispatches and
+only one chunk's forward work ran under an exchange; the block now orders chunk c's receive
+after chunk c-1's expand (`jax.lax.optimization_barrier`), and each chunk's expand, gmms and
+reduce run under the other chunk's exchange, as the plain exchange's gmms do. In the backward
+the weight gradients (tgmm) run under the last dispatch on v5e but after every exchange on v6e
+(also unsplit); the plain exchange's run under it on both.
 """
 
 from __future__ import annotations

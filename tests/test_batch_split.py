@@ -142,6 +142,11 @@ def test_default_chunks_follow_the_model_only_where_the_exchange_is_async():
     for (m, ep, t, chip), c in ep_model.DEFAULT_BATCH_SPLIT.items()
   }
   assert batch_split.MODELED_BATCH_SPLIT == mapped
+  mapped_dedup = {
+    (SHAPES[m].num_groups, SHAPES[m].top_k, SHAPES[m].k, SHAPES[m].n, ep, t, chip): c
+    for (m, ep, t, chip), c in ep_model.DEFAULT_BATCH_SPLIT_DEDUP.items()
+  }
+  assert batch_split.MODELED_BATCH_SPLIT_DEDUP == mapped_dedup
   ragged, a2a = batch_split.ASYNC_EXCHANGE_FLAGS
   env = lambda args: {"LIBTPU_INIT_ARGS": args}
   # libtpu 0.0.42.1: synchronous unless the ragged exchange's flag is set true (the all-to-all
@@ -160,10 +165,25 @@ def test_default_chunks_follow_the_model_only_where_the_exchange_is_async():
   assert batch_split.async_exchange_enabled({}) == schedule.ragged_async_by_default()
   v3 = MoEConfig(num_experts=256, top_k=8, d_model=7168, expert_ffn_dim=2048)
   kw = dict(config=v3, tokens_per_device=16384, expert_parallelism=32)
+  plain = dict(kw, config=dataclasses.replace(v3, dedup_dispatch=False))
   with tiling.use_generation("v6e"):
-    assert moe.default_batch_split(**kw, async_exchange=True) == 2
+    # NOTE: auto dedup is on for these dims on v6e (dedup.MODELED_DEDUP): the dedup table's 8.
+    assert moe.dedup_dispatch_for(v3, expert_parallelism=32, tokens_per_device=16384)
+    assert moe.default_batch_split(**kw, async_exchange=True) == 8
+    assert moe.default_batch_split(**plain, async_exchange=True) == 2
     assert moe.default_batch_split(**kw, async_exchange=False) == 1
   with tiling.use_generation("v5e"):
     assert moe.default_batch_split(**kw, async_exchange=True) == 8
+    lite = MoEConfig(num_experts=64, top_k=6, d_model=2048, expert_ffn_dim=1408)
+    lkw = dict(config=lite, tokens_per_device=4096, expert_parallelism=8, async_exchange=True)
+    assert moe.default_batch_split(**lkw) == 4  # NOTE: plain on v5e for these dims (auto).
+    qwen = MoEConfig(num_experts=128, top_k=8, d_model=2048, expert_ffn_dim=768)
+    assert moe.default_batch_split(**dict(lkw, config=qwen)) == 4  # NOTE: dedup auto-on.
+    forced = dict(lkw, config=dataclasses.replace(qwen, dedup_dispatch=False))
+    assert moe.default_batch_split(**forced) == 8
+  with tiling.use_generation("v6e"):
+    assert moe.default_batch_split(**lkw) == 4  # NOTE: dedup auto-on; plain takes 2 here.
+    assert moe.default_batch_split(**dict(lkw, tokens_per_device=16384)) == 8
+    assert moe.default_batch_split(**dict(lkw, async_exchange=False)) == 1
     # NOTE: a case the model has not seen, or a count that does not divide T: no split.
     assert moe.default_batch_split(**{**kw, "tokens_per_device": 1000}, async_exchange=True) == 1
