@@ -23,8 +23,9 @@ How it works (see DESIGN.md, "How performance is judged without a TPU"):
    max(r, mxu) x ceil(K/mxu)·mxu x ceil(N/mxu)·mxu MACs (a weight tile load costs as much as
    streaming mxu rows). Dots inside `lax.cond` count their most expensive branch (kernels that
    skip work must say so through `step_scale`, below); `scan` bodies count `length` times;
-   `while` bodies count once (noted). Step time = max(MXU, DMA) + overhead (0.35 µs); the
-   modeled time is the sum over steps. VPU work (masks, casts) is not modeled.
+   `while` bodies count once (noted). Step time = max(MXU, DMA) + overhead (the generation's
+   `step_overhead_s`: 0.35 µs, tpu7x 0.84 µs, fit on measured TPU times); the modeled time is
+   the sum over steps. VPU work (masks, casts) is not modeled.
 5. TensorCores (`cost(..., tensorcores=...)`): "kernel" (the default) counts what the compiled
    program does (AOT
    LLO dumps, jax 0.10.2 / libtpu 0.0.42): a TensorCore runs at the chip's rates over its
@@ -696,7 +697,7 @@ def cost(
   useful_row_macs: float | None = None,
   floor_rows_count: int | None = None,
   min_hbm_bytes: int | None = None,
-  step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+  step_overhead_s: float | None = None,
   compute_excess_us: Sequence[float] | None = None,
   tensorcores: str | None = None,
 ) -> CostReport:
@@ -710,7 +711,7 @@ def cost(
     useful_row_macs: true MACs per row for the bounds (k·n); default row_macs.
     floor_rows_count: `floor_rows(group_sizes, mxu)` for the achievable bound.
     min_hbm_bytes: minimum traffic; default Σ of the pipelined operands' sizes.
-    step_overhead_s: per-step overhead.
+    step_overhead_s: per-step overhead; default the generation's `step_overhead_s`.
     compute_excess_us: per call, compute time beyond its MXU time (see
       `cost_with_compiled_schedule`); None: none.
     tensorcores: "kernel": at one TensorCore's rates, with the steps split between a megacore
@@ -726,6 +727,8 @@ def cost(
   if tensorcores not in TENSORCORE_MODELS:
     raise ValueError(f"tensorcores={tensorcores!r}; use one of {TENSORCORE_MODELS}")
   gen = get_generation(generation)
+  if step_overhead_s is None:
+    step_overhead_s = gen.step_overhead_s
   per_core = tensorcores == "kernel"
   core_flops, core_bw = tensorcore_rates(gen)
   # NOTE: rates scale by the same factor for every dtype (the int8 / fp8 peaks too).
@@ -860,7 +863,7 @@ def model(
   useful_row_macs: float | None = None,
   floor_rows_count: int | None = None,
   min_hbm_bytes: int | None = None,
-  step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+  step_overhead_s: float | None = None,
   tensorcores: str | None = None,
   **kwargs,
 ) -> CostReport:
