@@ -75,6 +75,7 @@ __all__ = [
   "harness_copy_bytes",
   "device_hbm_bytes_per_s",
   "summarize",
+  "markdown_table",
   "fit_report",
   "main",
 ]
@@ -625,6 +626,42 @@ def summarize(records: list[dict], *, worst: int = 2) -> str:
   return "\n".join(lines + [""] + details)
 
 
+def markdown_table(records: list[dict]) -> str:
+  """`summarize`'s per (chip, kernel, op) and per chip figures as a markdown table.
+
+  Args:
+    records: `main`'s records (only those with `best` are used).
+
+  Returns:
+    The table (markdown).
+  """
+  groups: dict[tuple[str, str, str], list[dict]] = {}
+  for r in records:
+    if r["best"]:
+      groups.setdefault((r["chip"], r["kernel"], _op_label(r)), []).append(r)
+      groups.setdefault((r["chip"], "all", ""), []).append(r)
+  lines = [
+    "| chip | kernel | op | n | measured / modeled: median [p10, p90] | in [0.8, 1.25] "
+    "| chip rates (before): median |",
+    "|---|---|---|---:|---|---:|---:|",
+  ]
+  order = {c: i for i, c in enumerate(CHIP_DIRS)}
+  for (chip, kernel, op), items in sorted(
+    groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1] == "all", kv[0][1:])
+  ):
+    ratio = np.array([r["measured_us"] / r["modeled_us"] for r in items])
+    chip_rates = [r["measured_us"] / r["modeled_chip_us"] for r in items]
+    med, lo, hi = _quantiles(ratio)
+    inside = float(np.mean((ratio >= BAND[0]) & (ratio <= BAND[1])))
+    bold = "**" if kernel == "all" else ""
+    lines.append(
+      f"| {bold}{chip}{bold} | {bold}{kernel}{bold} | {op} | {len(items)} "
+      f"| {bold}{med:.2f}{bold} [{lo:.2f}, {hi:.2f}] | {bold}{inside:.0%}{bold} "
+      f"| {_quantiles(chip_rates)[0]:.2f} |"
+    )
+  return "\n".join(lines)
+
+
 def fit_report(records: list[dict]) -> str:
   """What-if fits per chip on the forward problems, checked on the rest.
 
@@ -710,6 +747,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--json", default=None, help="write the records to this file")
   ap.add_argument("--from-json", default=None, help="summarize records written by --json")
   ap.add_argument("--fit", action="store_true", help="print the per-chip what-if fit")
+  ap.add_argument("--markdown", action="store_true", help="also print the markdown table")
   args = ap.parse_args(argv)
 
   if args.from_json:
@@ -720,6 +758,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.fit:
     print()
     print(fit_report(records))
+  if args.markdown:
+    print()
+    print(markdown_table(records))
   if args.json and not args.from_json:
     Path(args.json).write_text(json.dumps(records, indent=1))
   return 0

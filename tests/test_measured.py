@@ -205,3 +205,13 @@ def test_v1_runs_on_one_tensorcore(problems):
   assert mc.modeled_us - mc.overhead_us == pytest.approx(
     2 * (mc.modeled_chip_us - mc.overhead_us), rel=1e-9
   )
+
+
+def test_cli_prints_the_band_share_and_markdown(capsys, tmp_path):
+  out = tmp_path / "m.json"
+  assert ms.main(["--cache-dir", str(FIXTURE), "--chip", "v5e", "--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  # v5e: the forward at 1.03x, the forward under jax.vjp with its output copy.
+  assert "v5e    v1     fwd        1    1.03 [1.03, 1.03] 100%" in text
+  assert ms.main(["--from-json", str(out), "--markdown"]) == 0
+  assert "| **v5e** | **all** |  | 2 |" in capsys.readouterr().out
