@@ -23,10 +23,11 @@ How it works (see DESIGN.md, "How performance is judged without a TPU"):
    max(r, mxu) x ceil(K/mxu)·mxu x ceil(N/mxu)·mxu MACs (a weight tile load costs as much as
    streaming mxu rows). Dots inside `lax.cond` count their most expensive branch (kernels that
    skip work must say so through `step_scale`, below); `scan` bodies count `length` times;
-   `while` bodies count once (noted). Step time = max(MXU, DMA) + overhead (0.35 µs); the
-   modeled time is the sum over steps. VPU work (masks, casts) is not modeled.
-5. TensorCores (`cost(..., tensorcores=...)`): "chip" charges every kernel the whole chip's
-   rates (the model's original figures). "kernel" counts what the compiled program does (AOT
+   `while` bodies count once (noted). Step time = max(MXU, DMA) + overhead (the generation's
+   `step_overhead_s`: 0.35 µs, tpu7x 0.84 µs, fit on measured TPU times); the modeled time is
+   the sum over steps. VPU work (masks, casts) is not modeled.
+5. TensorCores (`cost(..., tensorcores=...)`): "kernel" (the default) counts what the compiled
+   program does (AOT
    LLO dumps, jax 0.10.2 / libtpu 0.0.42): a TensorCore runs at the chip's rates over its
    `cores_per_chip`; on a megacore device (v4, v5p: two TensorCores) Mosaic splits the grid's
    leading "parallel" axes, flattened, between the two cores (core c runs parallel indices
@@ -34,7 +35,8 @@ How it works (see DESIGN.md, "How performance is judged without a TPU"):
    their product P is 1, it wraps the kernel in a `PrimaryCoreRegion` that one core runs (so
    does a grid-less `pallas_call` around `emit_pipeline`). A kernel's time is its busiest
    core's. A tpu7x JAX device is one TensorCore: every kernel runs on it at half the chip's
-   rates.
+   rates. "chip" charges every kernel the whole chip's rates (the model's first figures, about
+   2x optimistic on v5p and tpu7x against measured TPU times: `bench.measured`).
 
 Instrumentation hook: a kernel that skips its dot in some steps (megablox's tgmm on empty groups,
 or a kernel that only pushes the MXU-granular rows of a group) passes
@@ -91,14 +93,14 @@ DEFAULT_STEP_OVERHEAD_S = 0.35e-6
 # How `cost` counts TensorCores (module docstring, 5.).
 TENSORCORE_MODELS = ("chip", "kernel")
 _TENSORCORES: contextvars.ContextVar[str] = contextvars.ContextVar(
-  "costmodel_tensorcores", default="chip"
+  "costmodel_tensorcores", default="kernel"
 )
 
 
 @contextlib.contextmanager
 def use_tensorcores(model: str):
-  """Makes `cost` count TensorCores by `model` ("chip" or "kernel") inside the block, where its
-  caller does not pass `tensorcores` (e.g. the bench's searches and EP tables).
+  """Makes `cost` count TensorCores by `model` ("kernel", the default, or "chip") inside the
+  block, where its caller does not pass `tensorcores` (e.g. the bench's searches and EP tables).
 
   Args:
     model: one of `TENSORCORE_MODELS`.
@@ -695,7 +697,7 @@ def cost(
   useful_row_macs: float | None = None,
   floor_rows_count: int | None = None,
   min_hbm_bytes: int | None = None,
-  step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+  step_overhead_s: float | None = None,
   compute_excess_us: Sequence[float] | None = None,
   tensorcores: str | None = None,
 ) -> CostReport:
@@ -709,14 +711,14 @@ def cost(
     useful_row_macs: true MACs per row for the bounds (k·n); default row_macs.
     floor_rows_count: `floor_rows(group_sizes, mxu)` for the achievable bound.
     min_hbm_bytes: minimum traffic; default Σ of the pipelined operands' sizes.
-    step_overhead_s: per-step overhead.
+    step_overhead_s: per-step overhead; default the generation's `step_overhead_s`.
     compute_excess_us: per call, compute time beyond its MXU time (see
       `cost_with_compiled_schedule`); None: none.
-    tensorcores: "chip": every kernel at the whole chip's rates; "kernel": at one TensorCore's
-      rates, with the steps split between a megacore device's TensorCores as Mosaic splits the
-      kernel's grid, the call's time being its busiest core's (module docstring, 5.). With
-      "kernel", a call's mxu_us / dma_us / overhead_us are its busiest core's, and the bounds
-      use one device's rates (its TensorCores'). None: "chip", or what `use_tensorcores` set.
+    tensorcores: "kernel": at one TensorCore's rates, with the steps split between a megacore
+      device's TensorCores as Mosaic splits the kernel's grid, the call's time being its busiest
+      core's (module docstring, 5.); a call's mxu_us / dma_us / overhead_us are then its
+      busiest core's, and the bounds use one device's rates (its TensorCores'). "chip": every
+      kernel at the whole chip's rates. None: what `use_tensorcores` set, else "kernel".
 
   Returns:
     The `CostReport`.
@@ -725,6 +727,8 @@ def cost(
   if tensorcores not in TENSORCORE_MODELS:
     raise ValueError(f"tensorcores={tensorcores!r}; use one of {TENSORCORE_MODELS}")
   gen = get_generation(generation)
+  if step_overhead_s is None:
+    step_overhead_s = gen.step_overhead_s
   per_core = tensorcores == "kernel"
   core_flops, core_bw = tensorcore_rates(gen)
   # NOTE: rates scale by the same factor for every dtype (the int8 / fp8 peaks too).
@@ -859,7 +863,7 @@ def model(
   useful_row_macs: float | None = None,
   floor_rows_count: int | None = None,
   min_hbm_bytes: int | None = None,
-  step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S,
+  step_overhead_s: float | None = None,
   tensorcores: str | None = None,
   **kwargs,
 ) -> CostReport:

@@ -26,14 +26,16 @@ Mapping (checked against tokamax 0.0.17's source):
 - v2 configs are all `tile_*: null`: the kernel's own `calculate_tiling` picked the tiles;
   `bench.impls.megablox_v2_tiles` reproduces it, and impl "megablox-v2" models the schedule.
 
-The model's rates are per chip (`pallas_moe.generations`). A tpu7x JAX device is one of the
-chip's two TensorCores; on v5p (two TensorCores per device, megacore) a grid-less kernel (v1)
-runs on one of them, and v2's TensorCore mesh splits only its n tiles between the two (one
-core does everything when n is one tile, as v2's tiling usually picks). The `1tc` columns
-cost the same schedules with TensorCores counted per kernel (`costmodel.cost(...,
-tensorcores="kernel")`: the busiest TensorCore's steps at one TensorCore's rates, the chip's peak
-and HBM bandwidth halved), as the compiled programs show (AOT LLO dumps: a grid-less kernel runs
-in a `PrimaryCoreRegion`; a grid with a parallel axis of more than one tile is split).
+The model (`modeled_us`) is the cost model's default: TensorCores counted per kernel
+(`costmodel.cost(..., tensorcores="kernel")`: the busiest TensorCore's steps at one TensorCore's
+rates, as the compiled programs show: a grid-less kernel runs in a `PrimaryCoreRegion`, a grid
+with a parallel axis of more than one tile is split). A tpu7x JAX device is one of the chip's
+two TensorCores; on v5p (two TensorCores per device, megacore) a grid-less kernel (v1) runs on
+one of them, and v2's TensorCore mesh splits only its n tiles between the two. Per-step overhead
+is the generation's (`TpuGeneration.step_overhead_s`). The XLA copies around the kernel in the
+measured program (`harness_copy_bytes`: the residual output's copy, and transposing layout
+copies of [m, d] arrays whose d is not a multiple of 128) are added at HBM bandwidth. The
+`chip rates` column is the kernel at the whole chip's rates, 0.35 µs per step, no copies.
 
 Usage: `python -m bench.measured [--chip v5e] [--op fwd] [--kernel v1] [--limit N]
 [--cache-dir DIR] [--per-problem] [--json FILE] [--fit]`, or `--from-json FILE [--fit]` to
@@ -70,7 +72,10 @@ __all__ = [
   "kernel_tiling",
   "real_schedules",
   "model_config",
+  "harness_copy_bytes",
+  "device_hbm_bytes_per_s",
   "summarize",
+  "markdown_table",
   "fit_report",
   "main",
 ]
@@ -373,21 +378,28 @@ class ModeledConfig:
   Attributes:
     tiling: (tm, tk, tn) in the kernel's terms, as modeled (clamped to the dims).
     measured_us: the config's measured time (median of its runs).
-    modeled_us: the bench model's time (chip rates).
-    modeled_1tc_us: the same schedule with TensorCores counted per kernel
-      (`costmodel.cost(..., tensorcores="kernel")`): one TensorCore's rates, steps split between
-      a megacore device's two cores only as the kernel's grid lets Mosaic split them.
-    mxu_us: MXU time (chip rates).
-    dma_us: DMA time (chip rates).
-    overhead_us: per-step overhead.
-    steps: grid steps.
+    modeled_us: the model of the measured program: the kernel's schedule costed as
+      `costmodel.cost` does by default (TensorCores per kernel: one TensorCore's rates, steps
+      split between a megacore device's cores only as the kernel's grid lets Mosaic split them;
+      the generation's per-step overhead), plus `copy_us`.
+    kernel_us: the kernel alone (`modeled_us` less `copy_us`).
+    modeled_chip_us: the kernel at the whole chip's rates (`tensorcores="chip"`), no copies: the
+      model's first figures.
+    copy_us: XLA copies around the kernel in the measured program (`harness_copy_bytes`) at
+      the device's HBM bandwidth.
+    mxu_us: MXU time (busiest TensorCore).
+    dma_us: DMA time (busiest TensorCore).
+    overhead_us: per-step overhead (busiest TensorCore).
+    steps: grid steps (all of them).
     extra: kernel facts (v2: bucket_base, lhs_buffer_count).
   """
 
   tiling: tuple[int, int, int]
   measured_us: float
   modeled_us: float
-  modeled_1tc_us: float
+  kernel_us: float
+  modeled_chip_us: float
+  copy_us: float
   mxu_us: float
   dma_us: float
   overhead_us: float
@@ -399,14 +411,56 @@ class ModeledConfig:
     return self.measured_us / self.modeled_us
 
   @property
-  def ratio_1tc(self) -> float:
-    return self.measured_us / self.modeled_1tc_us
+  def modeled_1tc_us(self) -> float:
+    """The kernel with TensorCores counted per kernel (an earlier name of `kernel_us`)."""
+    return self.kernel_us
 
   @property
   def bound(self) -> str:
-    """What dominates the model: "mxu", "dma" or "overhead"."""
-    parts = {"mxu": self.mxu_us, "dma": self.dma_us, "overhead": self.overhead_us}
+    """What dominates the model: "mxu", "dma", "overhead" or "copy"."""
+    parts = {
+      "mxu": self.mxu_us,
+      "dma": self.dma_us,
+      "overhead": self.overhead_us,
+      "copy": self.copy_us,
+    }
     return max(parts, key=parts.get)
+
+
+def harness_copy_bytes(problem: MeasuredProblem) -> dict[str, int]:
+  """HBM bytes of the XLA copies around the kernel in tokamax's measured program.
+
+  - `return_residuals`: the op returns its output twice (`residuals = out`), and a jitted
+    program cannot return one buffer as two outputs: XLA copies it (read + write).
+  - A 2D [m, d] operand or result with d not a multiple of 128 (gpt-oss's 2880): XLA's TPU
+    layout assignment gives the program's parameter and result the transposed layout
+    (`{0,1:T(8,128)(2,1)}`: m is the tiled minor dim), and the Mosaic kernel needs row-major,
+    so the compiled program transposes each such array on its way in or out (an AOT compile of
+    megablox's gmm at k = n = 2880 for v6e: a `copy` of the lhs before the kernel and of the
+    output after it; at 3072 neither). The [G, k, n] weights keep their row-major layout.
+
+  Args:
+    problem: the problem.
+
+  Returns:
+    {"residuals": bytes, "layout": bytes} (read + write, bf16).
+  """
+  p = problem
+  out_cols = p.n if p.op == "fwd" else p.k
+  res = 2 * p.m * out_cols * 2 if p.residuals else 0
+  # NOTE: the 2D arrays of each op: fwd lhs [m, k] and out [m, n]; dlhs dout [m, n] and out
+  # [m, k]; drhs lhs [m, k] and dout [m, n].
+  layout = sum(2 * p.m * d * 2 for d in (p.k, p.n) if d % 128 and p.m % 128 == 0)
+  return {"residuals": res, "layout": layout}
+
+
+def device_hbm_bytes_per_s(generation) -> float:
+  """HBM bandwidth of one JAX device: the chip's over its TensorCores, times the device's (an
+  XLA fusion on a megacore device runs on both of its cores; a tpu7x device is one core)."""
+  from pallas_moe.generations import get_generation, tensorcore_rates
+
+  gen = get_generation(generation)
+  return tensorcore_rates(gen)[1] * gen.tensorcores_per_device
 
 
 def _bench_shape(problem: MeasuredProblem):
@@ -458,13 +512,18 @@ def model_config(problem: MeasuredProblem, config: MeasuredConfig) -> ModeledCon
       op=problem.op, shape=shape, group_sizes=gs, generation=gen
     )
     til, scheds, extra = case.tiling, case.schedules, dict(case.extra)
-  rep = costmodel.cost(scheds, generation=gen, tensorcores="chip")
-  rep_1tc = costmodel.cost(real_schedules(problem, scheds), generation=gen, tensorcores="kernel")
+  rep_chip = costmodel.cost(
+    scheds, generation=gen, tensorcores="chip", step_overhead_s=costmodel.DEFAULT_STEP_OVERHEAD_S
+  )
+  rep = costmodel.cost(real_schedules(problem, scheds), generation=gen, tensorcores="kernel")
+  copy_us = sum(harness_copy_bytes(problem).values()) / device_hbm_bytes_per_s(gen) * 1e6
   return ModeledConfig(
     tiling=tuple(til),
     measured_us=config.ms * 1e3,
-    modeled_us=rep.modeled_us,
-    modeled_1tc_us=rep_1tc.modeled_us,
+    modeled_us=rep.modeled_us + copy_us,
+    kernel_us=rep.modeled_us,
+    modeled_chip_us=rep_chip.modeled_us,
+    copy_us=copy_us,
     mxu_us=sum(c.mxu_us for c in rep.calls),
     dma_us=sum(c.dma_us for c in rep.calls),
     overhead_us=sum(c.overhead_us for c in rep.calls),
@@ -486,25 +545,48 @@ def _op_label(r: dict) -> str:
   return r["op"] + ("+res" if r["residuals"] else "")
 
 
+BAND = (0.8, 1.25)
+
+
 def _reason(r: dict) -> str:
-  """What the model says dominates a record, for the worst cases."""
-  parts = {"mxu": r["mxu_us"], "dma": r["dma_us"], "overhead": r["overhead_us"]}
+  """What the model says of a record, for the worst cases: what dominates it and the facts that
+  the misses share (dims not multiples of 128, rows per group under the tile, few steps)."""
+  parts = {
+    "mxu": r["mxu_us"],
+    "dma": r["dma_us"],
+    "overhead": r["overhead_us"],
+    "copy": r.get("copy_us", 0.0),
+  }
   bound = max(parts, key=parts.get)
   rows_per_group = r["m"] / max(r["num_groups"], 1)
   bits = [
     f"model {bound}-bound",
-    f"mxu {r['mxu_us']:.0f} dma {r['dma_us']:.0f} ovh {r['overhead_us']:.0f} us",
+    f"mxu {r['mxu_us']:.0f} dma {r['dma_us']:.0f} ovh {r['overhead_us']:.0f}"
+    f" copies {r.get('copy_us', 0.0):.0f} us",
     f"{r['steps']} steps",
   ]
+  if r["k"] % 128 or r["n"] % 128:
+    bits.append("dims not multiples of 128: transposing layout copies (charged at HBM rate)")
   if rows_per_group < r["tiling"][0]:
     bits.append(f"~{rows_per_group:.0f} rows/group < tm")
+  if r["steps"] <= 64:
+    bits.append("few steps (launch and pipeline fill not modeled)")
+  if r["tiling"][0] < 256 and r["chip"] in ("v6e", "tpu7x"):
+    bits.append(f"tm {r['tiling'][0]} < the 256-wide MXU (charged as 256 rows)")
   return ", ".join(bits)
 
 
+def _stats(ratios) -> str:
+  med, lo, hi = _quantiles(ratios)
+  a = np.asarray(ratios)
+  inside = float(np.mean((a >= BAND[0]) & (a <= BAND[1])))
+  return f"{med:5.2f} [{lo:4.2f}, {hi:4.2f}] {inside:4.0%}"
+
+
 def summarize(records: list[dict], *, worst: int = 2) -> str:
-  """Per (chip, kernel, op): count, median and p10/p90 of measured/modeled at each problem's
-  best measured config, at chip rates and at one TensorCore's, then the worst cases (largest
-  |log ratio| at chip rates).
+  """Per (chip, kernel, op) and per chip: count, measured / modeled at each problem's best
+  measured config (median [p10, p90], share within [0.8, 1.25]), the chip-rate kernel model's
+  median for comparison, then the worst cases (largest |log ratio|) with their reasons.
 
   Args:
     records: `main`'s records (only those with `best` are used).
@@ -517,36 +599,80 @@ def summarize(records: list[dict], *, worst: int = 2) -> str:
   for r in records:
     if r["best"]:
       groups.setdefault((r["chip"], r["kernel"], _op_label(r)), []).append(r)
-  lines = ["chip   kernel op        n   measured/modeled median [p10, p90]   per-kernel TCs"]
+  head = "chip   kernel op        n   measured/modeled: median [p10, p90] in[0.8,1.25]   chip rates"
+  lines = [head]
   details = []
+  per_chip: dict[str, list[float]] = {}
   for (chip, kernel, op), items in sorted(groups.items()):
     ratio = [r["measured_us"] / r["modeled_us"] for r in items]
-    ratio_1tc = [r["measured_us"] / r["modeled_1tc_us"] for r in items]
-    med, lo, hi = _quantiles(ratio)
-    med1, lo1, hi1 = _quantiles(ratio_1tc)
+    chip_rates = [r["measured_us"] / r["modeled_chip_us"] for r in items]
+    per_chip.setdefault(chip, []).extend(ratio)
     lines.append(
-      f"{chip:<6} {kernel:<6} {op:<8} {len(items):>3}   {med:5.2f} [{lo:4.2f}, {hi:4.2f}]"
-      f"                  {med1:5.2f} [{lo1:4.2f}, {hi1:4.2f}]"
+      f"{chip:<6} {kernel:<6} {op:<8} {len(items):>3}   {_stats(ratio)}"
+      f"                  {_quantiles(chip_rates)[0]:5.2f}"
     )
     for r, x in sorted(zip(items, ratio, strict=True), key=lambda t: -abs(math.log(t[1])))[:worst]:
+      if BAND[0] <= x <= BAND[1]:
+        continue
       details.append(
         f"  worst {chip} {kernel} {op}: m={r['m']} k={r['k']} n={r['n']} G={r['num_groups']}"
         f"{' (generated sizes)' if r['generated_sizes'] else ''} tiles {tuple(r['tiling'])}: "
         f"measured {r['measured_us']:.0f} us, modeled {r['modeled_us']:.0f} us (x{x:.2f}); "
         f"{_reason(r)}"
       )
+  lines.append("")
+  for chip, ratio in per_chip.items():
+    lines.append(f"{chip:<6} all           {len(ratio):>3}   {_stats(ratio)}")
   return "\n".join(lines + [""] + details)
+
+
+def markdown_table(records: list[dict]) -> str:
+  """`summarize`'s per (chip, kernel, op) and per chip figures as a markdown table.
+
+  Args:
+    records: `main`'s records (only those with `best` are used).
+
+  Returns:
+    The table (markdown).
+  """
+  groups: dict[tuple[str, str, str], list[dict]] = {}
+  for r in records:
+    if r["best"]:
+      groups.setdefault((r["chip"], r["kernel"], _op_label(r)), []).append(r)
+      groups.setdefault((r["chip"], "all", ""), []).append(r)
+  lines = [
+    "| chip | kernel | op | n | measured / modeled: median [p10, p90] | in [0.8, 1.25] "
+    "| chip rates (before): median |",
+    "|---|---|---|---:|---|---:|---:|",
+  ]
+  order = {c: i for i, c in enumerate(CHIP_DIRS)}
+  for (chip, kernel, op), items in sorted(
+    groups.items(), key=lambda kv: (order[kv[0][0]], kv[0][1] == "all", kv[0][1:])
+  ):
+    ratio = np.array([r["measured_us"] / r["modeled_us"] for r in items])
+    chip_rates = [r["measured_us"] / r["modeled_chip_us"] for r in items]
+    med, lo, hi = _quantiles(ratio)
+    inside = float(np.mean((ratio >= BAND[0]) & (ratio <= BAND[1])))
+    bold = "**" if kernel == "all" else ""
+    lines.append(
+      f"| {bold}{chip}{bold} | {bold}{kernel}{bold} | {op} | {len(items)} "
+      f"| {bold}{med:.2f}{bold} [{lo:.2f}, {hi:.2f}] | {bold}{inside:.0%}{bold} "
+      f"| {_quantiles(chip_rates)[0]:.2f} |"
+    )
+  return "\n".join(lines)
 
 
 def fit_report(records: list[dict]) -> str:
   """What-if fits per chip on the forward problems, checked on the rest.
 
-  measured ≈ a · T + b · steps, where T = Σ_steps max(MXU, DMA) of the modeled schedule at the
-  rates of the TensorCores the kernel runs on (`modeled_1tc_us` less its overhead): a is a
+  measured ≈ a · T + b · steps + copies, where T = Σ_steps max(MXU, DMA) of the kernel's
+  schedule at the rates of the TensorCores it runs on (`kernel_us` less its overhead): a is a
   uniform slowdown of the MXU / HBM rates (clock, efficiency), b the per-step cost. Two fits,
-  least squares on the relative error over each chip's plain forward records (best configs,
-  both kernels): a alone with b at the model's 0.35 µs, and (a, b) with b ≥ 0. Reported:
-  measured / fitted (median [p10, p90]) per (kernel, op), on the fit set and on the rest.
+  least squares on the relative error over each chip's plain forward records whose dims are
+  multiples of 128 (best configs, both kernels; problems the first fit misses by more than 25%
+  left out of the second): b alone with a = 1 (how `TpuGeneration.step_overhead_s` was set),
+  and (a, b) with b >= 0. Reported: measured / fitted (median [p10, p90]) per (kernel, op), on
+  the fit set and on the rest.
 
   Args:
     records: `main`'s records.
@@ -554,41 +680,44 @@ def fit_report(records: list[dict]) -> str:
   Returns:
     Text.
   """
-  from bench.costmodel import DEFAULT_STEP_OVERHEAD_S
-
-  ovh = DEFAULT_STEP_OVERHEAD_S * 1e6
   best = [r for r in records if r["best"]]
-  lines = ["what-if fits: measured = a*T(on the TensorCores the kernel uses) + b*steps"]
+  lines = ["what-if fits: measured = a*T(on the TensorCores the kernel uses) + b*steps + copies"]
 
   def design(rs):
-    t = np.array([r["modeled_1tc_us"] - r["overhead_us"] for r in rs])
-    steps = np.array([r["steps"] for r in rs], np.float64)
-    return t, steps, np.array([r["measured_us"] for r in rs])
+    t = np.array([r["kernel_us"] - r["overhead_us"] for r in rs])
+    steps = np.array([r["overhead_steps"] for r in rs], np.float64)
+    copies = np.array([r["copy_us"] for r in rs])
+    return t, steps, np.array([r["measured_us"] for r in rs]) - copies, copies
 
   for chip in CHIP_DIRS:
-    fit = [r for r in best if r["chip"] == chip and r["op"] == "fwd" and not r["residuals"]]
+    fit = [
+      r
+      for r in best
+      if r["chip"] == chip
+      and r["op"] == "fwd"
+      and not r["residuals"]
+      and not (r["k"] % 128 or r["n"] % 128)
+    ]
     if len(fit) < 3:
       continue
-    t, steps, y = design(fit)
+    t, steps, y, _ = design(fit)
 
     def solve(tk, sk, yk):
       # NOTE: relative least squares (rows divided by the measurement): big problems do not
       # dominate.
-      a1 = float(np.sum(tk * (yk - ovh * sk) / yk**2) / np.sum(tk**2 / yk**2))
+      b1 = float(np.sum(sk / yk * (1 - tk / yk)) / np.sum((sk / yk) ** 2))
       x = np.stack([tk / yk, sk / yk], axis=1)
       (a2, b2), *_ = np.linalg.lstsq(x, np.ones_like(yk), rcond=None)
       if b2 < 0:
         a2, b2 = float(np.sum(tk / yk) / np.sum(tk**2 / yk**2)), 0.0
-      return a1, float(a2), float(b2)
+      return b1, float(a2), float(b2)
 
-    # NOTE: one trimming pass: problems the first fit misses by more than 25% (kernel effects
-    # the schedule model has no term for) are left out of the second.
-    a1, a2, b2 = solve(t, steps, y)
-    keep = np.abs(np.log(y / (a2 * t + b2 * steps))) < math.log(1.25)
+    b1, a2, b2 = solve(t, steps, y)
+    keep = np.abs(np.log(y / (t + b1 * steps))) < math.log(1.25)
     if keep.sum() >= 3:
-      a1, a2, b2 = solve(t[keep], steps[keep], y[keep])
+      b1, a2, b2 = solve(t[keep], steps[keep], y[keep])
     lines.append(
-      f"{chip}: a = {a1:.3f} (b = {ovh:.2f} us/step) | a = {a2:.3f}, b = {b2:.2f} us/step"
+      f"{chip}: b = {b1:.2f} us/step (a = 1) | a = {a2:.3f}, b = {b2:.2f} us/step"
       f"  (fit on {int(keep.sum())} of {len(fit)} fwd problems)"
     )
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -596,9 +725,9 @@ def fit_report(records: list[dict]) -> str:
       if r["chip"] == chip:
         groups.setdefault((r["kernel"], _op_label(r)), []).append(r)
     for (kernel, op), rs in sorted(groups.items()):
-      t, steps, y = design(rs)
-      q1 = _quantiles(y / (a1 * t + ovh * steps))
-      q2 = _quantiles(y / (a2 * t + b2 * steps))
+      t, steps, y, c = design(rs)
+      q1 = _quantiles((y + c) / (t + b1 * steps + c))
+      q2 = _quantiles((y + c) / (a2 * t + b2 * steps + c))
       lines.append(
         f"  {kernel} {op:<8} {len(rs):>3}: measured/fitted {q1[0]:.2f} [{q1[1]:.2f}, {q1[2]:.2f}]"
         f" | {q2[0]:.2f} [{q2[1]:.2f}, {q2[2]:.2f}]"
@@ -618,6 +747,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--json", default=None, help="write the records to this file")
   ap.add_argument("--from-json", default=None, help="summarize records written by --json")
   ap.add_argument("--fit", action="store_true", help="print the per-chip what-if fit")
+  ap.add_argument("--markdown", action="store_true", help="also print the markdown table")
   args = ap.parse_args(argv)
 
   if args.from_json:
@@ -628,6 +758,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.fit:
     print()
     print(fit_report(records))
+  if args.markdown:
+    print()
+    print(markdown_table(records))
   if args.json and not args.from_json:
     Path(args.json).write_text(json.dumps(records, indent=1))
   return 0
@@ -635,6 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _model_all(args) -> list[dict]:
   from bench.impls import Unsupported
+  from pallas_moe.generations import get_generation
 
   problems, skipped = load_problems(
     cache_dir=args.cache_dir, chips=args.chip, kernels=args.kernel or ("v1", "v2"), ops=args.op
@@ -677,11 +811,14 @@ def _model_all(args) -> list[dict]:
           tiling=list(mc.tiling),
           measured_us=mc.measured_us,
           modeled_us=mc.modeled_us,
-          modeled_1tc_us=mc.modeled_1tc_us,
+          kernel_us=mc.kernel_us,
+          modeled_chip_us=mc.modeled_chip_us,
+          copy_us=mc.copy_us,
           mxu_us=mc.mxu_us,
           dma_us=mc.dma_us,
           overhead_us=mc.overhead_us,
           steps=mc.steps,
+          overhead_steps=round(mc.overhead_us / (get_generation(p.chip).step_overhead_s * 1e6)),
           extra=mc.extra,
         )
       )
@@ -690,7 +827,8 @@ def _model_all(args) -> list[dict]:
         print(
           f"{p.label:<52} {f.get('tile_m')!s:>5},{f.get('tile_k')!s:>5},{f.get('tile_n')!s:>5}"
           f" -> {str(mc.tiling):<20} meas {mc.measured_us:9.1f} model {mc.modeled_us:9.1f}"
-          f" x{mc.ratio:5.2f} 1tc x{mc.ratio_1tc:5.2f} [{mc.bound}]{' *' if c is best_c else ''}"
+          f" x{mc.ratio:5.2f} chip rates x{mc.measured_us / mc.modeled_chip_us:5.2f}"
+          f" [{mc.bound}]{' *' if c is best_c else ''}"
         )
     print(f"[{i + 1}/{len(problems)}] {time.time() - t0:.0f}s", file=sys.stderr)
   return records

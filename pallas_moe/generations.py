@@ -42,6 +42,8 @@ class TpuGeneration:
       seen in a compiled program: its AOT topology ("v4:2x2x1") has one-TensorCore devices.
     aot_topology: topology name for ahead-of-time compilation (`get_topology_desc`).
     device_kinds: `jax.Device.device_kind` strings of this generation.
+    step_overhead_s: the cost model's fixed time per Pallas grid step (pipeline bookkeeping,
+      DMA issue and waits), on top of max(MXU, DMA) (`bench.costmodel`).
   """
 
   name: str
@@ -58,6 +60,7 @@ class TpuGeneration:
   device_kinds: tuple[str, ...] = ()
   peak_int8_ops: float = 0.0
   peak_fp8_ops: float = 0.0
+  step_overhead_s: float = 0.35e-6
 
 
 # NOTE on the narrow MXU modes (int8 / fp8). Sources: Cloud TPU docs per chip ("Peak compute per
@@ -146,6 +149,11 @@ GENERATIONS: dict[str, TpuGeneration] = {
       tensorcores_per_device=1,
       aot_topology="tpu7x:2x2x1",
       device_kinds=("TPU7x",),
+      # NOTE: fit on tokamax's measured tpu7x forward problems (`python -m bench.measured
+      # --fit`: 34 of 43, both kernels, dims multiples of 128) with the rates fixed at one
+      # TensorCore's: 0.84 µs per step. The same fit gives 0.44 (v5e), 0.14 (v5p) and 0.68 µs
+      # (v6e), whose medians stay within 10% at the default 0.35 µs; tpu7x's were 17% slow.
+      step_overhead_s=0.84e-6,
     ),
   )
 }
@@ -254,11 +262,13 @@ def tensorcore_rates(generation: str | TpuGeneration) -> tuple[float, float]:
 def sequential_sweeps(generation: str | TpuGeneration) -> bool:
   """Whether the row-tile kernels run their sweeps in order with DMAs crossing them.
 
-  On a chip with one TensorCore (v5e, v6e) a grid runs in order anyway, so the kernels prefetch
-  across sweeps; with two (megacore: v4, v5p, tpu7x) the sweeps stay independent so that they can
-  be split between the cores.
+  On a device with one TensorCore (v5e, v6e, and tpu7x, whose chip is two one-core devices) a
+  grid runs in order anyway, so the kernels prefetch across sweeps; on a megacore device (v4,
+  v5p) the sweeps stay independent so that Mosaic can split them between the two cores.
+  NOTE: AOT-compiled for tpu7x, a grid with a "parallel" axis loops over every step on its one
+  core, as an all-"arbitrary" grid does (no megacore split in the program).
   """
-  return get_generation(generation).cores_per_chip == 1
+  return get_generation(generation).tensorcores_per_device == 1
 
 
 def rows_per_pass(tm: int, mxu: int) -> int:

@@ -86,7 +86,29 @@ def test_v1_model_at_measured_tiles(problems):
   assert mc.mxu_us == pytest.approx(128 * 2 * 1024 * 512 * 1024 / 197e12 * 1e6, rel=1e-9)
   assert mc.modeled_us == pytest.approx(742.46, rel=1e-3)
   assert mc.ratio == pytest.approx(763.0 / 742.46, rel=1e-3)
-  assert mc.modeled_1tc_us == mc.modeled_us  # v5e has one TensorCore
+  # v5e has one TensorCore and the default step overhead; no copies around a plain forward.
+  assert mc.modeled_chip_us == mc.kernel_us == mc.modeled_us and mc.copy_us == 0
+
+
+def test_harness_copies(problems):
+  # The forward under jax.vjp returns its output twice: one copy (read + write) of [m, n].
+  ps, _ = problems
+  p = _find(ps, chip="v5e", kernel="v1", op="fwd", residuals=True)
+  assert ms.harness_copy_bytes(p) == dict(residuals=2 * 4096 * 4096 * 2, layout=0)
+  mc = ms.model_config(p, p.best)
+  assert mc.copy_us == pytest.approx(2 * 4096 * 4096 * 2 / 819e9 * 1e6, rel=1e-9)
+  assert mc.modeled_us == pytest.approx(mc.kernel_us + mc.copy_us, rel=1e-12)
+  # gpt-oss dims (2880, not a multiple of 128): XLA gives the [m, 2880] arrays the transposed
+  # layout, so both 2D arrays of each op are transposed on their way in / out; the 3D weights
+  # keep theirs. A device's HBM: v5p's whole chip (both cores), one tpu7x core's.
+  gpt = dataclasses.replace(p, op="drhs", m=327680, k=2880, n=2880, residuals=False)
+  assert ms.harness_copy_bytes(gpt) == dict(residuals=0, layout=2 * (2 * 327680 * 2880 * 2))
+  dl = dataclasses.replace(gpt, op="dlhs", k=2048, residuals=True)
+  assert ms.harness_copy_bytes(dl) == dict(
+    residuals=2 * 327680 * 2048 * 2, layout=2 * 327680 * 2880 * 2
+  )
+  assert ms.device_hbm_bytes_per_s("v5p") == 2765e9
+  assert ms.device_hbm_bytes_per_s("tpu7x") == 7380e9 / 2
 
 
 def test_v2_tiles_and_model(problems):
@@ -96,14 +118,19 @@ def test_v2_tiles_and_model(problems):
   # calculate_tiling on tpu7x (57.6 MiB limit): tile_m 128 grown to 3 buckets, full k and n.
   assert mc.tiling == (384, 7168, 1024)
   assert mc.extra == dict(bucket_base=128, lhs_buffer_count=2, row_tiles=512)
-  assert mc.modeled_us == pytest.approx(1323.69, rel=1e-3)
-  assert mc.modeled_1tc_us == pytest.approx(2468.18, rel=1e-3)
+  assert mc.modeled_chip_us == pytest.approx(1323.69, rel=1e-3)
+  # One TensorCore's rates and tpu7x's per-step overhead (0.84 µs, not 0.35).
+  assert mc.modeled_us == pytest.approx(2719.06, rel=1e-3)
+  assert mc.modeled_us - mc.overhead_us == pytest.approx(
+    2 * (mc.modeled_chip_us - mc.steps * 0.35), rel=1e-3
+  )
+  assert mc.overhead_us == pytest.approx(mc.steps * 0.84, rel=1e-9)
   d = _find(ps, chip="v6e", kernel="v2", op="dlhs")
   md = ms.model_config(d, d.best)
   # dlhs: contraction n = 512, output k = 7168; tile_m starts at 256 and grows to 4 buckets.
   assert md.tiling == (1024, 512, 7168)
   assert md.extra == dict(bucket_base=256, lhs_buffer_count=3, row_tiles=256)
-  assert md.modeled_us == pytest.approx(2467.02, rel=1e-3)
+  assert md.modeled_us == md.modeled_chip_us == pytest.approx(2467.02, rel=1e-3)
 
 
 def test_v2_row_tiles_stay_within_groups():
@@ -175,6 +202,16 @@ def test_v1_runs_on_one_tensorcore(problems):
   assert sched.dimension_semantics[0] == "parallel"
   assert ms.real_schedules(p, [sched])[0].dimension_semantics is None
   mc = ms.model_config(p, p.best)
-  assert mc.modeled_1tc_us - mc.overhead_us == pytest.approx(
-    2 * (mc.modeled_us - mc.overhead_us), rel=1e-9
+  assert mc.modeled_us - mc.overhead_us == pytest.approx(
+    2 * (mc.modeled_chip_us - mc.overhead_us), rel=1e-9
   )
+
+
+def test_cli_prints_the_band_share_and_markdown(capsys, tmp_path):
+  out = tmp_path / "m.json"
+  assert ms.main(["--cache-dir", str(FIXTURE), "--chip", "v5e", "--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  # v5e: the forward at 1.03x, the forward under jax.vjp with its output copy.
+  assert "v5e    v1     fwd        1    1.03 [1.03, 1.03] 100%" in text
+  assert ms.main(["--from-json", str(out), "--markdown"]) == 0
+  assert "| **v5e** | **all** |  | 2 |" in capsys.readouterr().out
