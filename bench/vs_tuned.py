@@ -214,9 +214,7 @@ def model_ours(problem: TunedProblem, *, tiling: tuple[int, int, int] | None = N
     tensorcores (cores the busiest call runs on).
   """
   p = problem
-  return _model_cached(
-    p.chip, p.op, p.m, p.k, p.n, p.num_groups, p.group_sizes.tobytes(), tiling
-  )
+  return _model_cached(p.chip, p.op, p.m, p.k, p.n, p.num_groups, p.group_sizes.tobytes(), tiling)
 
 
 def search_candidates(problem: TunedProblem, *, limit: int = 12) -> list[tuple[int, int, int]]:
@@ -230,12 +228,12 @@ def search_candidates(problem: TunedProblem, *, limit: int = 12) -> list[tuple[i
   Returns:
     Tilings in our op's terms.
   """
+  import jax.numpy as jnp
+
   from pallas_moe.generations import get_generation, rows_per_pass
   from pallas_moe.schedule_cost import rows_stationary_pays
   from pallas_moe.tile_pickers import _divisor_tiles
   from pallas_moe.vmem import usable_vmem_bytes, vmem_estimate_bytes
-
-  import jax.numpy as jnp
 
   p = problem
   gen = get_generation(p.chip)
@@ -348,7 +346,7 @@ def _best_us(r: dict) -> float:
 
 
 def category(r: dict) -> str:
-  """"ok" (ours <= TARGET x tokamax), "bound" (no kernel can: the roofline is above it),
+  """ "ok" (ours <= TARGET x tokamax), "bound" (no kernel can: the roofline is above it),
   "granular" (no kernel that pushes whole MXU passes can, as the model charges every kernel: the
   MXU-granular bound is above it), or "ours" (our kernel's gap)."""
   if r["ratio"] <= TARGET:
@@ -375,8 +373,8 @@ def verdict(r: dict) -> str:
   if cat == "granular":
     return (
       f"no MXU-granular kernel can reach {TARGET}x: pushing each group's rows in whole MXU "
-      f"passes ({r['floor_rows'] / r['rows']:.3f}x the rows, at the group boundaries) is {r['granular_ratio']:.2f}x tokamax (roofline "
-      f"{r['bound_ratio']:.2f}x); {ours_vs}"
+      f"passes ({r['floor_rows'] / r['rows']:.3f}x the rows, at the group boundaries) is "
+      f"{r['granular_ratio']:.2f}x tokamax (roofline {r['bound_ratio']:.2f}x); {ours_vs}"
     )
   bits = [
     f"our gap: ours {r['ratio']:.2f}x, roofline {r['bound_ratio']:.2f}x, MXU-granular "

@@ -254,11 +254,12 @@ def tensorcore_rates(generation: str | TpuGeneration) -> tuple[float, float]:
 def sequential_sweeps(generation: str | TpuGeneration) -> bool:
   """Whether the row-tile kernels run their sweeps in order with DMAs crossing them.
 
-  On a chip with one TensorCore (v5e, v6e) a grid runs in order anyway, so the kernels prefetch
-  across sweeps; with two (megacore: v4, v5p, tpu7x) the sweeps stay independent so that they can
-  be split between the cores.
+  Where a JAX device is one TensorCore (v5e, v6e, and tpu7x, whose chip is two devices) a grid
+  runs in order on it anyway, so the kernels prefetch across sweeps; on a megacore device (v4,
+  v5p: two TensorCores) the sweeps stay independent so that Mosaic can split them between the
+  cores.
   """
-  return get_generation(generation).cores_per_chip == 1
+  return get_generation(generation).tensorcores_per_device == 1
 
 
 def rows_per_pass(tm: int, mxu: int) -> int:
