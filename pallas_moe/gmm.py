@@ -563,9 +563,10 @@ def gmm_rowtile_pallas(
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
     expected_rows: the rows the caller expects sum(group_sizes) to be; the cost estimate XLA
       gets counts the work on those rows, not on all m. None: m.
-    sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e): the first weights
-      of n-tile j + 1 are prefetched while the last group of n-tile j computes, instead of being
-      loaded (exposed) at the start of n-tile j + 1. Both grid axes are then "arbitrary".
+    sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e, tpu7x): the first
+      weights of n-tile j + 1 are prefetched while the last group of n-tile j computes, instead
+      of being loaded (exposed) at the start of n-tile j + 1. Both grid axes are then
+      "arbitrary".
     rows_stationary: multiply out^T = w^T @ lhs^T: the sub-block's rows are the MXU's
       stationary operand and the tn weight columns stream through it as rows, so a tn that is a
       multiple of 128 but not of the MXU width (1408 on a 256-wide MXU) is not padded to it.

@@ -80,7 +80,7 @@ class KernelTiling:
     rowtile: run the row-tile kernel (`gmm_rowtile_pallas` / `tgmm_rowtile_pallas`: one grid
       step per m-tile, per-group blocks by manual DMA) instead of the visit-schedule kernel.
     sequential_sweeps: row-tile kernels only: let DMAs cross sweeps (`tiling.sequential_sweeps`:
-      the generation has one TensorCore per chip, so nothing is gained by splitting sweeps).
+      the generation has one TensorCore per JAX device, so nothing is gained by splitting sweeps).
     rows_stationary: row-tile kernels only: the sub-block rows are the MXU's stationary operand
       (`tiling.rows_stationary_pays`: tn is not a multiple of the MXU width, e.g. 1408 on v6e).
     fill_unowned: row-tile gmm only: write exact zeros to the rows outside the local groups'

@@ -13,7 +13,13 @@ from typing import Any
 
 import numpy as np
 
-from pallas_moe.generations import TpuGeneration, get_generation, rows_per_pass, sequential_sweeps
+from pallas_moe.generations import (
+  TpuGeneration,
+  get_generation,
+  rows_per_pass,
+  sequential_sweeps,
+  tensorcore_rates,
+)
 
 
 def _dot_macs(*, rows: int, contract: int, cols: int, mxu: int) -> int:
@@ -436,18 +442,40 @@ def rowtile_fill_bytes(
   return max(end - visited, 0) * n * out_itemsize
 
 
-def rowtile_modeled_seconds(*, step_overhead_s: float = 0.35e-6, **step_costs_kwargs: Any) -> float:
+def rowtile_modeled_seconds(
+  *, step_overhead_s: float = 0.35e-6, tensorcores: str = "kernel", **step_costs_kwargs: Any
+) -> float:
   """Modeled time of a row-tile kernel's whole grid: Σ over steps of max(MXU, overlapped HBM
   time) + exposed HBM time + per-step overhead (DESIGN.md), from `rowtile_step_costs` (same
   keyword arguments); for gmm with `unowned_rows="zero"` (the default) plus its zero fill's one
-  step (`rowtile_fill_bytes` at HBM bandwidth)."""
+  step (`rowtile_fill_bytes` at HBM bandwidth).
+
+  TensorCores as `bench.costmodel.cost` counts them: "kernel" (the default) at one
+  TensorCore's rates (`tensorcore_rates`), and on a megacore device (two TensorCores behind one
+  JAX device, v4 / v5p) the kernel's (k, n) sweeps split between the cores as Mosaic splits its
+  leading "parallel" grid axes (none with `sequential_sweeps`): the time is the busiest core's.
+  "chip": every step at the whole chip's rates on one core (the previous model).
+  """
+  if tensorcores not in ("kernel", "chip"):
+    raise ValueError(f"tensorcores must be 'kernel' or 'chip', got {tensorcores!r}")
   gen = get_generation(step_costs_kwargs["generation"])
   mxu_s, over, exposed = rowtile_step_costs(**step_costs_kwargs)
   bw = gen.hbm_bytes_per_s
-  total = float(
-    np.maximum(mxu_s, over / bw).sum() + exposed.sum() / bw + step_overhead_s * mxu_s.size
-  )
+  if tensorcores == "kernel":
+    core_flops, bw = tensorcore_rates(gen)
+    mxu_s = mxu_s * (gen.peak_bf16_flops / core_flops)
+  step = np.maximum(mxu_s, over / bw) + exposed / bw + step_overhead_s
   kw = step_costs_kwargs
+  sweeps = (kw["k"] // kw["tk"]) * (kw["n"] // kw["tn"])
+  cores = gen.tensorcores_per_device if tensorcores == "kernel" else 1
+  if cores > 1 and sweeps > 1 and not sequential_sweeps(gen):
+    # NOTE: steps run sweep-major (grid (k tiles, n tiles, m tiles)); core c runs sweeps
+    # [c * per_core, (c + 1) * per_core), as `costmodel.step_tensorcores`.
+    per_core = -(-sweeps // cores)
+    core = (np.arange(step.size) // (step.size // sweeps)) // per_core
+    total = float(np.bincount(core, weights=step).max())
+  else:
+    total = float(step.sum())
   if kw["kind"] == "gmm" and kw.get("unowned_rows", "zero") == "zero":
     fill = rowtile_fill_bytes(
       group_sizes=kw["group_sizes"],

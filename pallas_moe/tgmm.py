@@ -398,10 +398,10 @@ def tgmm_rowtile_pallas(
     sub_m: rows per MXU pass (divides tm); sub-blocks without rows of a group are skipped for
       that group. None: the whole tile.
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
-    sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e): the output writes
-      still in flight at the end of a (k, n) sweep complete while the next sweep computes, and
-      are drained only after the last grid step, instead of at the end of every sweep. All grid
-      axes are then "arbitrary".
+    sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e, tpu7x): the output
+      writes still in flight at the end of a (k, n) sweep complete while the next sweep
+      computes, and are drained only after the last grid step, instead of at the end of every
+      sweep. All grid axes are then "arbitrary".
     rows_stationary: accumulate out^T = rhs^T @ lhs^T: the sub-block's [sub_m, tk] lhs^T is the
       MXU's stationary operand and the tn rhs columns stream through it as rows, so a tn that is
       a multiple of 128 but not of the MXU width (1408 on a 256-wide MXU) is not padded to it.

@@ -68,6 +68,9 @@ def pick_tiling(
     re-fetched on every visit (k is the innermost grid axis): (m/tm + G) x (tm k + k n) per n tile.
   - tgmm: lhs [k, m] is read once per n tile and dout [m, n] once per k tile.
   - MXU time counts the ragged last k and n tiles as full tiles.
+  - On a megacore device (v4, v5p) the kernel's "parallel" axes (gmm: n tiles; tgmm: k and n
+    tiles) are split between the two TensorCores, each at half the rates: a single tile runs on
+    one core.
 
   Args:
     m: rows (tokens x top_k on this device).
@@ -92,6 +95,7 @@ def pick_tiling(
   budget = vmem_budget_bytes if vmem_budget_bytes is not None else usable_vmem_bytes(gen)
   li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
   bw, peak = gen.hbm_bytes_per_s, gen.peak_bf16_flops
+  cores = gen.tensorcores_per_device
   scored = []
   for tm in _tm_candidates(m, gen.mxu_size):
     visits = -(-m // tm) + num_groups
@@ -120,6 +124,13 @@ def pick_tiling(
         mxu_s = 2 * m * (nk * tk) * (nn * tn) / peak
         steps = visits * nk * nn
         score = max(mxu_s, traffic / bw) + steps * step_overhead_s
+        if cores > 1:
+          # NOTE: a megacore device splits the leading "parallel" axes (gmm: n tiles; tgmm: k
+          # and n tiles) between its TensorCores, each at half the device's rates: the busiest
+          # core runs ceil(P / cores) of the P tiles.
+          par = nn if kind == "gmm" else nk * nn
+          share = -(-par // cores) / par
+          score = share * (cores * max(mxu_s, traffic / bw) + steps * step_overhead_s)
         scored.append((score, est, (tm, tk, tn)))
   if not scored:
     raise ValueError(
