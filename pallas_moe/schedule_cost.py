@@ -443,7 +443,7 @@ def rowtile_fill_bytes(
 
 
 def rowtile_modeled_seconds(
-  *, step_overhead_s: float = 0.35e-6, tensorcores: str = "kernel", **step_costs_kwargs: Any
+  *, step_overhead_s: float | None = None, tensorcores: str = "kernel", **step_costs_kwargs: Any
 ) -> float:
   """Modeled time of a row-tile kernel's whole grid: Σ over steps of max(MXU, overlapped HBM
   time) + exposed HBM time + per-step overhead (DESIGN.md), from `rowtile_step_costs` (same
@@ -455,11 +455,14 @@ def rowtile_modeled_seconds(
   JAX device, v4 / v5p) the kernel's (k, n) sweeps split between the cores as Mosaic splits its
   leading "parallel" grid axes (none with `sequential_sweeps`): the time is the busiest core's.
   "chip": every step at the whole chip's rates on one core (the previous model).
+  `step_overhead_s` defaults to the generation's (`TpuGeneration.step_overhead_s`).
   """
   if tensorcores not in ("kernel", "chip"):
     raise ValueError(f"tensorcores must be 'kernel' or 'chip', got {tensorcores!r}")
   gen = get_generation(step_costs_kwargs["generation"])
   mxu_s, over, exposed = rowtile_step_costs(**step_costs_kwargs)
+  if step_overhead_s is None:
+    step_overhead_s = gen.step_overhead_s
   bw = gen.hbm_bytes_per_s
   if tensorcores == "kernel":
     core_flops, bw = tensorcore_rates(gen)

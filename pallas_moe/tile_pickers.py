@@ -52,7 +52,7 @@ def pick_tiling(
   out_dtype,
   generation: str | TpuGeneration,
   vmem_budget_bytes: int | None = None,
-  step_overhead_s: float = 0.35e-6,
+  step_overhead_s: float | None = None,
 ) -> tuple[int, int, int]:
   """Chooses (tm, tk, tn) for a gmm or tgmm by a small cost model of our kernels.
 
@@ -84,7 +84,7 @@ def pick_tiling(
     generation: TPU generation (name or `TpuGeneration`).
     vmem_budget_bytes: VMEM budget; default `usable_vmem_bytes(generation)`. The kernels set
       `vmem_limit_bytes` (see `vmem_limit_for`) when a tiling needs more than the scoped default.
-    step_overhead_s: per grid step overhead.
+    step_overhead_s: per grid step overhead; default the generation's `step_overhead_s`.
 
   Returns:
     (tm, tk, tn): tm a multiple of the MXU size (or m), tk and tn multiples of 128 or full dims.
@@ -93,6 +93,8 @@ def pick_tiling(
     raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
   gen = get_generation(generation)
   budget = vmem_budget_bytes if vmem_budget_bytes is not None else usable_vmem_bytes(gen)
+  if step_overhead_s is None:
+    step_overhead_s = gen.step_overhead_s
   li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
   bw, peak = gen.hbm_bytes_per_s, gen.peak_bf16_flops
   cores = gen.tensorcores_per_device
@@ -170,7 +172,7 @@ def pick_rowtile_tiling(
   out_dtype,
   generation: str | TpuGeneration,
   vmem_budget_bytes: int | None = None,
-  step_overhead_s: float = 0.35e-6,
+  step_overhead_s: float | None = None,
   narrow_dot: bool = False,
   expected_rows: int | None = None,
   unowned_rows: str = "zero",
@@ -196,7 +198,7 @@ def pick_rowtile_tiling(
     out_dtype: output element type.
     generation: TPU generation.
     vmem_budget_bytes: default `usable_vmem_bytes(generation)`.
-    step_overhead_s: per grid step overhead.
+    step_overhead_s: per grid step overhead; default the generation's `step_overhead_s`.
     narrow_dot: gmm multiplies the 8-bit lhs and rhs natively (both `lhs_dtype`), at the chip's
       int8 / fp8 rate: less MXU time per step shifts the balance towards fewer, larger steps.
     expected_rows: rows the caller expects sum(group_sizes) to be (default m). An expert-parallel
@@ -214,6 +216,8 @@ def pick_rowtile_tiling(
     raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
   gen = get_generation(generation)
   budget = vmem_budget_bytes if vmem_budget_bytes is not None else usable_vmem_bytes(gen)
+  if step_overhead_s is None:
+    step_overhead_s = gen.step_overhead_s
   li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
   peak = narrow_peak(gen, lhs_dtype) if narrow_dot else None
   # NOTE: group boundaries of a real routing fall anywhere; equal sizes would put them at regular,
