@@ -860,8 +860,9 @@ def topology_aware_placement(
 
 # NOTE: from `python -m bench.ep` (RESULTS.md, "EP step"): the modeled best c of {1, 2, 4, 8} per
 # case, exact buffers, uniform routing, default slices. (model, ep, tokens per device, chip) → c.
-# v5p's with TensorCores counted per kernel (`costmodel`'s default): a row-tile gmm with one
-# parallel n tile runs on one of its two cores, so chunks cost more there.
+# v5p's with TensorCores counted per kernel (`costmodel`'s default) and tiles picked at one
+# TensorCore's rates with the megacore split: the exchange is 0.4-1.3x the gmm there, and 4 or 8
+# chunks beat 2 by 2-14% (all but deepseek-v3 EP 8 at 4,096 tokens, where c = 2 is best).
 # Where the step is comm-bound (most cases) c = 2 already hides the gmm under the exchange and
 # more chunks only add per-collective latency and smaller, relatively costlier gmms; where a
 # larger c wins, its margin over c = 4 is a few percent.
@@ -888,13 +889,13 @@ DEFAULT_BATCH_SPLIT: dict[tuple[str, int, int, str], int] = {
   ("qwen3-30b-a3b", 8, 4096, "v5p"): 4,
   ("qwen3-30b-a3b", 8, 4096, "v6e"): 2,
   ("qwen3-30b-a3b", 8, 16384, "v5e"): 8,
-  ("qwen3-30b-a3b", 8, 16384, "v5p"): 4,
+  ("qwen3-30b-a3b", 8, 16384, "v5p"): 8,
   ("qwen3-30b-a3b", 8, 16384, "v6e"): 2,
   ("deepseek-v2-lite", 8, 4096, "v5e"): 4,
-  ("deepseek-v2-lite", 8, 4096, "v5p"): 1,
+  ("deepseek-v2-lite", 8, 4096, "v5p"): 4,
   ("deepseek-v2-lite", 8, 4096, "v6e"): 2,
   ("deepseek-v2-lite", 8, 16384, "v5e"): 8,
-  ("deepseek-v2-lite", 8, 16384, "v5p"): 4,
+  ("deepseek-v2-lite", 8, 16384, "v5p"): 8,
   ("deepseek-v2-lite", 8, 16384, "v6e"): 2,
 }
 

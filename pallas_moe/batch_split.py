@@ -65,8 +65,8 @@ _CHOICES = {
     (64, 4096): (8, 4, 2),
     (64, 16384): (8, 8, 2),
   },
-  "qwen3-30b-a3b": {(8, 4096): (8, 4, 2), (8, 16384): (8, 4, 2)},
-  "deepseek-v2-lite": {(8, 4096): (4, 1, 2), (8, 16384): (8, 4, 2)},
+  "qwen3-30b-a3b": {(8, 4096): (8, 4, 2), (8, 16384): (8, 8, 2)},
+  "deepseek-v2-lite": {(8, 4096): (4, 4, 2), (8, 16384): (8, 8, 2)},
 }
 MODELED_BATCH_SPLIT: dict[tuple[int, int, int, int, int, int, str], int] = {
   (*_DIMS[model], ep, tokens, chip): c

@@ -86,14 +86,14 @@ def expected_destinations(*, num_experts: int, top_k: int, expert_parallelism: i
 
 # The modeled step's verdict (`python -m bench.ep --options dedup`, uniform routing, exact
 # buffers, best chunk count): whether the deduplicated exchange beats the plain one. Fewer
-# bytes is not enough: its expand/reduce passes run on the TensorCore, and where the exchange
-# is a small part of the step (v5p; v5e for DeepSeek-V2-Lite) they cost more than it saves.
+# bytes is not enough: its expand/reduce passes run on the TensorCore, and where they cost about
+# as much as the exchange time they save (v5p; v5e for DeepSeek-V2-Lite) the step is slower.
 # (num_experts, top_k, d_model, ep, tokens per device) -> (v5e, v5p, v6e); None: not modeled.
 MODELED_DEDUP: dict[tuple[int, int, int, int, int], tuple[bool | None, ...]] = {
-  # deepseek-v2-lite: 1.07, 1.03, 0.98 x plain at 4096; 1.05, 1.10, 0.89 at 16384.
+  # deepseek-v2-lite: 1.07, 1.11, 0.98 x plain at 4096; 1.05, 1.14, 0.89 at 16384.
   (64, 6, 2048, 8, 4096): (False, False, True),
   (64, 6, 2048, 8, 16384): (False, False, True),
-  # qwen3-30b-a3b: 0.93, 1.07, 0.83 at 4096; 0.85, 1.11, 0.75 at 16384.
+  # qwen3-30b-a3b: 0.93, 1.06, 0.83 at 4096; 0.85, 1.04, 0.75 at 16384.
   (128, 8, 2048, 8, 4096): (True, False, True),
   (128, 8, 2048, 8, 16384): (True, False, True),
   # deepseek-v3: 0.94 on v6e at EP 32, 16384 tokens.
