@@ -141,3 +141,25 @@ def test_big_copies_finds_a_transpose():
   )
   compiled = aot_step._compile(lambda x: (x.T * 2, x + 1), (x,), dev)
   assert aot_step.big_copies(compiled.as_text(), rows=2048)
+
+
+def test_buffer_sized_and_prefetch_parsing():
+  """The bench's HLO readers on hand-written lines: a buffer's rows split by a reshape count, a
+  weight or a send buffer whose leading products pass the rows without equalling them does not;
+  copy-start is (destination, source, context), so only a copy into memory space 1 is a
+  prefetch."""
+  rows = 98304
+  assert aot_step._buffer_sized([12288, 8, 2, 1024], rows)
+  assert aot_step._buffer_sized([768, 128], rows)
+  assert aot_step._buffer_sized([1408, 98304], rows)
+  assert not aot_step._buffer_sized([2048, 2816], rows)
+  assert not aot_step._buffer_sized([3072, 8, 2, 1024], rows)
+  text = "\n".join(
+    [
+      "  %copy-start.3 = (bf16[16,1408,2048]{2,1,0:T(8,128)(2,1)S(1)}, "
+      "bf16[16,1408,2048]{2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%w), backend_config={}",
+      "  %copy-start.29 = (bf16[4096]{0:T(1024)(128)(2,1)}, bf16[4096]{0:T(1024)(128)(2,1)S(1)}, "
+      "u32[]{:S(2)}) copy-start(%f), backend_config={}",
+    ]
+  )
+  assert aot_step.vmem_prefetches(text) == [("bf16[16,1408,2048]", 16 * 1408 * 2048 * 2)]
