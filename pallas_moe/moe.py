@@ -310,6 +310,12 @@ def expert_mlp(
 ) -> jax.Array:
   """SwiGLU experts over rows sorted by (local) expert.
 
+  Differentiable (custom VJP): the backward computes the down projection's gradients (the lhs
+  and the weight gradient) first and the gate|up projection's after an optimization barrier,
+  and recomputes swiglu(h) from h instead of saving it, so that the [B, d] output gradient and
+  the [B, f] activation are dead before the [B, 2f] and [B, d] gradients of the first
+  projection exist (XLA would otherwise run every weight gradient last, keeping them all live).
+
   Args:
     rows: [B, d] rows sorted by expert; the outputs of rows past `sum(group_sizes)` are
       undefined (`gmm(..., unowned_rows="undefined")`): callers never read them.
