@@ -14,6 +14,11 @@ pallas_moe's MaxText adapter, at MaxText's tiles (the visit kernels) and at pall
 gradients, three weight gradients: no zero-fill kernels) and no copy or transpose of a
 buffer-sized array (the weight-gradient kernels read the forward's lhs as it is; no aliased
 zero buffer is shared between calls). Small dims keep each compile to a few seconds.
+
+Also: the bench's HLO readers (buffer-sized shapes, XLA's VMEM prefetches) on hand-written
+lines, and the order of the MoE block's expert backward in its jaxpr (the down projection's
+weight gradient before an optimization barrier, the gate|up projection's after it), which keeps
+the output gradient and the activation out of the first projection's gradients' peak.
 """
 
 from __future__ import annotations
