@@ -24,9 +24,9 @@ cost_analysis() bytes accessed split into the Pallas kernels' own CostEstimates 
 Mosaic custom calls' backend config) and the rest (XLA's ops); the number of Mosaic calls; and
 every copy or transpose whose shape has a receive-buffer-sized dimension (the HLO instruction, or
 the fusion whose root it is), which is what an extra layout change or a copy of an aliased
-buffer looks like in the compiled program; and the bytes XLA's memory-space assignment prefetches
-from HBM into VMEM (`vmem_prefetches`: on v5e / v6e it may copy a kernel's whole weight operand
-there), which XLA-op bytes include.
+buffer looks like in the compiled program; and the bytes XLA's memory-space assignment copies
+between HBM and VMEM (`vmem_copies`: on v5e / v6e it may prefetch a kernel's whole weight
+operand into VMEM), which XLA-op bytes include.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ __all__ = [
   "kernel_costs",
   "measure",
   "table",
-  "vmem_prefetches",
+  "vmem_copies",
 ]
 
 VARIANTS = ("megablox", "pm_mt_tiles", "pm_own_tiles", "pm_moe_layer")
@@ -188,16 +188,17 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
 _COPY_START = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((.*)\)\s+copy-start\(")
 
 
-def vmem_prefetches(text: str) -> list[tuple[str, int]]:
-  """Arrays XLA's memory-space assignment copies from HBM into VMEM (`copy-start` whose
-  destination layout is in memory space 1), e.g. a kernel's whole weight operand.
+def vmem_copies(text: str) -> list[tuple[str, str, int]]:
+  """The copies XLA's memory-space assignment makes between HBM and VMEM (`copy-start` whose
+  destination, or source, layout is in memory space 1): prefetches (e.g. a kernel's whole
+  weight operand, which the kernel then reads from VMEM) and evictions.
 
-  NOTE: such a prefetch is XLA's choice, made per kernel operand from its own cost model (the
-  kernel then reads the operand from VMEM); its bytes count in cost_analysis, about 4 x the
-  array (copy-start and copy-done each count a read and a write).
+  NOTE: these are XLA's choices, made per operand from its own cost model; cost_analysis counts
+  about 4 x their bytes (copy-start and copy-done each a read and a write), so they move the
+  XLA-op bytes between programs that are otherwise the same.
 
   Returns:
-    ("dtype[shape]", bytes) per prefetch, in program order.
+    ("prefetch" or "evict", "dtype[shape]", bytes) per copy, in program order.
   """
   out = []
   # NOTE: raw lines: `_logical_lines` joins tuple-shaped instructions to the line before.
@@ -210,10 +211,11 @@ def vmem_prefetches(text: str) -> list[tuple[str, int]]:
       continue
     # NOTE: copy-start's shape is (destination, source, context).
     (dtype, shape, dst_layout), (_, _, src_layout) = arrays[0], arrays[1]
-    if "S(1)" not in dst_layout or "S(1)" in src_layout or dtype not in _DTYPE_BYTES:
+    into, out_of = "S(1)" in dst_layout, "S(1)" in src_layout
+    if into == out_of or dtype not in _DTYPE_BYTES:
       continue
     size = _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in shape.split(",") if d]))
-    out.append((f"{dtype}[{shape}]", size))
+    out.append(("prefetch" if into else "evict", f"{dtype}[{shape}]", size))
   return out
 
 
@@ -245,8 +247,8 @@ def analyze(compiled, *, rows: int) -> dict[str, Any]:
 
   Returns:
     dict(temp, peak, args, out, bytes_total, bytes_kernels, bytes_xla, flops_total,
-    flops_kernels, mosaic_calls, kernels, copies, bytes_prefetch, prefetches): prefetches are
-    `vmem_prefetches` of at least 1 MB, bytes_prefetch the bytes of all of them.
+    flops_kernels, mosaic_calls, kernels, copies, bytes_vmem_copies, vmem_copies): vmem_copies
+    lists `vmem_copies` of at least 1 MB, bytes_vmem_copies counts all of them.
   """
   ma = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -257,7 +259,7 @@ def analyze(compiled, *, rows: int) -> dict[str, Any]:
   total = float(cost.get("bytes accessed", 0.0))
   kbytes = sum(k["bytes_accessed"] for k in kernels)
   peak = getattr(ma, "peak_memory_in_bytes", None)
-  prefetches = vmem_prefetches(text)
+  moves = vmem_copies(text)
   return dict(
     temp=int(ma.temp_size_in_bytes),
     peak=None if peak is None else int(peak),
@@ -271,8 +273,10 @@ def analyze(compiled, *, rows: int) -> dict[str, Any]:
     mosaic_calls=len(kernels),
     kernels=[k["name"] for k in kernels],
     copies=big_copies(text, rows=rows),
-    bytes_prefetch=sum(size for _, size in prefetches),
-    prefetches=[f"{shape} {size / 1e6:,.0f} MB" for shape, size in prefetches if size >= 1e6],
+    bytes_vmem_copies=sum(size for _, _, size in moves),
+    vmem_copies=[
+      f"{kind} {shape} {size / 1e6:,.0f} MB" for kind, shape, size in moves if size >= 1e6
+    ],
   )
 
 
@@ -583,7 +587,7 @@ def table(records: list[dict], *, markdown: bool) -> str:
     "args_MB",
     "kernel_est_MB",
     "xla_ops_MB",
-    "vmem_prefetch_MB",
+    "vmem_copies_MB",
     "kernel_TFLOP",
     "mosaic",
     "buffer-sized copies",
@@ -601,7 +605,7 @@ def table(records: list[dict], *, markdown: bool) -> str:
         mb(r["args"]),
         mb(r["bytes_kernels"]),
         mb(r["bytes_xla"]),
-        mb(r.get("bytes_prefetch")),
+        mb(r.get("bytes_vmem_copies")),
         f"{r['flops_kernels'] / 1e12:.2f}",
         str(r["mosaic_calls"]),
         copies,

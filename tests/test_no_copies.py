@@ -15,7 +15,7 @@ gradients, three weight gradients: no zero-fill kernels) and no copy or transpos
 buffer-sized array (the weight-gradient kernels read the forward's lhs as it is; no aliased
 zero buffer is shared between calls). Small dims keep each compile to a few seconds.
 
-Also: the bench's HLO readers (buffer-sized shapes, XLA's VMEM prefetches) on hand-written
+Also: the bench's HLO readers (buffer-sized shapes, XLA's HBM <-> VMEM copies) on hand-written
 lines, and the order of the MoE block's expert backward in its jaxpr (the down projection's
 weight gradient before an optimization barrier, the gate|up projection's after it), which keeps
 the output gradient and the activation out of the first projection's gradients' peak.
@@ -151,8 +151,8 @@ def test_big_copies_finds_a_transpose():
 def test_buffer_sized_and_prefetch_parsing():
   """The bench's HLO readers on hand-written lines: a buffer's rows split by a reshape count, a
   weight or a send buffer whose leading products pass the rows without equalling them does not;
-  copy-start is (destination, source, context), so only a copy into memory space 1 is a
-  prefetch."""
+  copy-start is (destination, source, context): a copy into memory space 1 is a prefetch, one
+  out of it an eviction."""
   rows = 98304
   assert aot_step._buffer_sized([12288, 8, 2, 1024], rows)
   assert aot_step._buffer_sized([768, 128], rows)
@@ -167,7 +167,10 @@ def test_buffer_sized_and_prefetch_parsing():
       "u32[]{:S(2)}) copy-start(%f), backend_config={}",
     ]
   )
-  assert aot_step.vmem_prefetches(text) == [("bf16[16,1408,2048]", 16 * 1408 * 2048 * 2)]
+  assert aot_step.vmem_copies(text) == [
+    ("prefetch", "bf16[16,1408,2048]", 16 * 1408 * 2048 * 2),
+    ("evict", "bf16[4096]", 4096 * 2),
+  ]
 
 
 def _walk(jaxpr, out):
