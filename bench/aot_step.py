@@ -24,7 +24,9 @@ cost_analysis() bytes accessed split into the Pallas kernels' own CostEstimates 
 Mosaic custom calls' backend config) and the rest (XLA's ops); the number of Mosaic calls; and
 every copy or transpose whose shape has a receive-buffer-sized dimension (the HLO instruction, or
 the fusion whose root it is), which is what an extra layout change or a copy of an aliased
-buffer looks like in the compiled program.
+buffer looks like in the compiled program; and the bytes XLA's memory-space assignment copies
+between HBM and VMEM (`vmem_copies`: on v5e / v6e it may prefetch a kernel's whole weight
+operand into VMEM), which XLA-op bytes include.
 """
 
 from __future__ import annotations
@@ -48,7 +50,16 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-__all__ = ["Dims", "analyze", "big_copies", "expert_program", "kernel_costs", "measure", "table"]
+__all__ = [
+  "Dims",
+  "analyze",
+  "big_copies",
+  "expert_program",
+  "kernel_costs",
+  "measure",
+  "table",
+  "vmem_copies",
+]
 
 VARIANTS = ("megablox", "pm_mt_tiles", "pm_own_tiles", "pm_moe_layer")
 
@@ -123,12 +134,16 @@ def _root_opcode(lines: list[str]) -> str | None:
 
 
 def _buffer_sized(dims: list[int], rows: int) -> bool:
-  """A dimension, or a product of leading dimensions ([rows / 8, 8, ...] is a buffer's rows
-  split by a reshape), of at least `rows`."""
+  """A dimension of at least `rows`, or leading dimensions whose product is exactly `rows` (a
+  buffer's rows split by a reshape: [rows / 8, 8, 2, 1024], s32 [rows / 128, 128]).
+
+  NOTE: exactly, not at least: a weight [2048, 2816] or the send buffer [tokens x top_k / 8, 8,
+  ...] has leading products above the rows without holding them.
+  """
   lead = 1
   for d in dims:
     lead *= d
-    if d >= rows or lead >= rows:
+    if d >= rows or lead == rows:
       return True
   return False
 
@@ -137,8 +152,8 @@ def big_copies(text: str, *, rows: int) -> list[str]:
   """Copies and transposes of buffer-sized arrays in compiled HLO text.
 
   An instruction `copy`, `transpose` or `copy-start`, or a fusion whose fused computation's root
-  is one of those, whose result shape has a dimension, or a product of leading dimensions, of at
-  least `rows` (the buffer's rows, possibly split by a reshape).
+  is one of those, whose result shape is buffer-sized (`_buffer_sized`: a dimension of at least
+  `rows`, or leading dimensions whose product is `rows`, the buffer's rows split by a reshape).
 
   Returns:
     "opcode dtype[shape]" per instruction (fusions as "fusion(root) dtype[shape]").
@@ -164,6 +179,43 @@ def big_copies(text: str, *, rows: int) -> list[str]:
         root = _root_opcode(comps.get(called.group(1).lstrip("%"), [])) if called else None
         if root in kinds:
           out.append(f"fusion({root}) {dtype}[{shape}]")
+  return out
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4}
+_DTYPE_BYTES.update({"s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8})
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
+_COPY_START = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((.*)\)\s+copy-start\(")
+
+
+def vmem_copies(text: str) -> list[tuple[str, str, int]]:
+  """The copies XLA's memory-space assignment makes between HBM and VMEM (`copy-start` whose
+  destination, or source, layout is in memory space 1): prefetches (e.g. a kernel's whole
+  weight operand, which the kernel then reads from VMEM) and evictions.
+
+  NOTE: these are XLA's choices, made per operand from its own cost model; cost_analysis counts
+  about 4 x their bytes (copy-start and copy-done each a read and a write), so they move the
+  XLA-op bytes between programs that are otherwise the same.
+
+  Returns:
+    ("prefetch" or "evict", "dtype[shape]", bytes) per copy, in program order.
+  """
+  out = []
+  # NOTE: raw lines: `_logical_lines` joins tuple-shaped instructions to the line before.
+  for line in text.splitlines():
+    m = _COPY_START.match(line)
+    if not m:
+      continue
+    arrays = _ARRAY.findall(m.group(1))
+    if len(arrays) < 2:
+      continue
+    # NOTE: copy-start's shape is (destination, source, context).
+    (dtype, shape, dst_layout), (_, _, src_layout) = arrays[0], arrays[1]
+    into, out_of = "S(1)" in dst_layout, "S(1)" in src_layout
+    if into == out_of or dtype not in _DTYPE_BYTES:
+      continue
+    size = _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in shape.split(",") if d]))
+    out.append(("prefetch" if into else "evict", f"{dtype}[{shape}]", size))
   return out
 
 
@@ -195,7 +247,8 @@ def analyze(compiled, *, rows: int) -> dict[str, Any]:
 
   Returns:
     dict(temp, peak, args, out, bytes_total, bytes_kernels, bytes_xla, flops_total,
-    flops_kernels, mosaic_calls, kernels, copies).
+    flops_kernels, mosaic_calls, kernels, copies, bytes_vmem_copies, vmem_copies): vmem_copies
+    lists `vmem_copies` of at least 1 MB, bytes_vmem_copies counts all of them.
   """
   ma = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -206,6 +259,7 @@ def analyze(compiled, *, rows: int) -> dict[str, Any]:
   total = float(cost.get("bytes accessed", 0.0))
   kbytes = sum(k["bytes_accessed"] for k in kernels)
   peak = getattr(ma, "peak_memory_in_bytes", None)
+  moves = vmem_copies(text)
   return dict(
     temp=int(ma.temp_size_in_bytes),
     peak=None if peak is None else int(peak),
@@ -219,6 +273,10 @@ def analyze(compiled, *, rows: int) -> dict[str, Any]:
     mosaic_calls=len(kernels),
     kernels=[k["name"] for k in kernels],
     copies=big_copies(text, rows=rows),
+    bytes_vmem_copies=sum(size for _, _, size in moves),
+    vmem_copies=[
+      f"{kind} {shape} {size / 1e6:,.0f} MB" for kind, shape, size in moves if size >= 1e6
+    ],
   )
 
 
@@ -529,6 +587,7 @@ def table(records: list[dict], *, markdown: bool) -> str:
     "args_MB",
     "kernel_est_MB",
     "xla_ops_MB",
+    "vmem_copies_MB",
     "kernel_TFLOP",
     "mosaic",
     "buffer-sized copies",
@@ -546,6 +605,7 @@ def table(records: list[dict], *, markdown: bool) -> str:
         mb(r["args"]),
         mb(r["bytes_kernels"]),
         mb(r["bytes_xla"]),
+        mb(r.get("bytes_vmem_copies")),
         f"{r['flops_kernels'] / 1e12:.2f}",
         str(r["mosaic_calls"]),
         copies,

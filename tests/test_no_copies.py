@@ -14,6 +14,11 @@ pallas_moe's MaxText adapter, at MaxText's tiles (the visit kernels) and at pall
 gradients, three weight gradients: no zero-fill kernels) and no copy or transpose of a
 buffer-sized array (the weight-gradient kernels read the forward's lhs as it is; no aliased
 zero buffer is shared between calls). Small dims keep each compile to a few seconds.
+
+Also: the bench's HLO readers (buffer-sized shapes, XLA's HBM <-> VMEM copies) on hand-written
+lines, and the order of the MoE block's expert backward in its jaxpr (the down projection's
+weight gradient before an optimization barrier, the gate|up projection's after it), which keeps
+the output gradient and the activation out of the first projection's gradients' peak.
 """
 
 from __future__ import annotations
@@ -141,3 +146,72 @@ def test_big_copies_finds_a_transpose():
   )
   compiled = aot_step._compile(lambda x: (x.T * 2, x + 1), (x,), dev)
   assert aot_step.big_copies(compiled.as_text(), rows=2048)
+
+
+def test_buffer_sized_and_prefetch_parsing():
+  """The bench's HLO readers on hand-written lines: a buffer's rows split by a reshape count, a
+  weight or a send buffer whose leading products pass the rows without equalling them does not;
+  copy-start is (destination, source, context): a copy into memory space 1 is a prefetch, one
+  out of it an eviction."""
+  rows = 98304
+  assert aot_step._buffer_sized([12288, 8, 2, 1024], rows)
+  assert aot_step._buffer_sized([768, 128], rows)
+  assert aot_step._buffer_sized([1408, 98304], rows)
+  assert not aot_step._buffer_sized([2048, 2816], rows)
+  assert not aot_step._buffer_sized([3072, 8, 2, 1024], rows)
+  text = "\n".join(
+    [
+      "  %copy-start.3 = (bf16[16,1408,2048]{2,1,0:T(8,128)(2,1)S(1)}, "
+      "bf16[16,1408,2048]{2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%w), backend_config={}",
+      "  %copy-start.29 = (bf16[4096]{0:T(1024)(128)(2,1)}, bf16[4096]{0:T(1024)(128)(2,1)S(1)}, "
+      "u32[]{:S(2)}) copy-start(%f), backend_config={}",
+    ]
+  )
+  assert aot_step.vmem_copies(text) == [
+    ("prefetch", "bf16[16,1408,2048]", 16 * 1408 * 2048 * 2),
+    ("evict", "bf16[4096]", 4096 * 2),
+  ]
+
+
+def _walk(jaxpr, out):
+  """(primitive name, output shapes) of every pallas_call and optimization_barrier, in order,
+  through nested jaxprs (of a `cond`, its first branch: the kernels' interpret / compiled
+  choice holds the same call twice)."""
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in ("pallas_call", "optimization_barrier"):
+      out.append((name, [tuple(v.aval.shape) for v in eqn.outvars]))
+      continue
+    for key, param in eqn.params.items():
+      subs = param if isinstance(param, (list, tuple)) else [param]
+      if name == "cond" and key == "branches":
+        subs = subs[:1]
+      for sub in subs:
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          _walk(inner, out)
+  return out
+
+
+def test_expert_mlp_backward_runs_down_projection_gradient_first():
+  """The experts' backward computes the down projection's weight gradient (a [G, f, d] tgmm)
+  before an optimization barrier and the gate|up projection's gradients after it, so that
+  dout and swiglu(h) die before the first projection's [B, 2f] and [B, d] gradients exist."""
+  from pallas_moe import moe
+  from pallas_moe.config import MoEConfig
+
+  g, d, f, b = 4, 128, 128, 64
+  config = MoEConfig(num_experts=g, top_k=2, d_model=d, expert_ffn_dim=f, num_shared_experts=0)
+  gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
+
+  def loss(rows, wi, wo):
+    return jnp.sum(jnp.square(moe.expert_mlp(rows, wi, wo, gs, config=config)))
+
+  args = (jnp.zeros((b, d)), jnp.zeros((g, d, 2 * f)), jnp.zeros((g, f, d)))
+  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args).jaxpr
+  events = _walk(jaxpr, [])
+  barriers = [i for i, (name, _) in enumerate(events) if name == "optimization_barrier"]
+  assert len(barriers) == 1, events
+  weight_grads = [(i, shapes[0]) for i, (name, shapes) in enumerate(events) if len(shapes[0]) == 3]
+  assert [s for _, s in weight_grads] == [(g, f, d), (g, d, 2 * f)], events
+  assert weight_grads[0][0] < barriers[0] < weight_grads[1][0], events
