@@ -85,6 +85,7 @@ __all__ = [
   "cost_with_compiled_schedule",
   "TENSORCORE_MODELS",
   "use_tensorcores",
+  "current_tensorcores",
   "step_tensorcores",
   "DEFAULT_STEP_OVERHEAD_S",
 ]
@@ -115,6 +116,11 @@ def use_tensorcores(model: str):
     yield model
   finally:
     _TENSORCORES.reset(token)
+
+
+def current_tensorcores() -> str:
+  """The TensorCore model `cost` uses where its caller passes none (`use_tensorcores`)."""
+  return _TENSORCORES.get()
 
 
 _CALL_PARAM_NAMES = ("jaxpr", "call_jaxpr", "fun_jaxpr")

@@ -726,8 +726,10 @@ class LloReport:
     kernel: the pallas_call's name.
     generation: TPU generation name.
     clock_hz: the clock the peak implies (`implied_clock_hz`).
-    cores: TensorCores per chip; µs figures assume the grid splits evenly over them (as the
-      cost model's chip peak does).
+    cores: TensorCores the call runs on, as the cost model counts them: with TensorCores per
+      kernel (the default) the call's own (`CallCost.tensorcores`: 1 on a tpu7x device or an
+      unsplit grid, 2 where Mosaic splits a megacore device's grid), at chip rates the chip's.
+      µs figures assume the grid splits evenly over them.
     steps: grid steps.
     program_bundles: bundles in the compiled program.
     issue_cycles: Σ over nodes of bundles x executions (one bundle issues per cycle).
@@ -824,6 +826,7 @@ def report(
   generation,
   model_mxu_us: float = float("nan"),
   model_us: float = float("nan"),
+  cores: int | None = None,
 ) -> LloReport:
   """Parses one kernel's final bundles and combines them with its trip counts.
 
@@ -834,6 +837,7 @@ def report(
     generation: TPU generation (name or `TpuGeneration`).
     model_mxu_us: the analytic model's MXU µs for the record.
     model_us: the analytic model's µs for the record.
+    cores: TensorCores the call runs on (`LloReport.cores`); default the chip's.
 
   Returns:
     The `LloReport`.
@@ -875,7 +879,7 @@ def report(
     kernel=kernel,
     generation=gen.name,
     clock_hz=implied_clock_hz(gen),
-    cores=gen.cores_per_chip,
+    cores=gen.cores_per_chip if cores is None else cores,
     steps=counts.steps,
     program_bundles=len(bundles),
     issue_cycles=issue,
@@ -1086,6 +1090,9 @@ def analyze_case(
       generation=gen,
       model_mxu_us=cc.mxu_us,
       model_us=cc.modeled_us,
+      # NOTE: the compiled cycles are the whole grid's at one TensorCore's clock; they are
+      # held against the model's busiest core, so divide by the cores the model runs it on.
+      cores=(cc.tensorcores if costmodel.current_tensorcores() == "kernel" else gen.cores_per_chip),
     )
     out.append(dataclasses.replace(rep, tiling=tuple(case.tiling), form=case.kernel))
     excess.append(costmodel.compiled_excess_us(bound_us=rep.bound_us, mxu_us=rep.mxu_us))
