@@ -725,7 +725,8 @@ class LloReport:
   Attributes:
     kernel: the pallas_call's name.
     generation: TPU generation name.
-    clock_hz: the clock the peak implies (`implied_clock_hz`).
+    clock_hz: the clock the cycles are converted at: the one the peak implies
+      (`implied_clock_hz`) over `mxu_rows_per_cycle`.
     cores: TensorCores the call runs on, as the cost model counts them: with TensorCores per
       kernel (the default) the call's own (`CallCost.tensorcores`: 1 on a tpu7x device or an
       unsplit grid, 2 where Mosaic splits a megacore device's grid), at chip rates the chip's.
@@ -733,7 +734,7 @@ class LloReport:
     steps: grid steps.
     program_bundles: bundles in the compiled program.
     issue_cycles: Σ over nodes of bundles x executions (one bundle issues per cycle).
-    mxu_cycles: max over MXUs of Σ vmatmul rows x executions.
+    mxu_cycles: max over MXUs of Σ vmatmul rows x executions (over `mxu_rows_per_cycle`).
     bound_cycles: Σ over nodes of max(own bundles, own MXU-busy cycles) x executions: each
       loop body or region as long as the longer of its issue and its MXU work, regions one
       after another (the compiled schedule does not overlap a group's weight transpose, say,
@@ -827,6 +828,7 @@ def report(
   model_mxu_us: float = float("nan"),
   model_us: float = float("nan"),
   cores: int | None = None,
+  mxu_rows_per_cycle: int = 1,
 ) -> LloReport:
   """Parses one kernel's final bundles and combines them with its trip counts.
 
@@ -838,6 +840,10 @@ def report(
     model_mxu_us: the analytic model's MXU µs for the record.
     model_us: the analytic model's µs for the record.
     cores: TensorCores the call runs on (`LloReport.cores`); default the chip's.
+    mxu_rows_per_cycle: bf16 rows an MXU takes per cycle. 1: the clock the peak implies
+      (`implied_clock_hz`); r > 1: the same peak at 1/r of that clock, each vmatmul busy 1/r of
+      its rows (the alternative for v6e and tpu7x, module docstring): MXU µs are unchanged,
+      issue µs grow r times.
 
   Returns:
     The `LloReport`.
@@ -845,6 +851,9 @@ def report(
   from pallas_moe import tiling as tiling_lib
 
   gen = tiling_lib.get_generation(generation)
+  if not isinstance(mxu_rows_per_cycle, int) or mxu_rows_per_cycle < 1:
+    raise ValueError(f"mxu_rows_per_cycle must be a positive int, got {mxu_rows_per_cycle!r}")
+  rate = float(mxu_rows_per_cycle)
   bundles = parse_bundles(text)
   root = loop_tree(bundles)
   execs = trip_counts(root, counts)
@@ -854,7 +863,7 @@ def report(
   for node in root.walk():
     e = execs[id(node)]
     issue += node.own_bundles * e
-    cycles = node.own_mxu_cycles(gen)
+    cycles = {u: c / rate for u, c in node.own_mxu_cycles(gen).items()}
     bound += max(node.own_bundles, *cycles.values(), 0) * e
     for unit, c in cycles.items():
       mxu_rows[unit] += c * e
@@ -878,7 +887,7 @@ def report(
   return LloReport(
     kernel=kernel,
     generation=gen.name,
-    clock_hz=implied_clock_hz(gen),
+    clock_hz=implied_clock_hz(gen) / rate,
     cores=gen.cores_per_chip if cores is None else cores,
     steps=counts.steps,
     program_bundles=len(bundles),
@@ -887,7 +896,7 @@ def report(
     bound_cycles=bound,
     class_counts=classes,
     mxu_loop_bundles=inner.own_bundles if inner else 0,
-    mxu_loop_mxu_cycles=max(inner.own_mxu_cycles(gen).values()) if inner else 0,
+    mxu_loop_mxu_cycles=max(inner.own_mxu_cycles(gen).values()) / rate if inner else 0,
     mxu_loop_iterations=execs[id(inner)] if inner else 0.0,
     model_mxu_us=model_mxu_us,
     model_us=model_us,
@@ -901,7 +910,20 @@ def report(
 DUMP_FLAGS = "--xla_jf_dump_to={dir} --xla_jf_dump_llo_text=true --xla_jf_dump_to_filter=pallas"
 
 
-def _build_case(*, impl: str, op: str, shape, tokens: int | None, generation: str):
+# NOTE: the impls whose fixed tiles a `tiling` argument may replace (upstream megablox's grid).
+TILED_IMPLS = frozenset({"megablox-maxtext", "megablox-default"})
+
+
+def _build_case(
+  *,
+  impl: str,
+  op: str,
+  shape,
+  tokens: int | None,
+  generation: str,
+  tiling: Sequence[int] | None = None,
+  group_sizes: Sequence[int] | None = None,
+):
   from bench import impls, shapes
   from pallas_moe import tiling as tiling_lib
 
@@ -911,9 +933,17 @@ def _build_case(*, impl: str, op: str, shape, tokens: int | None, generation: st
     shp = shapes.get_shape(shape, tokens=tokens)
   else:
     shp = shape.with_tokens(tokens) if tokens else shape
-  gs = shapes.group_sizes(shp)
+  gs = shapes.group_sizes(shp) if group_sizes is None else np.asarray(group_sizes, np.int32)
   gen = tiling_lib.get_generation(generation)
-  case = impls.IMPLS[impl].build(op=op, shape=shp, group_sizes=gs, generation=gen)
+  if tiling is None:
+    build = impls.IMPLS[impl].build
+  elif impl in TILED_IMPLS and len(tiling) == 3:
+    build = impls._megablox_build(tuple(int(t) for t in tiling))
+  else:
+    raise ValueError(
+      f"tiling: a (tm, tk, tn) for one of {sorted(TILED_IMPLS)}, got {tiling!r} for {impl!r}"
+    )
+  case = build(op=op, shape=shp, group_sizes=gs, generation=gen)
   return case, gen
 
 
@@ -954,6 +984,7 @@ def compile_dump(
   generation: str,
   tokens: int | None = None,
   dump_dir: str,
+  tiling: Sequence[int] | None = None,
   timeout_s: float = 900,
 ) -> str:
   """AOT-compiles a bench case in a subprocess with the LLO dumps on.
@@ -969,6 +1000,7 @@ def compile_dump(
     generation: TPU generation name.
     tokens: token count (None: the shape's native one).
     dump_dir: where libtpu writes the dumps.
+    tiling: (tm, tk, tn) in place of a `TILED_IMPLS` impl's fixed tiles.
     timeout_s: subprocess timeout.
 
   Returns:
@@ -984,6 +1016,8 @@ def compile_dump(
   if not isinstance(shape, str):
     shape = dataclasses.asdict(shape)
   spec = dict(impl=impl, op=op, shape=shape, tokens=tokens, generation=generation)
+  if tiling is not None:
+    spec["tiling"] = [int(t) for t in tiling]
   env = dict(os.environ)
   env.update(
     JAX_PLATFORMS="cpu",
@@ -1018,6 +1052,9 @@ def analyze_case(
   generation: str,
   tokens: int | None = None,
   cache_dir: str | None = None,
+  tiling: Sequence[int] | None = None,
+  group_sizes: Sequence[int] | None = None,
+  mxu_rows_per_cycle: int = 1,
 ) -> list[LloReport]:
   """Compiles (or reuses) a bench case's dumps and reports each of its pallas_calls.
 
@@ -1031,6 +1068,10 @@ def analyze_case(
     generation: TPU generation name.
     tokens: token count (None: native).
     cache_dir: parent of the per-case dump directories (default: a temp dir, removed).
+    tiling: (tm, tk, tn) in place of a `TILED_IMPLS` impl's fixed tiles.
+    group_sizes: rows per group for the trip counts and the model (default the shape's uniform
+      routing); the compiled program does not depend on them.
+    mxu_rows_per_cycle: see `report`.
 
   Returns:
     One `LloReport` per pallas_call with MXU work, in program order (`DMA_ONLY_KERNELS`, the
@@ -1038,7 +1079,15 @@ def analyze_case(
   """
   from bench import costmodel
 
-  case, gen = _build_case(impl=impl, op=op, shape=shape, tokens=tokens, generation=generation)
+  case, gen = _build_case(
+    impl=impl,
+    op=op,
+    shape=shape,
+    tokens=tokens,
+    generation=generation,
+    tiling=tiling,
+    group_sizes=group_sizes,
+  )
   ctxs = []
 
   def capture(ctx):
@@ -1049,6 +1098,8 @@ def analyze_case(
     case.fn, *case.args, step_scale=capture, step_manual_bytes=case.step_manual_bytes
   )
   shp, gs = _shape_and_sizes(shape, tokens)
+  if group_sizes is not None:
+    gs = np.asarray(group_sizes, np.int32)
   # NOTE: as the bench's `cost` call (bench/__main__.py), for the achievable bound.
   cost_kw = dict(
     generation=gen,
@@ -1065,6 +1116,8 @@ def analyze_case(
     cache_dir = tmp.name
   name = shape if isinstance(shape, str) else f"{shape.name}-{shape.m}x{shape.k}x{shape.n}"
   label = f"{impl}-{name}-{tokens or 'native'}-{op}-{gen.name}"
+  if tiling is not None:
+    label += "-" + "x".join(str(int(t)) for t in tiling)
   dump_dir = compile_dump(
     impl=impl,
     op=op,
@@ -1072,6 +1125,7 @@ def analyze_case(
     tokens=tokens,
     generation=gen.name,
     dump_dir=os.path.join(cache_dir, label),
+    tiling=tiling,
   )
   out, excess = [], []
   for sched, ctx, cc in zip(scheds, ctxs, costs, strict=True):
@@ -1093,6 +1147,7 @@ def analyze_case(
       # NOTE: the compiled cycles are the whole grid's at one TensorCore's clock; they are
       # held against the model's busiest core, so divide by the cores the model runs it on.
       cores=(cc.tensorcores if costmodel.current_tensorcores() == "kernel" else gen.cores_per_chip),
+      mxu_rows_per_cycle=mxu_rows_per_cycle,
     )
     out.append(dataclasses.replace(rep, tiling=tuple(case.tiling), form=case.kernel))
     excess.append(costmodel.compiled_excess_us(bound_us=rep.bound_us, mxu_us=rep.mxu_us))

@@ -39,7 +39,8 @@ copies of [m, d] arrays whose d is not a multiple of 128) are added at HBM bandw
 
 Usage: `python -m bench.measured [--chip v5e] [--op fwd] [--kernel v1] [--limit N]
 [--cache-dir DIR] [--per-problem] [--json FILE] [--fit]`, or `--from-json FILE [--fit]` to
-re-print a saved run.
+re-print a saved run. `--compiled DUMP_DIR [--mxu-rows-per-cycle 2]` also charges each v1
+problem's compiled-schedule excess (`compiled_restated`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ __all__ = [
   "kernel_tiling",
   "real_schedules",
   "model_config",
+  "compiled_restated",
   "harness_copy_bytes",
   "device_hbm_bytes_per_s",
   "summarize",
@@ -532,6 +534,68 @@ def model_config(problem: MeasuredProblem, config: MeasuredConfig) -> ModeledCon
   )
 
 
+def compiled_restated(
+  problem: MeasuredProblem,
+  config: MeasuredConfig,
+  *,
+  cache_dir: str,
+  mxu_rows_per_cycle: int = 1,
+) -> dict:
+  """A v1 config's model with its compiled schedule's excess charged (`bench.llo`).
+
+  Compiles megablox's kernel (v1's grid and index maps) at the config's tiles for the chip
+  with the LLO dumps on, and charges max(0, bound - MXU) (`costmodel.compiled_excess_us`) on
+  the schedules `model_config` costs (`costmodel.cost_with_compiled_schedule`), plus the copies.
+
+  Args:
+    problem: a v1 problem on a chip whose JAX device is one TensorCore (v5e, v6e, tpu7x).
+    config: one of its configs.
+    cache_dir: parent of the dump directories (reused when present).
+    mxu_rows_per_cycle: see `bench.llo.report` (2: the peak at half the implied clock).
+
+  Returns:
+    {"issue_us", "mxu_us", "bound_us", "excess_us", "restated_us", "ratio"}: ratio is measured /
+    restated.
+  """
+  from bench import costmodel, llo
+  from pallas_moe.generations import get_generation
+
+  if problem.kernel != "v1":
+    raise ValueError("problem: only v1 (megablox's grid) compiles as a bench case.")
+  gen = get_generation(problem.chip)
+  if gen.tensorcores_per_device != 1:
+    # NOTE: bench.llo divides the compiled cycles over the cores the megablox grid would be
+    # split over, and v1 is grid-less: on a megacore device the two disagree.
+    raise ValueError(f"problem: {problem.chip} has megacore devices; use v5e, v6e or tpu7x.")
+  mc = model_config(problem, config)
+  (rep,) = llo.analyze_case(
+    impl="megablox-maxtext",
+    op=problem.op,
+    shape=_bench_shape(problem),
+    generation=problem.chip,
+    cache_dir=cache_dir,
+    tiling=kernel_tiling(problem, config),
+    group_sizes=problem.group_sizes,
+    mxu_rows_per_cycle=mxu_rows_per_cycle,
+  )
+  excess = costmodel.compiled_excess_us(bound_us=rep.bound_us, mxu_us=rep.mxu_us)
+  shape = _bench_shape(problem)
+  gs = np.asarray(problem.group_sizes, np.int32)
+  _, scheds = _v1_schedules(problem.op, shape, gs.tobytes(), kernel_tiling(problem, config))
+  cost = costmodel.cost_with_compiled_schedule(
+    real_schedules(problem, scheds), generation=gen, excess_us=[excess]
+  )
+  restated = cost.modeled_us + mc.copy_us
+  return dict(
+    issue_us=rep.issue_us,
+    mxu_us=rep.mxu_us,
+    bound_us=rep.bound_us,
+    excess_us=excess,
+    restated_us=restated,
+    ratio=mc.measured_us / restated,
+  )
+
+
 # ----------------------------------------------------------------------------------------------
 # Report.
 
@@ -748,6 +812,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   ap.add_argument("--from-json", default=None, help="summarize records written by --json")
   ap.add_argument("--fit", action="store_true", help="print the per-chip what-if fit")
   ap.add_argument("--markdown", action="store_true", help="also print the markdown table")
+  ap.add_argument(
+    "--compiled",
+    default=None,
+    metavar="DUMP_DIR",
+    help="v1 on v5e/v6e/tpu7x: also charge the compiled excess (bench.llo; ~20 s per problem)",
+  )
+  ap.add_argument(
+    "--mxu-rows-per-cycle", type=int, default=1, help="with --compiled: see bench.llo.report"
+  )
   args = ap.parse_args(argv)
 
   if args.from_json:
@@ -822,6 +895,24 @@ def _model_all(args) -> list[dict]:
           extra=mc.extra,
         )
       )
+      if args.compiled:
+        try:
+          comp = compiled_restated(
+            p, c, cache_dir=args.compiled, mxu_rows_per_cycle=args.mxu_rows_per_cycle
+          )
+        except RuntimeError as e:
+          # NOTE: megablox's pallas_call keeps Mosaic's default scoped VMEM limit (tokamax's
+          # kernel raises it), so some measured tiles do not compile as megablox.
+          lines = str(e).strip().splitlines()
+          why = next((x for x in reversed(lines) if "Error" in x), lines[-1])
+          print(f"{p.label}: not compiled ({why[:160]})")
+          continue
+        records[-1]["compiled"] = comp
+        print(
+          f"{p.label}: compiled issue {comp['issue_us']:,.0f} us, bound {comp['bound_us']:,.0f}"
+          f" us, MXU {comp['mxu_us']:,.0f} us; measured / (model + excess) x{comp['ratio']:.3f}"
+          f" (was x{mc.ratio:.3f})"
+        )
       if args.per_problem:
         f = c.fields
         print(

@@ -82,6 +82,46 @@ def test_report_combines_tree_with_trip_counts():
     )
 
 
+def test_report_at_two_rows_per_cycle():
+  """The same peak at half the clock: MXU µs unchanged, issue µs doubled, bound re-taken."""
+  with open(FIXTURE) as f:
+    text = f.read()
+  counts = llo.KernelCounts(steps=4, loop_levels=(7, 19), per_group=4)
+  one = llo.report(kernel="pallas_moe_gmm_rowtile", text=text, counts=counts, generation="v5e")
+  two = llo.report(
+    kernel="pallas_moe_gmm_rowtile",
+    text=text,
+    counts=counts,
+    generation="v5e",
+    mxu_rows_per_cycle=2,
+  )
+  assert two.clock_hz == pytest.approx(one.clock_hz / 2)
+  assert two.issue_cycles == one.issue_cycles and two.mxu_cycles == one.mxu_cycles / 2
+  assert two.mxu_us == pytest.approx(one.mxu_us) and two.issue_us == pytest.approx(2 * one.issue_us)
+  assert two.mxu_loop_mxu_cycles == 64 and two.bound_cycles == two.issue_cycles
+  with pytest.raises(ValueError, match="mxu_rows_per_cycle"):
+    llo.report(kernel="x", text=text, counts=counts, generation="v5e", mxu_rows_per_cycle=0)
+
+
+def test_build_case_at_given_tiles():
+  gs = [512, 0, 1024, 512]
+  case, _ = llo._build_case(
+    impl="megablox-maxtext",
+    op="dlhs",
+    shape=TINY,
+    tokens=None,
+    generation="v6e",
+    tiling=(256, 128, 256),
+    group_sizes=gs,
+  )
+  assert tuple(case.tiling) == (256, 128, 256)
+  assert list(case.args[-1]) == gs
+  with pytest.raises(ValueError, match="tiling"):
+    llo._build_case(
+      impl="pallas_moe", op="fwd", shape=TINY, tokens=None, generation="v6e", tiling=(256, 256, 256)
+    )
+
+
 def _line(addr, body, *, label="", depth=0, tail=""):
   return f"{addr:#x} {label}: {'>' * depth} {{ {body} }}" + (f" /* {tail} */" if tail else "")
 

@@ -215,3 +215,31 @@ def test_cli_prints_the_band_share_and_markdown(capsys, tmp_path):
   assert "v5e    v1     fwd        1    1.03 [1.03, 1.03] 100%" in text
   assert ms.main(["--from-json", str(out), "--markdown"]) == 0
   assert "| **v5e** | **all** |  | 2 |" in capsys.readouterr().out
+
+
+def test_compiled_restated_charges_the_excess(problems, monkeypatch):
+  """`compiled_restated` passes the measured tiles and group sizes to bench.llo and charges
+  bound - MXU on the modeled schedule (the compile itself is stubbed: tests/test_llo.py)."""
+  from bench import llo
+
+  ps, _ = problems
+  p = _find(ps, chip="v5e", kernel="v1", op="fwd")
+  mc = ms.model_config(p, p.best)
+  seen = {}
+
+  def fake(**kw):
+    seen.update(kw)
+    rep = dataclasses.make_dataclass("R", ["issue_us", "mxu_us", "bound_us"])
+    return [rep(issue_us=900.0, mxu_us=mc.mxu_us, bound_us=mc.mxu_us + 100.0)]
+
+  monkeypatch.setattr(llo, "analyze_case", fake)
+  comp = ms.compiled_restated(p, p.best, cache_dir="unused", mxu_rows_per_cycle=2)
+  assert seen["tiling"] == (1024, 512, 1024) and seen["mxu_rows_per_cycle"] == 2
+  assert list(seen["group_sizes"]) == list(p.group_sizes)
+  assert comp["excess_us"] == pytest.approx(100.0)
+  # NOTE: every step is MXU-bound here, so the whole excess adds to the modeled time.
+  assert comp["restated_us"] == pytest.approx(mc.modeled_us + 100.0, rel=1e-6)
+  assert comp["ratio"] == pytest.approx(mc.measured_us / comp["restated_us"])
+  v5p = _find(ps, chip="v5p", kernel="v1", op="dlhs")
+  with pytest.raises(ValueError, match="megacore"):
+    ms.compiled_restated(v5p, v5p.best, cache_dir="unused")
