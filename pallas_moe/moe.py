@@ -67,7 +67,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_moe import batch_split as batch_split_lib
-from pallas_moe import collectives, common
+from pallas_moe import collectives
 from pallas_moe import dedup as dedup_lib
 from pallas_moe import tiling as tiling_lib
 from pallas_moe.config import MoEConfig, check_expert_placement
@@ -310,12 +310,6 @@ def expert_mlp(
 ) -> jax.Array:
   """SwiGLU experts over rows sorted by (local) expert.
 
-  Differentiable (custom VJP): the backward computes the down projection's gradients (the lhs
-  and the weight gradient) first and the gate|up projection's after an optimization barrier,
-  and recomputes swiglu(h) from h instead of saving it, so that the [B, d] output gradient and
-  the [B, f] activation are dead before the [B, 2f] and [B, d] gradients of the first
-  projection exist (XLA would otherwise run every weight gradient last, keeping them all live).
-
   Args:
     rows: [B, d] rows sorted by expert; the outputs of rows past `sum(group_sizes)` are
       undefined (`gmm(..., unowned_rows="undefined")`): callers never read them.
@@ -329,62 +323,9 @@ def expert_mlp(
   Returns:
     [B, d] expert outputs.
   """
-  # NOTE: the weights vary over the rows' mesh axes before the custom VJP, so that their
-  # gradients' reduction over the data axis (JAX's transpose of that cast) happens outside it,
-  # after the backward's ordering point below, not inside it.
-  wi, wo, group_sizes = (common.pvary_like(x, rows) for x in (wi, wo, group_sizes))
-  wi, wo = common.pvary_like(wi, wo), common.pvary_like(wo, wi)
-  return _expert_mlp(
-    _MlpStatic(config=config, expected_rows=expected_rows), rows, wi, wo, group_sizes
-  )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _MlpStatic:
-  config: MoEConfig
-  expected_rows: int | None
-
-
-def _mlp_wi(static: _MlpStatic, rows, wi, group_sizes):
-  kw = dict(config=static.config, expected_rows=static.expected_rows)
-  return _grouped_matmul(rows, wi, group_sizes, tiling=static.config.wi_tiling, **kw)
-
-
-def _mlp_wo(static: _MlpStatic, a, wo, group_sizes):
-  kw = dict(config=static.config, expected_rows=static.expected_rows)
-  return _grouped_matmul(a, wo, group_sizes, tiling=static.config.wo_tiling, **kw)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _expert_mlp(static, rows, wi, wo, group_sizes):
-  return _mlp_wo(static, swiglu(_mlp_wi(static, rows, wi, group_sizes)), wo, group_sizes)
-
-
-def _expert_mlp_fwd(static, rows, wi, wo, group_sizes):
-  h = _mlp_wi(static, rows, wi, group_sizes)
-  out = _mlp_wo(static, swiglu(h), wo, group_sizes)
-  # NOTE: swiglu(h) is not saved: the backward recomputes it from h (one elementwise pass), so
-  # the [B, f] activation is not live from the forward to the backward.
-  return out, (rows, wi, wo, group_sizes, h)
-
-
-def _expert_mlp_bwd(static, residuals, dout):
-  rows, wi, wo, group_sizes, h = residuals
-  a, swiglu_pull = jax.vjp(swiglu, h)
-  _, wo_pull = jax.vjp(lambda a, wo: _mlp_wo(static, a, wo, group_sizes), a, wo)
-  da, dwo = wo_pull(dout)
-  # NOTE: the down projection's weight gradient is done before the gate|up projection's
-  # gradients start: dout and swiglu(h) ([B, d] and [B, f]) then die before the [B, 2f] and
-  # [B, d] gradients of the first projection are allocated, instead of living through them
-  # (XLA's schedule otherwise runs every tgmm last, which puts all of them in the peak).
-  da, dwo = jax.lax.optimization_barrier((da, dwo))
-  (dh,) = swiglu_pull(da)
-  _, wi_pull = jax.vjp(lambda rows, wi: _mlp_wi(static, rows, wi, group_sizes), rows, wi)
-  drows, dwi = wi_pull(dh)
-  return drows, dwi, dwo, None
-
-
-_expert_mlp.defvjp(_expert_mlp_fwd, _expert_mlp_bwd)
+  kw = dict(config=config, expected_rows=expected_rows)
+  h = _grouped_matmul(rows, wi, group_sizes, tiling=config.wi_tiling, **kw)
+  return _grouped_matmul(swiglu(h), wo, group_sizes, tiling=config.wo_tiling, **kw)
 
 
 def shared_mlp(x, wi, wo, *, gate=None, float32_gate: bool = True) -> jax.Array:

@@ -16,9 +16,7 @@ buffer-sized array (the weight-gradient kernels read the forward's lhs as it is;
 zero buffer is shared between calls). Small dims keep each compile to a few seconds.
 
 Also: the bench's HLO readers (buffer-sized shapes, XLA's HBM <-> VMEM copies) on hand-written
-lines, and the order of the MoE block's expert backward in its jaxpr (the down projection's
-weight gradient before an optimization barrier, the gate|up projection's after it), which keeps
-the output gradient and the activation out of the first projection's gradients' peak.
+lines.
 """
 
 from __future__ import annotations
@@ -171,47 +169,3 @@ def test_buffer_sized_and_prefetch_parsing():
     ("prefetch", "bf16[16,1408,2048]", 16 * 1408 * 2048 * 2),
     ("evict", "bf16[4096]", 4096 * 2),
   ]
-
-
-def _walk(jaxpr, out):
-  """(primitive name, output shapes) of every pallas_call and optimization_barrier, in order,
-  through nested jaxprs (of a `cond`, its first branch: the kernels' interpret / compiled
-  choice holds the same call twice)."""
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name in ("pallas_call", "optimization_barrier"):
-      out.append((name, [tuple(v.aval.shape) for v in eqn.outvars]))
-      continue
-    for key, param in eqn.params.items():
-      subs = param if isinstance(param, (list, tuple)) else [param]
-      if name == "cond" and key == "branches":
-        subs = subs[:1]
-      for sub in subs:
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          _walk(inner, out)
-  return out
-
-
-def test_expert_mlp_backward_runs_down_projection_gradient_first():
-  """The experts' backward computes the down projection's weight gradient (a [G, f, d] tgmm)
-  before an optimization barrier and the gate|up projection's gradients after it, so that
-  dout and swiglu(h) die before the first projection's [B, 2f] and [B, d] gradients exist."""
-  from pallas_moe import moe
-  from pallas_moe.config import MoEConfig
-
-  g, d, f, b = 4, 128, 128, 64
-  config = MoEConfig(num_experts=g, top_k=2, d_model=d, expert_ffn_dim=f, num_shared_experts=0)
-  gs = jnp.asarray([16, 16, 16, 16], jnp.int32)
-
-  def loss(rows, wi, wo):
-    return jnp.sum(jnp.square(moe.expert_mlp(rows, wi, wo, gs, config=config)))
-
-  args = (jnp.zeros((b, d)), jnp.zeros((g, d, 2 * f)), jnp.zeros((g, f, d)))
-  jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*args).jaxpr
-  events = _walk(jaxpr, [])
-  barriers = [i for i, (name, _) in enumerate(events) if name == "optimization_barrier"]
-  assert len(barriers) == 1, events
-  weight_grads = [(i, shapes[0]) for i, (name, shapes) in enumerate(events) if len(shapes[0]) == 3]
-  assert [s for _, s in weight_grads] == [(g, f, d), (g, d, 2 * f)], events
-  assert weight_grads[0][0] < barriers[0] < weight_grads[1][0], events
