@@ -232,10 +232,9 @@ def search_candidates(problem: TunedProblem, *, limit: int = 12) -> list[tuple[i
   """
   import jax.numpy as jnp
 
-  from pallas_moe.generations import get_generation, rows_per_pass
-  from pallas_moe.schedule_cost import rows_stationary_pays
-  from pallas_moe.tile_pickers import _divisor_tiles
-  from pallas_moe.vmem import usable_vmem_bytes, vmem_estimate_bytes
+  from pallas_moe.generations import get_generation
+  from pallas_moe.tile_pickers import _divisor_tiles, rowtile_vmem_bytes
+  from pallas_moe.vmem import usable_vmem_bytes
 
   p = problem
   gen = get_generation(p.chip)
@@ -249,17 +248,15 @@ def search_candidates(problem: TunedProblem, *, limit: int = 12) -> list[tuple[i
     tm = min(tm, p.m)
     for tk in tks:
       for tn in tns:
-        sub = rows_per_pass(tm, gen.mxu_size)
-        est = vmem_estimate_bytes(
+        est = rowtile_vmem_bytes(
           tm=tm,
           tk=tk,
           tn=tn,
+          kind=kind,
           lhs_dtype=jnp.bfloat16,
           rhs_dtype=jnp.bfloat16,
           out_dtype=jnp.bfloat16,
-          kind=f"{kind}_rowtile",
           generation=gen,
-          rows_stationary=rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen),
         )
         if est <= budget:
           steps = -(-p.m // tm) * (-(-contract // tk) if kind == "tgmm" else 1) * (-(-out // tn))

@@ -20,6 +20,48 @@ def _itemsize(dtype) -> int:
   return np.dtype(dtype).itemsize
 
 
+def rowtile_vmem_bytes(
+  *,
+  tm: int,
+  tk: int,
+  tn: int,
+  kind: str,
+  lhs_dtype,
+  rhs_dtype,
+  out_dtype,
+  generation: str | TpuGeneration,
+) -> int:
+  """VMEM a row-tile kernel needs at (tm, tk, tn), with `rows_stationary` where it pays (as the
+  kernels decide it).
+
+  Args:
+    tm: rows per m-tile.
+    tk: contraction tile (gmm: k).
+    tn: output-column tile.
+    kind: "gmm" or "tgmm".
+    lhs_dtype: lhs element type.
+    rhs_dtype: rhs element type.
+    out_dtype: output element type.
+    generation: TPU generation.
+
+  Returns:
+    Bytes (`vmem_estimate_bytes`).
+  """
+  gen = get_generation(generation)
+  sub = rows_per_pass(tm, gen.mxu_size)
+  return vmem_estimate_bytes(
+    tm=tm,
+    tk=tk,
+    tn=tn,
+    lhs_dtype=lhs_dtype,
+    rhs_dtype=rhs_dtype,
+    out_dtype=out_dtype,
+    kind=f"{kind}_rowtile",
+    generation=gen,
+    rows_stationary=rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen),
+  )
+
+
 def _dim_candidates(dim: int, mxu: int) -> list[int]:
   """Tile sizes for a k or n dimension: the full dim, and multiples of the MXU edge up to 4096
   that divide it (a ragged last tile, or a tile that is not a multiple of the MXU edge, still
@@ -243,17 +285,15 @@ def pick_rowtile_tiling(
   for tm in sorted(set(tms)):
     for tk in tks:
       for tn in _divisor_tiles(n):
-        sub = rows_per_pass(tm, gen.mxu_size)
-        est = vmem_estimate_bytes(
+        est = rowtile_vmem_bytes(
           tm=tm,
           tk=tk,
           tn=tn,
+          kind=kind,
           lhs_dtype=lhs_dtype,
           rhs_dtype=rhs_dtype,
           out_dtype=out_dtype,
-          kind=f"{kind}_rowtile",
           generation=gen,
-          rows_stationary=rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen),
         )
         if est > budget:
           continue
