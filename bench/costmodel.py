@@ -20,11 +20,13 @@ How it works (see DESIGN.md, "How performance is judged without a TPU"):
 4. `cost(schedule, generation=...)` turns a schedule into time for one TPU generation:
    per step, DMA time = bytes moved / HBM bandwidth; MXU time = padded MACs x 2 / peak, where a
    dot_general with lhs rows r, contraction K and output columns N costs
-   max(r, mxu) x ceil(K/mxu)·mxu x ceil(N/mxu)·mxu MACs (a weight tile load costs as much as
-   streaming mxu rows). Dots inside `lax.cond` count their most expensive branch (kernels that
-   skip work must say so through `step_scale`, below); `scan` bodies count `length` times;
-   `while` bodies count once (noted). Step time = max(MXU, DMA) + overhead (the generation's
-   `step_overhead_s`: 0.35 µs, tpu7x 0.84 µs, fit on measured TPU times); the modeled time is
+   max(r, p) x ceil(K/mxu)·mxu x ceil(N/mxu)·mxu MACs, p = the generation's
+   `min_pass_rows` (switching a weight tile in costs as much as streaming p rows; p = mxu, on
+   tpu7x fit on measured times). Dots inside `lax.cond` count their most expensive branch
+   (kernels that skip work must say so through `step_scale`, below); `scan` bodies count
+   `length` times; `while` bodies count once (noted). Step time = max(MXU, DMA) + overhead (the
+   generation's `step_overhead_s`: 0.35 µs; v6e 0.68 µs and tpu7x 0.84 µs, fit on measured TPU
+   times); the modeled time is
    the sum over steps. VPU work (masks, casts) is not modeled.
 5. TensorCores (`cost(..., tensorcores=...)`): "kernel" (the default) counts what the compiled
    program does (AOT
@@ -68,7 +70,7 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
 from pallas_moe import _jax_compat
-from pallas_moe.generations import tensorcore_rates
+from pallas_moe.generations import min_pass_rows, tensorcore_rates
 from pallas_moe.tiling import TpuGeneration, get_generation
 
 __all__ = [
@@ -574,8 +576,9 @@ def analyze(
 # MXU work of the kernel body.
 
 
-def _dot_padded_macs(eqn, mxu: int) -> tuple[float, float]:
-  """(padded MACs, true MACs) of one dot_general."""
+def _dot_padded_macs(eqn, mxu: int, min_rows: int | None = None) -> tuple[float, float]:
+  """(padded MACs, true MACs) of one dot_general; a weight tile costs at least `min_rows` row
+  passes (default mxu)."""
   (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
   ls = eqn.invars[0].aval.shape
   rs = eqn.invars[1].aval.shape
@@ -584,16 +587,20 @@ def _dot_padded_macs(eqn, mxu: int) -> tuple[float, float]:
   rows = math.prod(s for d, s in enumerate(ls) if d not in lc and d not in lb)
   cols = math.prod(s for d, s in enumerate(rs) if d not in rc and d not in rb)
   pad = lambda x: -(-x // mxu) * mxu
-  padded = batch * max(rows, mxu) * pad(contract) * pad(cols)
+  padded = batch * max(rows, mxu if min_rows is None else min_rows) * pad(contract) * pad(cols)
   return float(padded), float(batch * rows * contract * cols)
 
 
-def kernel_dot_macs(jaxpr: jex_core.Jaxpr, *, mxu: int) -> tuple[float, float, tuple[str, ...]]:
+def kernel_dot_macs(
+  jaxpr: jex_core.Jaxpr, *, mxu: int, min_rows: int | None = None
+) -> tuple[float, float, tuple[str, ...]]:
   """MXU work of one execution of a kernel body.
 
   Args:
     jaxpr: the kernel jaxpr (`pallas_call`'s `jaxpr` param).
     mxu: MXU edge.
+    min_rows: rows a pass through one weight tile costs at least (default mxu;
+      `pallas_moe.generations.min_pass_rows`).
 
   Returns:
     (padded MACs, true MACs, notes). `cond` counts its most expensive branch, `scan` its body
@@ -604,25 +611,25 @@ def kernel_dot_macs(jaxpr: jex_core.Jaxpr, *, mxu: int) -> tuple[float, float, t
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name == "dot_general":
-      p, t = _dot_padded_macs(eqn, mxu)
+      p, t = _dot_padded_macs(eqn, mxu, min_rows)
       padded += p
       true += t
     elif name == "cond":
       best = (0.0, 0.0)
       for br in eqn.params["branches"]:
-        p, t, n = kernel_dot_macs(br.jaxpr, mxu=mxu)
+        p, t, n = kernel_dot_macs(br.jaxpr, mxu=mxu, min_rows=min_rows)
         notes.extend(n)
         best = max(best, (p, t))
       padded += best[0]
       true += best[1]
     elif name == "scan":
-      p, t, n = kernel_dot_macs(eqn.params["jaxpr"].jaxpr, mxu=mxu)
+      p, t, n = kernel_dot_macs(eqn.params["jaxpr"].jaxpr, mxu=mxu, min_rows=min_rows)
       notes.extend(n)
       padded += eqn.params["length"] * p
       true += eqn.params["length"] * t
     else:
       for sub in _all_sub_jaxprs(eqn):
-        p, t, n = kernel_dot_macs(sub, mxu=mxu)
+        p, t, n = kernel_dot_macs(sub, mxu=mxu, min_rows=min_rows)
         if name == "while" and p:
           notes.append("dot inside a while loop counted once per step")
         notes.extend(n)
@@ -743,7 +750,9 @@ def cost(
   calls = []
   padded_total = 0.0
   for i, s in enumerate(schedules):
-    padded, true, dot_notes = kernel_dot_macs(s.kernel_jaxpr, mxu=gen.mxu_size)
+    padded, true, dot_notes = kernel_dot_macs(
+      s.kernel_jaxpr, mxu=gen.mxu_size, min_rows=min_pass_rows(gen)
+    )
     peak = _peak_flops(gen, s.kernel_jaxpr) * rate
     scale = s.step_scale if s.step_scale is not None else np.ones(s.steps)
     mxu_t = scale * (2 * padded / peak)

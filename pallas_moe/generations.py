@@ -19,6 +19,19 @@ import numpy as np
 
 _MIB = 1024 * 1024
 
+# NOTE: the constants fit on measured TPU times (tokamax's autotuning data, `python -m
+# bench.measured --fit`) are v6e's and tpu7x's per-step costs; every other figure is a
+# datasheet's or a compiled program's. v6e: its forward problems (44 of 46, dims multiples of
+# 128, rates fixed) give 0.68 µs per step (0.35 µs left its median at 1.11).
+V6E_STEP_OVERHEAD_S = 0.68e-6
+# NOTE: the fewest rows a pass through one weight tile costs. On a 256-wide MXU the model charged
+# a 128-row pass as 256 (loading the 256 x 256 tile taking as long as 256 rows), which made
+# tokamax's 16 measured tm = 128 forward problems on tpu7x run 0.64-0.79x the model; the compiled
+# kernel streams 128 rows per tile (16 weight pushes per MXU, ~33 bundles per tile), and at 128
+# rows those problems measure 1.01x (plain) and 1.02x (under `jax.vjp`). v6e's four fit either
+# charge (0.84-1.02x at 256, 0.89-1.10x at 128). No measured problem has narrower passes.
+MIN_PASS_ROWS = 128
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TpuGeneration:
@@ -134,6 +147,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       tensorcores_per_device=1,
       aot_topology="v6e:2x2",
       device_kinds=("TPU v6e", "TPU v6 lite"),
+      step_overhead_s=V6E_STEP_OVERHEAD_S,
     ),
     TpuGeneration(
       name="tpu7x",
@@ -150,9 +164,9 @@ GENERATIONS: dict[str, TpuGeneration] = {
       aot_topology="tpu7x:2x2x1",
       device_kinds=("TPU7x",),
       # NOTE: fit on tokamax's measured tpu7x forward problems (`python -m bench.measured
-      # --fit`: 34 of 43, both kernels, dims multiples of 128) with the rates fixed at one
-      # TensorCore's: 0.84 µs per step. The same fit gives 0.44 (v5e), 0.14 (v5p) and 0.68 µs
-      # (v6e), whose medians stay within 10% at the default 0.35 µs; tpu7x's were 17% slow.
+      # --fit`: 35 of 43, both kernels, dims multiples of 128) with the rates fixed at one
+      # TensorCore's: 0.84 µs per step. The same fit gives 0.44 (v5e) and 0.15 µs (v5p), whose
+      # medians stay within 5% at the default 0.35 µs; v6e's and tpu7x's were 11% and 17% slow.
       step_overhead_s=0.84e-6,
     ),
   )
@@ -243,6 +257,13 @@ def narrow_peak(generation: str | TpuGeneration, dtype) -> float:
   if name.startswith("float8") and gen.supports_fp8:
     return gen.peak_fp8_ops
   raise ValueError(f"{gen.name} has no native {name} MXU mode: its {name} dots run upcast.")
+
+
+def min_pass_rows(generation: str | TpuGeneration) -> int:
+  """Rows one pass through an mxu x mxu weight tile costs at least: a dot with r rows costs
+  max(r, min_pass_rows) row cycles per weight tile (`bench.costmodel`, `schedule_cost`):
+  min(mxu, `MIN_PASS_ROWS`)."""
+  return min(get_generation(generation).mxu_size, MIN_PASS_ROWS)
 
 
 def tensorcore_rates(generation: str | TpuGeneration) -> tuple[float, float]:

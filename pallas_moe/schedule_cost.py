@@ -16,18 +16,20 @@ import numpy as np
 from pallas_moe.generations import (
   TpuGeneration,
   get_generation,
+  min_pass_rows,
   rows_per_pass,
   sequential_sweeps,
   tensorcore_rates,
 )
 
 
-def _dot_macs(*, rows: int, contract: int, cols: int, mxu: int) -> int:
+def _dot_macs(*, rows: int, contract: int, cols: int, mxu: int, min_rows: int | None = None) -> int:
   """MACs one dot costs on an mxu x mxu systolic array (DESIGN.md, as in `bench.costmodel`):
   the stationary operand is cut into mxu x mxu tiles (contraction and output columns padded to
-  the MXU), and each tile costs at least mxu row passes (loading it takes as long)."""
+  the MXU), and each tile costs at least `min_rows` row passes (loading it takes as long;
+  default mxu, `generations.min_pass_rows`)."""
   pad = lambda d: -(-d // mxu) * mxu  # noqa: E731
-  return max(rows, mxu) * pad(contract) * pad(cols)
+  return max(rows, mxu if min_rows is None else min_rows) * pad(contract) * pad(cols)
 
 
 def rows_stationary_pays(
@@ -53,12 +55,13 @@ def rows_stationary_pays(
     True when the swapped orientation costs strictly fewer MACs.
   """
   mxu = get_generation(generation).mxu_size
+  floor = min_pass_rows(generation)
   if kind == "gmm":
-    usual = _dot_macs(rows=sub_m, contract=tk, cols=tn, mxu=mxu)
-    swapped = _dot_macs(rows=tn, contract=tk, cols=sub_m, mxu=mxu)
+    usual = _dot_macs(rows=sub_m, contract=tk, cols=tn, mxu=mxu, min_rows=floor)
+    swapped = _dot_macs(rows=tn, contract=tk, cols=sub_m, mxu=mxu, min_rows=floor)
   elif kind == "tgmm":
-    usual = _dot_macs(rows=tk, contract=sub_m, cols=tn, mxu=mxu)
-    swapped = _dot_macs(rows=tn, contract=sub_m, cols=tk, mxu=mxu)
+    usual = _dot_macs(rows=tk, contract=sub_m, cols=tn, mxu=mxu, min_rows=floor)
+    swapped = _dot_macs(rows=tn, contract=sub_m, cols=tk, mxu=mxu, min_rows=floor)
   else:
     raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
   return swapped < usual
@@ -377,7 +380,7 @@ def rowtile_step_costs(
     shape = dict(rows=tn, contract=k, cols=sub) if swap else dict(rows=sub, contract=k, cols=tn)
   else:
     shape = dict(rows=tn, contract=sub, cols=tk) if swap else dict(rows=tk, contract=sub, cols=tn)
-  macs = _dot_macs(**shape, mxu=mxu)
+  macs = _dot_macs(**shape, mxu=mxu, min_rows=min_pass_rows(gen))
   peak = gen.peak_bf16_flops if peak_flops is None else peak_flops
   mxu_s = np.bincount(t, hits * 2.0 * macs, tiles_m) / peak
   # NOTE: the row blocks move the tile's local rows [0, m) rounded out to the granule and

@@ -68,14 +68,15 @@ def test_megablox_gmm_rows_equal_visited_tiles():
   assert scheds[0].grid == (n // 128, visited, k // 128)
   rep = cm.cost(scheds, generation=V5E, row_macs=k * n, mxu_rows_useful=m)
   assert rep.mxu_rows_executed == visited * tm
-  # On v6e (256-row MXU) a 128-row tile still costs 256 row-passes; with the row sweep padded
-  # as the kernel pads it (each 128-wide k and n tile fills a 256-wide weight tile), that is all.
+  # On v6e (256-wide MXU) a 128-row tile costs 128 row passes (`generations.min_pass_rows`);
+  # with the row sweep padded as the kernel pads it (each 128-wide k and n tile fills a 256-wide
+  # weight tile), that is all.
   padded_row_macs = (k // 128) * 256 * (n // 128) * 256
   rep6 = cm.cost(scheds, generation=V6E, row_macs=padded_row_macs, mxu_rows_useful=m)
-  assert rep6.mxu_rows_executed == visited * 256
+  assert rep6.mxu_rows_executed == visited * 128
   # Against the true k·n the column padding shows up too (4x more MACs per row).
   rep6_true = cm.cost(scheds, generation=V6E, row_macs=k * n, mxu_rows_useful=m)
-  assert rep6_true.mxu_rows_executed == visited * 256 * 4
+  assert rep6_true.mxu_rows_executed == visited * 128 * 4
 
 
 def test_megablox_tgmm_rows_with_skip_hook():
@@ -142,8 +143,9 @@ def test_tiled_matmul_by_hand(gen):
   rep = cm.cost([s], generation=gen)
   mxu = gen.mxu_size
   pad = lambda v: -(-v // mxu) * mxu
-  mxu_t = 2 * max(bm, mxu) * pad(bk) * pad(bn) / gen.peak_bf16_flops
-  expect = sum(max(mxu_t, b / gen.hbm_bytes_per_s) + 0.35e-6 for b in per_step)
+  # NOTE: a pass costs at least min(mxu, 128) rows (`generations.min_pass_rows`).
+  mxu_t = 2 * max(bm, min(mxu, 128)) * pad(bk) * pad(bn) / gen.peak_bf16_flops
+  expect = sum(max(mxu_t, b / gen.hbm_bytes_per_s) + gen.step_overhead_s for b in per_step)
   assert rep.modeled_us == pytest.approx(expect * 1e6, rel=1e-9)
   assert rep.hbm_bytes == per_step.sum()
   assert rep.min_hbm_bytes == 2 * m * k + 2 * k * n + 4 * m * n
