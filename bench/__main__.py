@@ -277,7 +277,7 @@ def run_cases(*, cases, chips, ops, impl_names, runs=10, warmup=3) -> list[dict]
             row_macs=case.row_macs(gen.mxu_size) if case.row_macs else None,
             mxu_rows_useful=int(gs.sum()),
             useful_row_macs=shape.k * shape.n,
-            floor_rows_count=costmodel.floor_rows(gs, gen.mxu_size),
+            floor_rows_count=costmodel.op_floor_rows(gs, generation=gen, op=op),
             min_hbm_bytes=_min_bytes(shape),
           )
           measured = tflops = pct = None

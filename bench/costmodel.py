@@ -70,7 +70,7 @@ from jax.experimental import pallas as pl
 from jax.extend import core as jex_core
 
 from pallas_moe import _jax_compat
-from pallas_moe.generations import min_pass_rows, tensorcore_rates
+from pallas_moe.generations import min_pass_rows, pass_granule, tensorcore_rates
 from pallas_moe.tiling import TpuGeneration, get_generation
 
 __all__ = [
@@ -82,6 +82,7 @@ __all__ = [
   "cost",
   "model",
   "floor_rows",
+  "op_floor_rows",
   "kernel_dot_macs",
   "compiled_excess_us",
   "cost_with_compiled_schedule",
@@ -913,6 +914,13 @@ def model(
     step_overhead_s=step_overhead_s,
     tensorcores=tensorcores,
   )
+
+
+def op_floor_rows(group_sizes, *, generation, op: str) -> int:
+  """`floor_rows` at the op's pass granule (`pallas_moe.generations.pass_granule`): gmm's rows
+  (fwd, dlhs) in `min_pass_rows` passes, tgmm's (drhs) contracted in MXU-edge chunks."""
+  kind = "tgmm" if op == "drhs" else "gmm"
+  return floor_rows(group_sizes, pass_granule(generation, kind=kind))
 
 
 def floor_rows(group_sizes, mxu: int) -> int:

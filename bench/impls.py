@@ -441,8 +441,9 @@ def megablox_v2_schedule(
   end_local = hi[g_i] - (lo[g_i] - lo[g_i] % sublane)
   buckets = tm // base
   bucket_rows = base * np.minimum(end_local // base + 1, buckets)
-  mxu = gen.mxu_size
-  scale = np.maximum(bucket_rows, mxu) / max(tm, mxu)
+  # NOTE: a bucket's pass costs at least `min_pass_rows` rows (128 on a 256-wide MXU).
+  floor = tiling_lib.min_pass_rows(gen)
+  scale = np.maximum(bucket_rows, floor) / max(tm, floor)
   import jax
 
   jaxpr = jax.make_jaxpr(lambda a, b: jax.lax.dot(a, b, preferred_element_type=np.float32))(
@@ -621,6 +622,7 @@ def megablox_lower_bound_us(
   """
   gen = tiling_lib.get_generation(generation)
   mxu = gen.mxu_size
+  floor = tiling_lib.min_pass_rows(gen)
   m, dk, dn = _kernel_dims(op=op, shape=shape)
   tm, tk, tn = tiling
   tiles_k, tiles_n = _cdiv(dk, tk), _cdiv(dn, tn)
@@ -640,14 +642,14 @@ def megablox_lower_bound_us(
   if op == "drhs":
     # Grid (tiles_n, tiles_k, visits incl. one per empty group); dot [tk, tm] x [tm, tn].
     steps = tiles_n * tiles_k * (visits + int((~nonempty).sum()))
-    macs = tiles_n * tiles_k * visits * max(tk, mxu) * pad(tm) * pad(tn)
+    macs = tiles_n * tiles_k * visits * max(tk, floor) * pad(tm) * pad(tn)
     lhs = (tiles_n if (tiles_k >= 2 or m_tiles >= 2) else 1) * m_tiles * tm * dk
     rhs = (tiles_k if m_tiles >= 2 else 1) * m_tiles * tm * dn
     out = groups * dk * dn
   else:
     # Grid (tiles_n, visits, tiles_k); dot [tm, tk] x [tk, tn].
     steps = tiles_n * visits * tiles_k
-    macs = steps * max(tm, mxu) * pad(tk) * pad(tn)
+    macs = steps * max(tm, floor) * pad(tk) * pad(tn)
     if tiles_k >= 2:
       lhs, rhs = tiles_n * visits * tm * dk, visits * dk * dn
     else:
@@ -1176,7 +1178,9 @@ def _pallas_moe_build(
       til = kt.tiles
     else:
       til = (min(tiling[0], m), min(tiling[1], dk), min(tiling[2], dn))
-    sub_m = tiling_lib.rows_per_pass(til[0], mxu)  # as pallas_moe.ops chooses it
+    # NOTE: as pallas_moe.ops chooses it (`generations.pass_granule`).
+    granule = tiling_lib.pass_granule(generation, kind=kind, tn=til[2])
+    sub_m = tiling_lib.rows_per_pass(til[0], granule)
     if schedule == "ops":
       with use_generation(generation):
         kt = ops._resolve_tiles(
@@ -1410,8 +1414,8 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
     dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE)
     til = pick_tiling(m=m, k=dk, n=dn, num_groups=g, kind="gmm", generation=generation, **dt)
     est = tiling_lib.vmem_estimate_bytes(tm=til[0], tk=til[1], tn=til[2], kind="gmm", **dt)
-    mxu = generation.mxu_size
-    sub_m = tiling_lib.rows_per_pass(til[0], mxu)
+    granule = tiling_lib.pass_granule(generation, kind="gmm", tn=til[2])
+    sub_m = tiling_lib.rows_per_pass(til[0], granule)
 
     def fn(x, q, s, gs, *xs):
       return gmm_pallas(

@@ -1105,7 +1105,7 @@ def analyze_case(
     generation=gen,
     mxu_rows_useful=int(gs.sum()),
     useful_row_macs=shp.k * shp.n,
-    floor_rows_count=costmodel.floor_rows(gs, gen.mxu_size),
+    floor_rows_count=costmodel.op_floor_rows(gs, generation=gen, op=op),
     min_hbm_bytes=2 * (shp.m * shp.k + shp.m * shp.n + shp.num_groups * shp.k * shp.n),
   )
   base = costmodel.cost(scheds, **cost_kw)

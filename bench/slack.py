@@ -147,7 +147,7 @@ def model_op(impl: str, *, op: str, k: int, n: int, sizes: np.ndarray, m: int, g
     row_macs=case.row_macs(generation.mxu_size) if case.row_macs else None,
     mxu_rows_useful=rows,
     useful_row_macs=k * n,
-    floor_rows_count=costmodel.floor_rows(sizes, generation.mxu_size),
+    floor_rows_count=costmodel.op_floor_rows(sizes, generation=generation, op=op),
     min_hbm_bytes=2 * (rows * (k + n) + sizes.size * k * n),
   )
   return rep.modeled_us, rep.achievable_us

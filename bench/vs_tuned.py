@@ -184,7 +184,7 @@ def _model_cached(chip, op, m, k, n, num_groups, gs_bytes, tiling):
     tensorcores="kernel",
     mxu_rows_useful=rows,
     useful_row_macs=k * n,
-    floor_rows_count=costmodel.floor_rows(gs, gen.mxu_size),
+    floor_rows_count=costmodel.op_floor_rows(gs, generation=gen, op=op),
     # NOTE: bf16; each operand's real rows read once, the output written once.
     min_hbm_bytes=2 * (rows * k + rows * n + weights * k * n),
   )
@@ -266,10 +266,9 @@ def search_candidates(problem: TunedProblem, *, limit: int = 12) -> list[tuple[i
 
 
 def _floor_rows(problem: TunedProblem) -> int:
-  from bench.costmodel import floor_rows
-  from pallas_moe.generations import get_generation
+  from bench.costmodel import op_floor_rows
 
-  return floor_rows(problem.group_sizes, get_generation(problem.chip).mxu_size)
+  return op_floor_rows(problem.group_sizes, generation=problem.chip, op=problem.op)
 
 
 def compare(problem: TunedProblem, *, search: bool = False) -> dict:

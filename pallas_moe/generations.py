@@ -27,7 +27,7 @@ V6E_STEP_OVERHEAD_S = 0.68e-6
 # NOTE: the fewest rows a pass through one weight tile costs. On a 256-wide MXU the model charged
 # a 128-row pass as 256 (loading the 256 x 256 tile taking as long as 256 rows), which made
 # tokamax's 16 measured tm = 128 forward problems on tpu7x run 0.64-0.79x the model; the compiled
-# kernel streams 128 rows per tile (16 weight pushes per MXU, ~33 bundles per tile), and at 128
+# kernel streams 128 rows per tile (16 weight pushes per tile, ~33 bundles per tile), and at 128
 # rows those problems measure 1.01x (plain) and 1.02x (under `jax.vjp`). v6e's four fit either
 # charge (0.84-1.02x at 256, 0.89-1.10x at 128). No measured problem has narrower passes.
 MIN_PASS_ROWS = 128
@@ -293,6 +293,35 @@ def sequential_sweeps(generation: str | TpuGeneration) -> bool:
 
 
 def rows_per_pass(tm: int, mxu: int) -> int:
-  """Rows the kernels push through the MXU per sub-block (their `sub_m`): the MXU edge when it
-  divides tm (sub-blocks without rows of a group are skipped), else the whole tile."""
+  """Rows the kernels push through the MXU per sub-block (their `sub_m`): `mxu` (the pass
+  granule, `pass_granule`) when it divides tm (sub-blocks without rows of a group are skipped),
+  else the whole tile."""
   return mxu if tm % mxu == 0 else tm
+
+
+def pass_granule(generation: str | TpuGeneration, *, kind: str, tn: int | None = None) -> int:
+  """The row granule of a kernel's MXU passes.
+
+  gmm streams its rows through the weight tiles, and a pass of `min_pass_rows` rows costs that
+  many (128 on a 256-wide MXU), so a group's rows are rounded out to 128 there, not 256: half
+  the rows at group boundaries. tgmm contracts over its rows, which the MXU pads to its edge.
+
+  Args:
+    generation: TPU generation.
+    kind: "gmm" or "tgmm".
+    tn: gmm's output-column tile, if known. NOTE: when it is not a multiple of the MXU edge
+      (1408 on a 256-wide MXU) gmm keeps MXU-edge passes, so that streaming the tn columns
+      through [k, sub_m] tiles (`rows_stationary_pays`) can save their padding: a 128-row
+      sub-block would be padded to the edge there instead.
+
+  Returns:
+    Rows.
+  """
+  gen = get_generation(generation)
+  if kind == "gmm":
+    if tn is not None and tn % gen.mxu_size:
+      return gen.mxu_size
+    return min_pass_rows(gen)
+  if kind == "tgmm":
+    return gen.mxu_size
+  raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")

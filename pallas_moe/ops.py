@@ -142,7 +142,7 @@ def _resolve_tiles(
   lhs_dtype, rhs_dtype, out_dtype = dtypes
   generation = tiling_lib.current_generation()
   budget = tiling_lib.usable_vmem_bytes(generation)
-  mxu = generation.mxu_size
+  # NOTE: gmm's passes stream rows (128-row passes on a 256-wide MXU), tgmm's contract them.
   picked = None
   if spec is None and allow_rowtile:
     picked = tiling_lib.pick_rowtile_tiling(
@@ -184,8 +184,9 @@ def _resolve_tiles(
   # NOTE: the row-tile kernels move per-group blocks by manual DMA, which cannot be ragged: tn
   # must divide n (and tgmm's tk divide k); gmm keeps the whole contraction in VMEM (tk == k).
   fits_rowtile = (tk == k if kind == "gmm" else k % tk == 0) and n % tn == 0
+  granule = tiling_lib.pass_granule(generation, kind=kind, tn=tn)
   if allow_rowtile and fits_rowtile:
-    sub_m = tiling_lib.rows_per_pass(tm, mxu)
+    sub_m = tiling_lib.rows_per_pass(tm, granule)
     swap = tiling_lib.rows_stationary_pays(
       kind=kind, sub_m=sub_m, tk=tk, tn=tn, generation=generation
     )
@@ -211,7 +212,7 @@ def _resolve_tiles(
     )
   return KernelTiling(
     tiles=(tm, tk, tn),
-    sub_m=tiling_lib.rows_per_pass(tm, mxu),
+    sub_m=tiling_lib.rows_per_pass(tm, granule),
     vmem_limit_bytes=tiling_lib.vmem_limit_for(estimate, generation),
   )
 

@@ -17,6 +17,7 @@ from pallas_moe.generations import (
   TpuGeneration,
   get_generation,
   min_pass_rows,
+  pass_granule,
   rows_per_pass,
   sequential_sweeps,
   tensorcore_rates,
@@ -367,7 +368,7 @@ def rowtile_step_costs(
     )
   gen = get_generation(generation)
   mxu = gen.mxu_size
-  sub = rows_per_pass(tm, mxu)
+  sub = rows_per_pass(tm, pass_granule(gen, kind=kind, tn=tn))
   gs = np.maximum(np.asarray(group_sizes, np.int64), 0)
   ends = np.cumsum(gs)
   starts = ends - gs

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_moe.generations import TpuGeneration, get_generation, narrow_peak, rows_per_pass
+from pallas_moe.generations import (
+  TpuGeneration,
+  get_generation,
+  narrow_peak,
+  pass_granule,
+  rows_per_pass,
+)
 from pallas_moe.schedule_cost import rows_stationary_pays, rowtile_modeled_seconds
 from pallas_moe.vmem import usable_vmem_bytes, vmem_estimate_bytes
 
@@ -48,7 +54,7 @@ def rowtile_vmem_bytes(
     Bytes (`vmem_estimate_bytes`).
   """
   gen = get_generation(generation)
-  sub = rows_per_pass(tm, gen.mxu_size)
+  sub = rows_per_pass(tm, pass_granule(gen, kind=kind, tn=tn))
   return vmem_estimate_bytes(
     tm=tm,
     tk=tk,

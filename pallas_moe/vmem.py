@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_moe.generations import TpuGeneration, get_generation, rows_per_pass
+from pallas_moe.generations import TpuGeneration, get_generation, pass_granule, rows_per_pass
 
 _MIB = 1024 * 1024
 
@@ -95,7 +95,7 @@ def vmem_estimate_bytes(
     # manual weight slots [k, tn], the f32 product of one sub-block and, except on tpu7x, a copy
     # of its lhs rows; quantized weights add the upcast block and the scale slots.
     gen = get_generation(generation) if generation is not None else None
-    mxu = gen.mxu_size if gen is not None else _MAX_SUB_M
+    mxu = pass_granule(gen, kind="gmm", tn=tn) if gen is not None else _MAX_SUB_M
     sub = rows_per_pass(tm, mxu)
     # NOTE: with rows_stationary the lhs rows are the dot's transposed operand; tpu7x then copies
     # them too (AOT: (1024, 2048, 1408) with existing_out needs 31 MiB usual, 39 MiB swapped).

@@ -118,9 +118,10 @@ def test_v2_tiles_and_model(problems):
   # calculate_tiling on tpu7x (57.6 MiB limit): tile_m 128 grown to 3 buckets, full k and n.
   assert mc.tiling == (384, 7168, 1024)
   assert mc.extra == dict(bucket_base=128, lhs_buffer_count=2, row_tiles=512)
-  assert mc.modeled_chip_us == pytest.approx(1323.69, rel=1e-3)
+  # NOTE: a partial bucket's pass costs its rows down to 128 (`generations.min_pass_rows`).
+  assert mc.modeled_chip_us == pytest.approx(1240.61, rel=1e-3)
   # One TensorCore's rates and tpu7x's per-step overhead (0.84 µs, not 0.35).
-  assert mc.modeled_us == pytest.approx(2719.06, rel=1e-3)
+  assert mc.modeled_us == pytest.approx(2552.90, rel=1e-3)
   assert mc.modeled_us - mc.overhead_us == pytest.approx(
     2 * (mc.modeled_chip_us - mc.steps * 0.35), rel=1e-3
   )
