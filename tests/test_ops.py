@@ -367,3 +367,37 @@ def test_expected_rows_picks_tiles_for_the_real_rows_and_changes_nothing_else():
     pallas_moe.gmm(x, w, sizes, expected_rows=0)
   with pytest.raises(TypeError, match="expected_rows"):
     pallas_moe.tgmm(x.T, y, sizes, expected_rows=jnp.int32(24))
+
+
+@pytest.mark.parametrize(
+  "gen, kind, tn, sub_m, rows_stationary",
+  [
+    ("v5e", "gmm", 512, 128, False),
+    # NOTE: a 128-row pass costs 128 rows on the 256-wide MXU (`generations.min_pass_rows`).
+    ("v6e", "gmm", 512, 128, False),
+    ("tpu7x", "gmm", 512, 128, False),
+    # NOTE: n = 1408 is no multiple of 256: 256-row passes, so the rows can be the stationary
+    # operand and tn is not padded to 1536.
+    ("v6e", "gmm", 1408, 256, True),
+    # NOTE: tgmm contracts over its rows, which the MXU pads to its edge.
+    ("v6e", "tgmm", 512, 256, False),
+  ],
+)
+def test_pass_rows_follow_the_generation(gen, kind, tn, sub_m, rows_stationary):
+  from pallas_moe import ops
+  from pallas_moe import tiling as tiling_lib
+
+  m, k, n = 4096, 512, tn
+  dt = (jnp.bfloat16,) * 3
+  with tiling_lib.use_generation(gen):
+    kt = ops._resolve_tiles(
+      (1024, k if kind == "gmm" else 256, tn),
+      dims=(m, k, n),
+      kind=kind,
+      num_groups=8,
+      dtypes=dt,
+      interpret=False,
+    )
+  assert kt.rowtile
+  assert kt.sub_m == sub_m
+  assert kt.rows_stationary == rows_stationary
