@@ -2,8 +2,8 @@
 
 The parser tests read `tests/data/gmm_rowtile_v5e_final_bundles.txt`: the final bundles of our
 row-tile gmm (`pallas_moe-maxtext` tiles, m = 2048, k = n = 256, 4 groups: grid (1, 4), tm = 512,
-128-row sub-blocks) AOT-compiled for v5e, cut down by `llo.trim_dump`. One `aot` test compiles
-a case end to end.
+128-row sub-blocks) AOT-compiled for v5e, cut down by `llo.trim_dump`. The `aot` tests compile
+a case end to end (on v5e, and on v6e where gmm pushes 128-row sub-blocks too).
 """
 
 from __future__ import annotations
@@ -255,14 +255,22 @@ def test_cost_with_compiled_schedule_adds_the_excess():
 
 
 @pytest.mark.aot
-def test_analyze_case_end_to_end(tmp_path):
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_analyze_case_end_to_end(tmp_path, chip):
   (rep,) = llo.analyze_case(
-    impl="pallas_moe-maxtext", op="fwd", shape=TINY, generation="v5e", cache_dir=str(tmp_path)
+    impl="pallas_moe-maxtext", op="fwd", shape=TINY, generation=chip, cache_dir=str(tmp_path)
   )
   assert rep.kernel == "pallas_moe_gmm_rowtile" and rep.steps == 4
-  # NOTE: the compiled program's vmatmul rows x trip counts are the analytic model's MXU work.
+  # NOTE: the compiled program's vmatmul rows x trip counts are the analytic model's MXU work;
+  # on v6e (256-wide MXU, tn = 256) gmm pushes 128-row sub-blocks, and the model must count
+  # the same rows as the kernel multiplies.
   assert rep.mxu_us == pytest.approx(rep.model_mxu_us, rel=1e-6)
   assert rep.mxu_loop_bundles > 0 and rep.issue_cycles > rep.mxu_loop_bundles
+  gen = tiling.get_generation(chip)
+  assert tiling.pass_granule(gen, kind="gmm", tn=TINY.n) == 128
+  # NOTE: one sub-block iteration: 128 rows through k x n / mxu^2 weight tiles, over the MXUs.
+  tiles = -(-TINY.k // gen.mxu_size) * -(-TINY.n // gen.mxu_size)
+  assert rep.mxu_loop_mxu_cycles == 128 * tiles / llo._num_mxus(gen)
 
 
 def test_tgmm_loops_and_regions_get_their_own_counts():
