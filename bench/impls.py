@@ -1179,8 +1179,7 @@ def _pallas_moe_build(
     else:
       til = (min(tiling[0], m), min(tiling[1], dk), min(tiling[2], dn))
     # NOTE: as pallas_moe.ops chooses it (`generations.pass_granule`).
-    granule = tiling_lib.pass_granule(generation, kind=kind, tn=til[2])
-    sub_m = tiling_lib.rows_per_pass(til[0], granule)
+    sub_m = tiling_lib.pass_rows(til[0], generation, kind=kind, tn=til[2])
     if schedule == "ops":
       with use_generation(generation):
         kt = ops._resolve_tiles(
@@ -1414,8 +1413,7 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
     dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE)
     til = pick_tiling(m=m, k=dk, n=dn, num_groups=g, kind="gmm", generation=generation, **dt)
     est = tiling_lib.vmem_estimate_bytes(tm=til[0], tk=til[1], tn=til[2], kind="gmm", **dt)
-    granule = tiling_lib.pass_granule(generation, kind="gmm", tn=til[2])
-    sub_m = tiling_lib.rows_per_pass(til[0], granule)
+    sub_m = tiling_lib.pass_rows(til[0], generation, kind="gmm", tn=til[2])
 
     def fn(x, q, s, gs, *xs):
       return gmm_pallas(

@@ -325,3 +325,8 @@ def pass_granule(generation: str | TpuGeneration, *, kind: str, tn: int | None =
   if kind == "tgmm":
     return gen.mxu_size
   raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+
+
+def pass_rows(tm: int, generation: str | TpuGeneration, *, kind: str, tn: int | None = None) -> int:
+  """A kernel's sub_m: `rows_per_pass` at the op's `pass_granule`."""
+  return rows_per_pass(tm, pass_granule(generation, kind=kind, tn=tn))

@@ -184,9 +184,8 @@ def _resolve_tiles(
   # NOTE: the row-tile kernels move per-group blocks by manual DMA, which cannot be ragged: tn
   # must divide n (and tgmm's tk divide k); gmm keeps the whole contraction in VMEM (tk == k).
   fits_rowtile = (tk == k if kind == "gmm" else k % tk == 0) and n % tn == 0
-  granule = tiling_lib.pass_granule(generation, kind=kind, tn=tn)
+  sub_m = tiling_lib.pass_rows(tm, generation, kind=kind, tn=tn)
   if allow_rowtile and fits_rowtile:
-    sub_m = tiling_lib.rows_per_pass(tm, granule)
     swap = tiling_lib.rows_stationary_pays(
       kind=kind, sub_m=sub_m, tk=tk, tn=tn, generation=generation
     )
@@ -212,7 +211,7 @@ def _resolve_tiles(
     )
   return KernelTiling(
     tiles=(tm, tk, tn),
-    sub_m=tiling_lib.rows_per_pass(tm, granule),
+    sub_m=sub_m,
     vmem_limit_bytes=tiling_lib.vmem_limit_for(estimate, generation),
   )
 

@@ -17,8 +17,7 @@ from pallas_moe.generations import (
   TpuGeneration,
   get_generation,
   min_pass_rows,
-  pass_granule,
-  rows_per_pass,
+  pass_rows,
   sequential_sweeps,
   tensorcore_rates,
 )
@@ -368,7 +367,7 @@ def rowtile_step_costs(
     )
   gen = get_generation(generation)
   mxu = gen.mxu_size
-  sub = rows_per_pass(tm, pass_granule(gen, kind=kind, tn=tn))
+  sub = pass_rows(tm, gen, kind=kind, tn=tn)
   gs = np.maximum(np.asarray(group_sizes, np.int64), 0)
   ends = np.cumsum(gs)
   starts = ends - gs

@@ -13,8 +13,7 @@ from pallas_moe.generations import (
   TpuGeneration,
   get_generation,
   narrow_peak,
-  pass_granule,
-  rows_per_pass,
+  pass_rows,
 )
 from pallas_moe.schedule_cost import rows_stationary_pays, rowtile_modeled_seconds
 from pallas_moe.vmem import usable_vmem_bytes, vmem_estimate_bytes
@@ -54,7 +53,7 @@ def rowtile_vmem_bytes(
     Bytes (`vmem_estimate_bytes`).
   """
   gen = get_generation(generation)
-  sub = rows_per_pass(tm, pass_granule(gen, kind=kind, tn=tn))
+  sub = pass_rows(tm, gen, kind=kind, tn=tn)
   return vmem_estimate_bytes(
     tm=tm,
     tk=tk,
