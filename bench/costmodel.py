@@ -81,6 +81,7 @@ __all__ = [
   "analyze",
   "cost",
   "model",
+  "aligned_rows",
   "floor_rows",
   "op_floor_rows",
   "kernel_dot_macs",
@@ -924,22 +925,33 @@ def op_floor_rows(group_sizes, *, generation, op: str) -> int:
 
 
 def floor_rows(group_sizes, mxu: int) -> int:
-  """Rows an MXU-granular kernel cannot avoid pushing: each group rounded out at its boundaries.
+  """Rows a pass-granular kernel cannot avoid pushing: each group's rows in whole passes.
 
-  Group g spans rows [s, e) (s = Σ earlier sizes). A systolic MXU streams rows in aligned
-  chunks of `mxu`, so the best a kernel can do for g is the aligned chunks it touches:
-  ceil(e/mxu)·mxu - floor(s/mxu)·mxu rows; empty groups cost nothing. A chunk shared by two
-  groups is counted for each (each group needs its own weights in the array).
+  A systolic MXU multiplies a weight tile by at least `mxu` rows at a time (the op's pass
+  granule), and a pass holds one group's weights. The best a kernel can do for a group of s
+  rows is ceil(s / mxu) passes started at its first row (tokamax's v2 row blocks start there;
+  pallas_moe's row-tile gmm starts within 16 rows of it, and tgmm on the mxu grid); empty
+  groups cost nothing.
 
   Args:
     group_sizes: rows per group (sorted-by-group layout).
-    mxu: MXU edge.
+    mxu: rows per pass.
 
   Returns:
     Total rows.
   """
+  gs = np.maximum(np.asarray(group_sizes, np.int64), 0)
+  return int((-(-gs // mxu) * mxu).sum())
+
+
+def aligned_rows(group_sizes, chunk: int) -> int:
+  """Rows a kernel that pushes passes on a fixed `chunk`-row grid pushes: each group's rows
+  rounded out to the grid at both ends, ceil(e / chunk)·chunk - floor(s / chunk)·chunk for rows
+  [s, e); a chunk shared by two groups counts for each (each needs its own weights in the MXU),
+  empty groups cost nothing. pallas_moe's visit kernels and its row-tile tgmm (rows of a tile
+  that is a multiple of chunk) push this; `floor_rows` is the bound below it."""
   gs = np.asarray(group_sizes, np.int64)
   ends = np.cumsum(gs)
   starts = ends - gs
-  touched = -(-ends // mxu) * mxu - (starts // mxu) * mxu
+  touched = -(-ends // chunk) * chunk - (starts // chunk) * chunk
   return int(np.where(gs > 0, touched, 0).sum())

@@ -31,6 +31,7 @@ import numpy as np
 from bench import costmodel, tokamax_tiles
 from bench.costmodel import CallSchedule, StepContext
 from bench.shapes import Shape
+from pallas_moe import metadata
 from pallas_moe import tiling as tiling_lib
 from pallas_moe.tgmm import INTERIOR_SUBS
 from pallas_moe.tiling import TpuGeneration, pick_tiling, use_generation
@@ -901,17 +902,18 @@ def _first_active_tile(ctx: StepContext) -> int:
   return int(np.asarray(ctx.index_operands[-2]).reshape(-1)[0])
 
 
-def _rowtile_hits(ctx: StepContext, *, tm: int, sub_m: int) -> np.ndarray:
-  """Per step: the sub-blocks multiplied."""
+def _rowtile_hits(ctx: StepContext, *, tm: int, sub_m: int, align: int) -> np.ndarray:
+  """Per step: the passes multiplied."""
   starts, ends = _local_groups(ctx)
   # NOTE: the grid's m axis walks only the visited tiles, from the first active one.
   tile = ctx.program_ids[-1] + _first_active_tile(ctx)
-  lo = tile[:, None] * tm
-  sub_lo = lo[:, :, None] + np.arange(0, tm, sub_m)[None, None, :]  # [steps, 1, subs]
-  # NOTE: as in the kernels: group g multiplies each sub-block of the tile meeting [start, end).
-  nonempty = ends > starts
-  hit = (sub_lo < ends[None, :, None]) & (sub_lo + sub_m > starts[None, :, None])
-  return (hit & nonempty[None, :, None]).sum(axis=(1, 2))
+  row0 = tile[:, None].astype(np.int64) * tm
+  # NOTE: as in the kernels: group g multiplies the passes covering its rows of the tile
+  # (`metadata.group_passes`), none where it has no rows there.
+  s = np.clip(starts[None, :] - row0, 0, tm)
+  e = np.clip(ends[None, :] - row0, 0, tm)
+  _, passes = metadata.group_passes(s, e, sub_m=sub_m, align=align)
+  return np.where(e > s, passes, 0).sum(axis=1)
 
 
 def rowtile_tgmm_dots(
@@ -1017,6 +1019,13 @@ def rowtile_hooks(
     MXU work, and the bytes of the unvisited tiles' rows written once.
   """
 
+  # NOTE: gmm's passes start at each group's first row in the tile, to the lhs / output VMEM
+  # tile; tgmm's stay on the sub_m grid.
+  align = sub_m
+  if op != "drhs":
+    granule = max(tiling_lib.row_granule_of(lhs_itemsize), tiling_lib.row_granule_of(out_itemsize))
+    align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=granule)
+
   def is_fill(ctx: StepContext) -> bool:
     return "pallas_moe_zero_fill" in ctx.name
 
@@ -1030,7 +1039,7 @@ def rowtile_hooks(
       # has room for a run (as the kernel decides statically).
       body = 2 * one + (run if sub_m < tm and tm // sub_m >= interior_subs else 0)
       return ((first + singles) * one + runs * run) / body
-    return _rowtile_hits(ctx, tm=tm, sub_m=sub_m).astype(np.float64)
+    return _rowtile_hits(ctx, tm=tm, sub_m=sub_m, align=align).astype(np.float64)
 
   def manual(ctx: StepContext) -> tuple[np.ndarray, np.ndarray]:
     if is_fill(ctx):
@@ -1053,6 +1062,7 @@ def rowtile_hooks(
       sweeps=sweeps,
       block_bytes=tk * tn * itemsize if block_bytes is None else block_bytes,
       sequential_sweeps=sequential_sweeps,
+      align=align,
     )
     row_over, row_exposed = tiling_lib.rowtile_row_dma(
       **_rowtile_row_blocks(ctx, starts=starts, ends=ends), sweeps=sweeps,

@@ -207,6 +207,22 @@ def sub_block(sub: Any, sub_m: int, tm: int) -> tuple[Any, Any]:
   return r0, pl.ds(r0, sub_m)
 
 
+def pass_block(row: Any, *, sub_m: int, tm: int, align: int) -> tuple[Any, Any]:
+  """(first row, index) of the sub_m-row pass starting at `row` of a tm-row tile.
+
+  NOTE: `row` is a multiple of `align` (`metadata.group_passes`); a pass that would cross the
+  tile's end is moved back to the tile's last sub_m rows (a multiple of align too, since align
+  divides sub_m and sub_m divides tm): it then overlaps a pass of the same group, whose rows it
+  recomputes to the same values. On the sub_m grid (align == sub_m) no pass crosses the end.
+  """
+  if sub_m == tm:
+    return 0, slice(None)
+  if align != sub_m:
+    row = jnp.minimum(row, tm - sub_m)
+  r0 = pl.multiple_of(row, align)
+  return r0, pl.ds(r0, sub_m)
+
+
 def run_kernel(build: Callable[[Interpret], Callable[..., Any]], interpret: Interpret, *args):
   """Runs a kernel compiled on TPU and in interpret mode elsewhere.
 

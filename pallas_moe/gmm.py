@@ -558,8 +558,10 @@ def gmm_rowtile_pallas(
     lhs_scales: optional [m, 1] f32 per-row scales of a quantized lhs; scale each partial product.
     narrow_dot: both operands quantized with the same dtype: the dot runs on the 8-bit values
       (int8 x int8 -> int32, fp8 x fp8 -> f32), the MXU's native mode where the chip has one.
-    sub_m: rows per MXU pass (divides tm); sub-blocks without rows of a group are skipped for
-      that group. None: the whole tile.
+    sub_m: rows per MXU pass (divides tm). A group's passes start at its first row in the tile,
+      rounded down to the lhs / output VMEM tile (`metadata.pass_align`: 16 rows of bf16), so a
+      group boundary inside a tile costs about sub_m / 2 extra rows, not sub_m. None: the whole
+      tile.
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
     expected_rows: the rows the caller expects sum(group_sizes) to be; the cost estimate XLA
       gets counts the work on those rows, not on all m. None: m.
@@ -647,6 +649,7 @@ def gmm_rowtile_pallas(
   # of 8 rows (f32; 16 bf16) costs one copy of the output.
   simulated = isinstance(interpret, pltpu.InterpretParams)
   out_granule = common.row_granule(out_dtype)
+  align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=max(lhs_granule, out_granule))
   out_rows = m
   if simulated and aliased:
     out_rows = tiles_m * tm
@@ -911,14 +914,18 @@ def gmm_rowtile_pallas(
             counts_ref[n_i, t, 1] += 1
 
         slot = slot_of(rank, n_i)
-        # NOTE: only the sub_m-row sub-blocks holding rows of g are multiplied: first_sub ..
-        # last_sub of this tile. A sub-block shared with a neighbouring group is multiplied for
-        # each, and the row mask keeps each group's rows.
-        first_sub = (jnp.maximum(start, row0) - row0) // sub_m
-        last_sub = (jnp.minimum(end, row0 + tm) - 1 - row0) // sub_m
+        # NOTE: only passes over rows of g are multiplied: sub_m-row passes from g's first row in
+        # this tile rounded down to `align` (`metadata.group_passes`). Rows a pass shares with a
+        # neighbouring group are multiplied for each, and the row mask keeps each group's rows.
+        first_row, passes = metadata.group_passes(
+          jnp.maximum(start, row0) - row0,
+          jnp.minimum(end, row0 + tm) - row0,
+          sub_m=sub_m,
+          align=align,
+        )
 
-        def sub_body(sub, c):
-          r0, rows = common.sub_block(sub, sub_m, tm)
+        def sub_body(p, c):
+          r0, rows = common.pass_block(first_row + p * sub_m, sub_m=sub_m, tm=tm, align=align)
           lhs_blk = lhs_ref[rows, :]
           if lhs_quantized and not narrow_dot:
             lhs_blk = lhs_blk.astype(jnp.float32)
@@ -943,9 +950,9 @@ def gmm_rowtile_pallas(
           out_ref[rows, :] = jnp.where(mine, prod.astype(out_dtype), out_ref[rows, :])
           return c
 
-        lax.fori_loop(first_sub, last_sub + 1, sub_body, 0)
+        lax.fori_loop(0, passes, sub_body, 0)
         if counts_ref is not None:
-          counts_ref[n_i, t, 0] += (last_sub + 1 - first_sub) * sub_m
+          counts_ref[n_i, t, 0] += passes * sub_m
 
       return carry
 

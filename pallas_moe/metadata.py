@@ -30,6 +30,7 @@ Two kinds of non-computing visits exist:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -339,14 +340,64 @@ def make_tile_groups(
   )
 
 
+def pass_align(*, sub_m: int, tm: int, row_granule: int) -> int:
+  """Rows a row-tile gmm pass's first row is a multiple of, in its tile's coordinates.
+
+  A group's passes start at its first row in the tile rounded down to `row_granule` (the rows'
+  VMEM tile: 16 bf16 rows), not on the sub_m grid: at a group boundary inside a tile the
+  group's first pass then wastes fewer than `row_granule` rows at its start instead of up to
+  sub_m - 1, about sub_m / 2 + row_granule / 2 rows per boundary instead of sub_m. Passes stay
+  on the sub_m grid (the result is sub_m) where one pass covers the tile or sub_m is not a
+  multiple of the granule.
+
+  Args:
+    sub_m: rows per MXU pass (divides tm).
+    tm: m-tile size.
+    row_granule: the largest row tile of the operands the pass slices in VMEM (lhs, output).
+
+  Returns:
+    The alignment in rows (a divisor of sub_m).
+  """
+  if sub_m >= tm or sub_m % row_granule:
+    return sub_m
+  return row_granule
+
+
+def group_passes(start: Any, end: Any, *, sub_m: int, align: int) -> tuple[Any, Any]:
+  """(first pass's row, passes) that cover a group's rows [start, end) of one tile.
+
+  Works on Python ints, numpy and traced arrays alike (the kernels, their instrumentation and
+  the cost model count the same passes). The kernels clamp a pass that would cross the tile's
+  end back to the tile's last sub_m rows (it then overlaps the group's previous pass), which
+  leaves the count unchanged.
+
+  Args:
+    start: the group's first row in the tile (tile coordinates, >= 0).
+    end: its end in the tile (<= tm), > start for a group with rows there.
+    sub_m: rows per pass.
+    align: `pass_align` (sub_m: passes on the sub_m grid).
+
+  Returns:
+    (first, passes): passes of sub_m rows from row `first` (a multiple of align).
+  """
+  first = (start // align) * align
+  return first, (end - first + sub_m - 1) // sub_m
+
+
 def rowtile_mxu_rows(
-  tile_groups: TileGroups, *, group_offset: jax.Array | int, m: int, tm: int, sub_m: int
+  tile_groups: TileGroups,
+  *,
+  group_offset: jax.Array | int,
+  m: int,
+  tm: int,
+  sub_m: int,
+  align: int | None = None,
 ) -> jax.Array:
   """Rows the row-tile kernels push through the MXU for one sweep over n (and k), per m-tile.
 
-  Each non-empty local group multiplies, in every tile it intersects, the sub_m-row sub-blocks
-  holding its rows. This is the count the cost model uses at full size; the kernels'
-  `count_rows` instrumentation measures it by running them.
+  Each non-empty local group multiplies, in every tile it intersects, the sub_m-row passes that
+  cover its rows there (`group_passes`). This is the count the cost model uses at full size;
+  the kernels' `count_rows` instrumentation measures it by running them.
 
   Args:
     tile_groups: from `make_tile_groups`.
@@ -354,6 +405,7 @@ def rowtile_mxu_rows(
     m: rows.
     tm: m-tile size.
     sub_m: rows per MXU pass (divides tm).
+    align: the passes' alignment (`pass_align`); None: sub_m (the sub_m grid, as tgmm).
 
   Returns:
     [tiles_m] int32 rows.
@@ -362,11 +414,11 @@ def rowtile_mxu_rows(
   goff = jnp.asarray(group_offset, jnp.int32).reshape(())
   starts = jax.lax.dynamic_slice_in_dim(tile_groups.group_offsets, goff, num_local)
   ends = jax.lax.dynamic_slice_in_dim(tile_groups.group_offsets, goff + 1, num_local)
-  lo = jnp.arange(cdiv(m, tm))[:, None, None] * tm + jnp.arange(0, tm, sub_m)[None, :, None]
-  # NOTE: an empty group multiplies nothing, even when its position is inside a sub-block.
-  hit = (
-    (lo < ends[None, None, :])
-    & (lo + sub_m > starts[None, None, :])
-    & (ends > starts)[None, None, :]
-  )
-  return (jnp.sum(hit, axis=(1, 2)) * sub_m).astype(jnp.int32)
+  row0 = jnp.arange(cdiv(m, tm))[:, None] * tm
+  # NOTE: each group's rows in each tile, in tile coordinates; an empty intersection (or an
+  # empty group, even when its position is inside the tile) multiplies nothing.
+  s = jnp.clip(starts[None, :] - row0, 0, tm)
+  e = jnp.clip(ends[None, :] - row0, 0, tm)
+  _, passes = group_passes(s, e, sub_m=sub_m, align=sub_m if align is None else align)
+  passes = jnp.where(e > s, passes, 0)
+  return (jnp.sum(passes, axis=1) * sub_m).astype(jnp.int32)

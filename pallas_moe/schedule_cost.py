@@ -21,6 +21,7 @@ from pallas_moe.generations import (
   sequential_sweeps,
   tensorcore_rates,
 )
+from pallas_moe.metadata import group_passes, pass_align
 
 
 def _dot_macs(*, rows: int, contract: int, cols: int, mxu: int, min_rows: int | None = None) -> int:
@@ -67,18 +68,21 @@ def rows_stationary_pays(
   return swapped < usual
 
 
-def _rowtile_pairs(starts: np.ndarray, ends: np.ndarray, *, tm: int, sub_m: int):
-  """The (group, m-tile) pairs a row-tile kernel multiplies, and the sub-blocks of each.
+def _rowtile_pairs(
+  starts: np.ndarray, ends: np.ndarray, *, tm: int, sub_m: int, align: int | None = None
+):
+  """The (group, m-tile) pairs a row-tile kernel multiplies, and the passes of each.
 
   Args:
     starts: [groups] first row of each group (int64).
     ends: [groups] end row of each group.
     tm: m tile.
     sub_m: rows per MXU pass.
+    align: the passes' alignment (`metadata.pass_align`); None: sub_m (the sub_m grid).
 
   Returns:
     (pair_group, pair_tile, pair_hits), in group order: every non-empty group with each tile it
-    intersects, and the number of its sub_m-row sub-blocks there.
+    intersects, and the number of its sub_m-row passes there (`metadata.group_passes`).
   """
   nonempty = ends > starts
   first_t = np.where(nonempty, starts // tm, 0)
@@ -91,7 +95,8 @@ def _rowtile_pairs(starts: np.ndarray, ends: np.ndarray, *, tm: int, sub_m: int)
   lo = pair_t * tm
   s = np.maximum(starts[pair_g], lo) - lo
   e = np.minimum(ends[pair_g], lo + tm) - lo
-  return pair_g, pair_t, (e - 1) // sub_m - s // sub_m + 1
+  _, hits = group_passes(s, e, sub_m=sub_m, align=sub_m if align is None else align)
+  return pair_g, pair_t, hits
 
 
 def rowtile_manual_dma(
@@ -105,6 +110,7 @@ def rowtile_manual_dma(
   sweeps: int,
   block_bytes: float,
   sequential_sweeps: bool,
+  align: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Per grid step: bytes of the row-tile kernels' manual DMAs, split into overlapped and exposed.
 
@@ -128,6 +134,7 @@ def rowtile_manual_dma(
     sweeps: grid steps over the other axes (gmm: n-tiles; tgmm: k-tiles x n-tiles).
     block_bytes: bytes of one load / write.
     sequential_sweeps: the kernels' option: DMAs cross sweeps (see the kernels).
+    align: gmm's pass alignment (`metadata.pass_align`); None: sub_m.
 
   Returns:
     (overlapped, exposed), each [sweeps * tiles_m] bytes in grid-step order.
@@ -143,7 +150,7 @@ def rowtile_manual_dma(
   # order within a tile), each with the MXU rows it pushes; tgmm also has a pair without work
   # where an empty group is finalized.
   first_t = np.where(nonempty, starts // tm, 0)
-  pair_g, pair_t, pair_hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub_m)
+  pair_g, pair_t, pair_hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub_m, align=align)
   pair_rows = pair_hits * sub_m
   fin = None
   if kind == "tgmm":
@@ -373,7 +380,11 @@ def rowtile_step_costs(
   starts = ends - gs
   m = int(ends[-1]) if gs.size else 0
   tiles_m = max(1, -(-m // tm))
-  _, t, hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub)
+  align = None
+  if kind == "gmm":
+    granule = max(row_granule_of(lhs_itemsize), row_granule_of(out_itemsize))
+    align = pass_align(sub_m=sub, tm=tm, row_granule=granule)
+  _, t, hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub, align=align)
   # NOTE: one sub-block dot in the orientation the kernel runs (`rows_stationary_pays`).
   swap = rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen)
   if kind == "gmm":
@@ -430,6 +441,7 @@ def rowtile_step_costs(
     sweeps=sweeps,
     block_bytes=block,
     sequential_sweeps=seq,
+    align=align,
   )
   return np.tile(mxu_s, sweeps), over + row_over, exposed + row_exposed
 

@@ -152,10 +152,12 @@ def test_tiled_matmul_by_hand(gen):
 
 
 def test_floor_rows_by_hand():
-  # Groups [0,100) [100,100) [100,400) [400,1024) on a 128-row MXU: 128 + 0 + 512 + 640.
-  assert cm.floor_rows([100, 0, 300, 624], 128) == 1280
-  assert cm.floor_rows([256, 256], 128) == 512
-  assert cm.floor_rows([1, 1], 256) == 512
+  # Groups [0,100) [100,100) [100,400) [400,1024) in 128-row passes: from each group's first
+  # row 128 + 0 + 384 + 640; on the 128-row grid 128 + 0 + 512 + 640.
+  assert cm.floor_rows([100, 0, 300, 624], 128) == 1152
+  assert cm.aligned_rows([100, 0, 300, 624], 128) == 1280
+  assert cm.floor_rows([256, 256], 128) == cm.aligned_rows([256, 256], 128) == 512
+  assert cm.floor_rows([1, 1], 256) == cm.aligned_rows([1, 1], 256) == 512
 
 
 # (d) ------------------------------------------------------------------------------------------
@@ -263,8 +265,8 @@ _GS = np.array([100, 0, 300, 0, 0, 170, 130], np.int32)  # sum 700 of m = 1024
 
 
 @pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
-def test_pallas_moe_rows_equal_floor_rows(op):
-  """The grid is the schedule (visits counted with numpy); rows executed = floor_rows."""
+def test_pallas_moe_visit_rows_equal_aligned_rows(op):
+  """The grid is the schedule (visits counted with numpy); rows executed = aligned_rows."""
   m, k, n = 1024, 256, 384
   shape = _tiny_shape(m=m, k=k, n=n, g=len(_GS))
   case = IMPLS["pallas_moe-visits"].build(op=op, shape=shape, group_sizes=_GS, generation=V5E)
@@ -280,16 +282,16 @@ def test_pallas_moe_rows_equal_floor_rows(op):
     fill = -(-m // tm) - (-(-int(_GS.sum()) // tm))
     assert s.grid == (-(-out_cols // tn), active + fill, -(-contract // tk))
   rep = cm.cost([s], generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=int(_GS.sum()))
-  # Our kernels skip the MXU-row sub-blocks outside the visit's group: the model's count is
-  # floor_rows, and equals what the kernel really multiplies when run in interpret mode.
-  assert rep.mxu_rows_executed == pytest.approx(cm.floor_rows(_GS, 128))
+  # The visit kernels skip the MXU-row sub-blocks outside the visit's group: the model's count is
+  # aligned_rows, and equals what the kernel really multiplies when run in interpret mode.
+  assert rep.mxu_rows_executed == pytest.approx(cm.aligned_rows(_GS, 128))
   assert rep.mxu_rows_executed == _interpret_rows_executed(op, shape, case.tiling)
 
 
 @pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
 def test_pallas_moe_default_rowtile_rows_and_bytes(op):
   """The default impl runs the row-tile kernels: one step per (k, n) tile and m-tile, rows
-  executed = floor_rows, and with the manual-DMA hook the bytes moved are the minimum: the row
+  executed = floor_rows (gmm), and with the manual-DMA hook the bytes moved are the minimum: the row
   operands' real rows read once (rounded to the DMA granule: 700 -> 704 rows, tgmm's lhs^T 768
   along lanes), weights once per n-tile, the output written once (gmm: whole visited tiles, the
   unowned rows are zeros)."""
@@ -303,7 +305,11 @@ def test_pallas_moe_default_rowtile_rows_and_bytes(op):
   )
   contract, out_cols = (n, k) if op == "dlhs" else (k, n)
   rep = cm.cost([s], generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=int(_GS.sum()))
-  assert rep.mxu_rows_executed == pytest.approx(cm.floor_rows(_GS, 128))
+  # NOTE: gmm's passes start at each group's first row (16-row aligned): here that is the floor;
+  # tgmm's stay on the 128-row grid.
+  want_rows = cm.aligned_rows(_GS, 128) if op == "drhs" else cm.floor_rows(_GS, 128)
+  assert cm.floor_rows(_GS, 128) < cm.aligned_rows(_GS, 128)
+  assert rep.mxu_rows_executed == pytest.approx(want_rows)
   rows = -(-int(_GS.sum()) // 16) * 16  # bf16's 16-row granule
   if op == "drhs":
     assert s.grid == (k // tk, n // tn, -(-m // tm))
@@ -321,8 +327,8 @@ def test_pallas_moe_default_rowtile_rows_and_bytes(op):
 @pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
 def test_rows_stationary_saves_the_column_padding_on_v6e(op):
   """n = 384 on v6e's 256-wide MXU: the forward and the weight gradient run with the rows
-  stationary, so their modeled MXU work is floor_rows x k x n with n unpadded (384, not 512);
-  the lhs gradient contracts over n, which no orientation unpads. Rows executed stay floor_rows,
+  stationary, so their modeled MXU work is aligned_rows x k x n with n unpadded (384, not 512);
+  the lhs gradient contracts over n, which no orientation unpads. Rows executed: aligned_rows,
   at the op's pass granule: the lhs gradient's output tile (k = 256) is a multiple of the MXU,
   so its passes are 128 rows (`generations.pass_granule`); the others keep 256."""
   from bench.impls import _pallas_moe_build
@@ -337,7 +343,9 @@ def test_rows_stationary_saves_the_column_padding_on_v6e(op):
     case.fn, *case.args, step_scale=case.step_scale, step_manual_bytes=case.step_manual_bytes
   )
   rep = cm.cost([s], generation=V6E, row_macs=case.row_macs(256), mxu_rows_useful=int(_GS.sum()))
-  floor = cm.floor_rows(_GS, 128 if op == "dlhs" else 256)
+  # NOTE: 256-row tiles of 256-row passes stay on their grid; the lhs gradient's 128-row passes
+  # from each group's first row push as many rows here as on the 128-row grid.
+  floor = cm.aligned_rows(_GS, 128 if op == "dlhs" else 256)
   assert rep.mxu_rows_executed == pytest.approx(floor)
   padded_n = 512  # 384 rounded up to the MXU
   assert rep.calls[0].mxu_macs_padded == pytest.approx(floor * k * (n if swapped else padded_n))
@@ -398,7 +406,7 @@ def test_pallas_moe_rows_with_ragged_k():
     row_macs=case.row_macs(128),
     mxu_rows_useful=int(_GS.sum()),
   )
-  assert rep.mxu_rows_executed == pytest.approx(cm.floor_rows(_GS, 128))
+  assert rep.mxu_rows_executed == pytest.approx(cm.aligned_rows(_GS, 128))
 
 
 @pytest.mark.parametrize("tk", [128, 256])

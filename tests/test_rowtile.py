@@ -32,7 +32,7 @@ from kernel_testing import (
 )
 
 import pallas_moe
-from pallas_moe import metadata, ops, reference, tiling
+from pallas_moe import common, metadata, ops, reference, tiling
 from pallas_moe.gmm import gmm_rowtile_pallas
 from pallas_moe.tgmm import tgmm_rowtile_pallas
 
@@ -174,7 +174,11 @@ def check_gmm(
     tm=tm,
     finalize_empty_groups=False,
   )
-  rows = np.asarray(metadata.rowtile_mxu_rows(groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m))
+  granule = max(common.row_granule(in_dtype), common.row_granule(out_dtype))
+  align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=granule)
+  rows = np.asarray(
+    metadata.rowtile_mxu_rows(groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m, align=align)
+  )
   np.testing.assert_array_equal(counts[..., 0], np.broadcast_to(rows, counts.shape[:2]))
   nonempty = int(np.sum(np.asarray(sizes)[offset : offset + local] > 0))
   np.testing.assert_array_equal(counts[..., 1].sum(axis=1), nonempty)
@@ -482,8 +486,10 @@ def test_gmm_rowtile_moves_only_local_rows(capfd, sequential, stationary, in_dty
   assert visited.sum() < tm * visited.size
 
 
-def test_rowtile_rows_are_floor_rows():
-  """With sub_m = MXU rows and tm a multiple of it, rows pushed = floor_rows (DESIGN.md)."""
+def test_rowtile_rows_against_the_floor():
+  """Rows pushed with passes on the sub_m grid = each group's aligned chunks (DESIGN.md); with
+  passes from each group's first row (16-row aligned) fewer, and never below the floor of
+  whole passes from each group's exact first row (`floor_rows`)."""
   from bench.costmodel import floor_rows
 
   sizes = np.array([100, 0, 300, 5, 1, 250, 0, 370], np.int32)
@@ -495,8 +501,18 @@ def test_rowtile_rows_are_floor_rows():
     tm=512,
     finalize_empty_groups=False,
   )
-  rows = metadata.rowtile_mxu_rows(groups, group_offset=0, m=1100, tm=512, sub_m=128)
-  assert int(rows.sum()) == floor_rows(sizes, 128)
+  rows = lambda align: int(  # noqa: E731
+    metadata.rowtile_mxu_rows(groups, group_offset=0, m=1100, tm=512, sub_m=128, align=align).sum()
+  )
+  ends = np.cumsum(sizes)
+  starts = ends - sizes
+  touched = -(-ends // 128) * 128 - (starts // 128) * 128
+  assert rows(None) == rows(128) == int(np.where(sizes > 0, touched, 0).sum()) == 14 * 128
+  # NOTE: by group (tile 0 = rows 0..511, tile 1 = 512..1023): [0,100) 1 pass; [100,400) from
+  # row 96: 3; [400,405) from 400: 1; [405,406) from 400: 1; [406,512) from 400: 1 and
+  # [512,656) 2; [656,1026) from 656 in tile 1: 3, and [1024,1026) in tile 2: 1.
+  assert rows(16) == 13 * 128
+  assert floor_rows(sizes, 128) == 11 * 128 <= rows(16)
 
 
 @pytest.mark.parametrize("sequential", [False, True], ids=["parallel", "sequential"])
