@@ -486,6 +486,40 @@ def test_gmm_rowtile_moves_only_local_rows(capfd, sequential, stationary, in_dty
   assert visited.sum() < tm * visited.size
 
 
+@pytest.mark.parametrize("stationary", [False, True], ids=["plain", "rs"])
+def test_gmm_rowtile_passes_start_at_each_group(capfd, stationary):
+  """Passes start at a group's first row (8-row aligned for f32), and one that would cross the
+  tile's end is moved back over the group's previous rows: the result is still exact, the
+  simulator sees no race or out-of-bounds access, and the kernel pushes 6 passes where the
+  32-row grid takes 7.
+
+  NOTE: tm = 64, sub_m = 32; groups [0,24) [24,56) [56,64) | [64,104) [104,104) [104,128), 8 rows
+  of slack. Tile 0: 1 + 1 (grid: 2) + 1 (from row 56, moved back to 32); tile 1: 2 + 1 (from row
+  40, moved back to 32).
+  """
+  case = (136, 40, 48, 64, 48, 32, 6, 6, jnp.float32, jnp.float32, False, False)
+  sizes = np.array([24, 32, 8, 40, 0, 24], np.int32)
+  granule = common.row_granule(jnp.float32)
+  assert metadata.pass_align(sub_m=32, tm=64, row_granule=granule) == 8
+  groups = metadata.make_tile_groups(
+    group_sizes=jnp.asarray(sizes),
+    group_offset=0,
+    num_local_groups=6,
+    m=136,
+    tm=64,
+    finalize_empty_groups=False,
+  )
+  rows = lambda align: metadata.rowtile_mxu_rows(  # noqa: E731
+    groups, group_offset=0, m=136, tm=64, sub_m=32, align=align
+  )
+  np.testing.assert_array_equal(rows(8), [96, 96, 0])
+  np.testing.assert_array_equal(rows(32), [128, 96, 0])
+  # NOTE: check_gmm compares the counts with rows(8).
+  check_gmm(case, sizes, 0, 5, INTERPRET_MODES["hlo"], rows_stationary=stationary)
+  with no_races_or_oob(capfd):
+    check_gmm(case, sizes, 0, 6, RACE_PARAMS, count=False, rows_stationary=stationary)
+
+
 def test_rowtile_rows_against_the_floor():
   """Rows pushed with passes on the sub_m grid = each group's aligned chunks (DESIGN.md); with
   passes from each group's first row (16-row aligned) fewer, and never below the floor of
