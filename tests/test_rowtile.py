@@ -486,6 +486,21 @@ def test_gmm_rowtile_moves_only_local_rows(capfd, sequential, stationary, in_dty
   assert visited.sum() < tm * visited.size
 
 
+def _gmm_rows_per_tile(sizes, *, m, tm, sub_m, align):
+  """The schedule-derived MXU rows per m-tile of the row-tile gmm, every group local."""
+  groups = metadata.make_tile_groups(
+    group_sizes=jnp.asarray(sizes),
+    group_offset=0,
+    num_local_groups=len(sizes),
+    m=m,
+    tm=tm,
+    finalize_empty_groups=False,
+  )
+  return np.asarray(
+    metadata.rowtile_mxu_rows(groups, group_offset=0, m=m, tm=tm, sub_m=sub_m, align=align)
+  )
+
+
 @pytest.mark.parametrize("stationary", [False, True], ids=["plain", "rs"])
 def test_gmm_rowtile_passes_start_at_each_group(capfd, stationary):
   """Passes start at a group's first row (8-row aligned for f32), and one that would cross the
@@ -501,20 +516,10 @@ def test_gmm_rowtile_passes_start_at_each_group(capfd, stationary):
   sizes = np.array([24, 32, 8, 40, 0, 24], np.int32)
   granule = common.row_granule(jnp.float32)
   assert metadata.pass_align(sub_m=32, tm=64, row_granule=granule) == 8
-  groups = metadata.make_tile_groups(
-    group_sizes=jnp.asarray(sizes),
-    group_offset=0,
-    num_local_groups=6,
-    m=136,
-    tm=64,
-    finalize_empty_groups=False,
-  )
-  rows = lambda align: metadata.rowtile_mxu_rows(  # noqa: E731
-    groups, group_offset=0, m=136, tm=64, sub_m=32, align=align
-  )
-  np.testing.assert_array_equal(rows(8), [96, 96, 0])
-  np.testing.assert_array_equal(rows(32), [128, 96, 0])
-  # NOTE: check_gmm compares the counts with rows(8).
+  rows = functools.partial(_gmm_rows_per_tile, sizes, m=136, tm=64, sub_m=32)
+  np.testing.assert_array_equal(rows(align=8), [96, 96, 0])
+  np.testing.assert_array_equal(rows(align=32), [128, 96, 0])
+  # NOTE: check_gmm compares the counts with rows(align=8).
   check_gmm(case, sizes, 0, 5, INTERPRET_MODES["hlo"], rows_stationary=stationary)
   with no_races_or_oob(capfd):
     check_gmm(case, sizes, 0, 6, RACE_PARAMS, count=False, rows_stationary=stationary)
@@ -527,16 +532,8 @@ def test_rowtile_rows_against_the_floor():
   from bench.costmodel import floor_rows
 
   sizes = np.array([100, 0, 300, 5, 1, 250, 0, 370], np.int32)
-  groups = metadata.make_tile_groups(
-    group_sizes=jnp.asarray(sizes),
-    group_offset=0,
-    num_local_groups=8,
-    m=1100,
-    tm=512,
-    finalize_empty_groups=False,
-  )
   rows = lambda align: int(  # noqa: E731
-    metadata.rowtile_mxu_rows(groups, group_offset=0, m=1100, tm=512, sub_m=128, align=align).sum()
+    _gmm_rows_per_tile(sizes, m=1100, tm=512, sub_m=128, align=align).sum()
   )
   ends = np.cumsum(sizes)
   starts = ends - sizes
