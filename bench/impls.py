@@ -1023,8 +1023,9 @@ def rowtile_hooks(
   # tile; tgmm's stay on the sub_m grid.
   align = sub_m
   if op != "drhs":
-    granule = max(tiling_lib.row_granule_of(lhs_itemsize), tiling_lib.row_granule_of(out_itemsize))
-    align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=granule)
+    align = tiling_lib.gmm_pass_align(
+      sub_m=sub_m, tm=tm, lhs_itemsize=lhs_itemsize, out_itemsize=out_itemsize
+    )
 
   def is_fill(ctx: StepContext) -> bool:
     return "pallas_moe_zero_fill" in ctx.name

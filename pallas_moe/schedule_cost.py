@@ -246,6 +246,13 @@ def row_granule_of(itemsize: int, *, lanes: bool = False) -> int:
   return 128 if lanes else 8 * max(1, 4 // int(itemsize))
 
 
+def gmm_pass_align(*, sub_m: int, tm: int, lhs_itemsize: int, out_itemsize: int) -> int:
+  """`metadata.pass_align` of the row-tile gmm, whose passes slice its lhs and output rows:
+  the larger of their row granules (`row_granule_of`)."""
+  granule = max(row_granule_of(lhs_itemsize), row_granule_of(out_itemsize))
+  return pass_align(sub_m=sub_m, tm=tm, row_granule=granule)
+
+
 def _padded(rows: int, granule: int, tm: int) -> int:
   """gmm's row count after padding to the DMA granule (when the granule divides tm)."""
   return -(-rows // granule) * granule if tm % granule == 0 else rows
@@ -382,8 +389,7 @@ def rowtile_step_costs(
   tiles_m = max(1, -(-m // tm))
   align = None
   if kind == "gmm":
-    granule = max(row_granule_of(lhs_itemsize), row_granule_of(out_itemsize))
-    align = pass_align(sub_m=sub, tm=tm, row_granule=granule)
+    align = gmm_pass_align(sub_m=sub, tm=tm, lhs_itemsize=lhs_itemsize, out_itemsize=out_itemsize)
   _, t, hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub, align=align)
   # NOTE: one sub-block dot in the orientation the kernel runs (`rows_stationary_pays`).
   swap = rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen)

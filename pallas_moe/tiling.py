@@ -7,7 +7,8 @@
   `usable_vmem_bytes`, `vmem_limit_for`).
 - `pallas_moe.schedule_cost`: the row-tile kernels' analytic schedule cost
   (`rows_stationary_pays`, `rowtile_manual_dma`, `rowtile_row_dma`, `rowtile_step_costs`,
-  `rowtile_modeled_seconds`, `rowtile_fill_bytes`, `tile_rows_moved`, `row_granule_of`).
+  `rowtile_modeled_seconds`, `rowtile_fill_bytes`, `tile_rows_moved`, `row_granule_of`,
+  `gmm_pass_align`).
 - `pallas_moe.tile_pickers`: the default tiles (`pick_tiling`, `pick_rowtile_tiling`).
 
 Every name stays importable from here (`pallas_moe.tiling.use_generation`, ...), where users and
@@ -28,6 +29,7 @@ from pallas_moe.generations import (
   use_generation,
 )
 from pallas_moe.schedule_cost import (
+  gmm_pass_align,
   row_granule_of,
   rows_stationary_pays,
   rowtile_fill_bytes,
@@ -58,6 +60,7 @@ __all__ = [
   "rowtile_fill_bytes",
   "tile_rows_moved",
   "row_granule_of",
+  "gmm_pass_align",
   "narrow_peak",
   "min_pass_rows",
   "pass_granule",
