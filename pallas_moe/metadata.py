@@ -422,3 +422,241 @@ def rowtile_mxu_rows(
   _, passes = group_passes(s, e, sub_m=sub_m, align=sub_m if align is None else align)
   passes = jnp.where(e > s, passes, 0)
   return (jnp.sum(passes, axis=1) * sub_m).astype(jnp.int32)
+
+
+def uses_pass_cuts(*, m: int, tm: int, sub_m: int, align: int) -> bool:
+  """Whether the row-tile gmm cuts its m-tiles at pass boundaries (`make_pass_cut_tiles`).
+
+  Only where it can save MXU work: with fixed tiles a group cut by a tile boundary pays a partial
+  pass on each side; with cuts on its pass grid it pays none. That needs passes off the sub_m
+  grid (align < sub_m), at least two passes per tile (so every tile advances), and more than
+  one tile.
+  """
+  return align < sub_m and tm >= 2 * sub_m and m > tm
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PassCutTiles:
+  """Row tiles whose boundaries fall on the groups' pass grids, as int32 arrays for prefetch.
+
+  Tile t covers rows [tile_start[t], tile_start[t + 1]) of the output: at most tm rows, starting
+  at a multiple of the pass alignment. A boundary inside a group is one of its pass starts (its
+  first row rounded down to the alignment, plus a multiple of sub_m), so its passes are split
+  between tiles whole. At a boundary that is a group's first pass start, the previous group's
+  last pass may reach past it (by less than the alignment): the previous tile computes those
+  rows and the next tile takes them over from it before writing (`carry`).
+
+  Attributes:
+    tile_start: [max_tiles + 1] first row of each tile; entry `num_tiles` is where the last tile's
+      output ends (the local rows' end, or the fixed m-tile's end when the whole visited range
+      is written), entries past it repeat it.
+    tile_reach: [max_tiles] end of the rows the tile computes (its last group's last pass,
+      clipped to the group): the rows its lhs block must hold.
+    tile_first_group: [max_tiles] first local group with a pass in the tile (num_local_groups:
+      none; also the group whose first row ends the carried rows).
+    tile_last_group: [max_tiles] last local group with a pass in the tile (inclusive).
+    num_tiles: [1] tiles in use.
+  """
+
+  tile_start: jax.Array
+  tile_reach: jax.Array
+  tile_first_group: jax.Array
+  tile_last_group: jax.Array
+  num_tiles: jax.Array
+
+
+def max_pass_cut_tiles(*, m: int, tm: int, sub_m: int) -> int:
+  """Tiles `make_pass_cut_tiles` may use: every tile but the last two holds more than
+  tm - sub_m rows (the next cut is the last pass start at or before its start + tm)."""
+  return cdiv(m, tm - sub_m) + 2
+
+
+def _holding_group(starts, row, xp):
+  """Index of the last local group starting at or before `row` (-1: none). With sorted starts
+  and empty groups sitting at the next group's start, that is the group holding `row` when
+  row is inside the local rows."""
+  return xp.searchsorted(starts, row, side="right") - 1
+
+
+def _pass_start_at_or_before(starts, g, row, *, sub_m: int, align: int, xp):
+  """The last pass start of group g at or before `row` (g's passes: from its first row rounded
+  down to `align`, every sub_m rows)."""
+  a = (starts[xp.maximum(g, 0)] // align) * align
+  return a + ((row - a) // sub_m) * sub_m
+
+
+def _next_cut(c, *, starts, rows_end, write_end, tm: int, sub_m: int, align: int, xp):
+  """The first row of the tile after one starting at row c (see `PassCutTiles`)."""
+  x = c + tm
+  g = _holding_group(starts, x, xp)
+  inside = _pass_start_at_or_before(starts, g, x, sub_m=sub_m, align=align, xp=xp)
+  # NOTE: past the local rows: a tail tile from the last rows' alignment (its rows before
+  # rows_end are carried over) to where the output is written.
+  tail = (rows_end // align) * align
+  return xp.where(x >= write_end, write_end, xp.where(x >= rows_end, tail, inside))
+
+
+def _tile_groups(c, c_next, *, starts, ends, rows_end, num_local: int, sub_m: int, align: int, xp):
+  """(first group, last group, reach) of the tile [c, c_next) (see `PassCutTiles`)."""
+  h = _holding_group(starts, c, xp)
+  own = _pass_start_at_or_before(starts, h, c, sub_m=sub_m, align=align, xp=xp) == c
+  # NOTE: row c belongs to group h; if h's pass holding it starts before c, that pass (and the
+  # rows of h it covers) belongs to the previous tile, so the tile's first group is h + 1.
+  first = xp.where(h < 0, 0, xp.where(own, h, h + 1))
+  first = xp.where(c >= rows_end, num_local, first)
+  # NOTE: -1 (no group) when the tile's last row is before the local rows.
+  last = _holding_group(starts, c_next - 1, xp)
+  last = xp.where(c_next > c, last, -1)
+  # NOTE: the last group's passes in the tile end where its pass holding row c_next - 1 ends;
+  # its rows stop at its end (or the tile's, for a group that goes on).
+  lg = xp.maximum(last, 0)
+  s, e = xp.maximum(starts[lg], c), ends[lg]
+  pass_end = (
+    _pass_start_at_or_before(starts, lg, xp.maximum(c_next - 1, s), sub_m=sub_m, align=align, xp=xp)
+    + sub_m
+  )
+  reach = xp.minimum(xp.minimum(pass_end, e), xp.maximum(rows_end, c))
+  reach = xp.where((last >= first) & (e > s), xp.maximum(reach, c), c)
+  return first, last, reach
+
+
+def make_pass_cut_tiles(
+  *,
+  group_sizes: jax.Array,
+  group_offset: jax.Array | int,
+  num_local_groups: int,
+  m: int,
+  tm: int,
+  sub_m: int,
+  align: int,
+  write_whole_tiles: bool,
+) -> PassCutTiles:
+  """Row tiles for the row-tile gmm cut at the groups' pass grids (see `PassCutTiles`).
+
+  The first tile starts at the first visited m-tile's first row (as fixed tiles do; without
+  `write_whole_tiles`, at the first local row rounded down to the alignment); each next
+  one at the last pass start at or before the previous start + tm of the group holding that row
+  (greedy: tiles of more than tm - sub_m rows). A group then pays ceil((rows + its first row's
+  misalignment) / sub_m) passes however many tiles it spans.
+
+  Args:
+    group_sizes: [num_groups_total] int32 rows per group.
+    group_offset: first global group held by this shard.
+    num_local_groups: groups held by this shard.
+    m: rows.
+    tm: the most rows a tile holds (>= 2 sub_m).
+    sub_m: rows per pass.
+    align: the passes' alignment (`pass_align`).
+    write_whole_tiles: the kernel writes every row of the visited fixed m-tiles (zeros or
+      existing_out outside the local rows): the last tile ends at the last visited fixed tile's
+      end (clipped at m), not at the local rows' end.
+
+  Returns:
+    The `PassCutTiles`.
+  """
+  tiles = make_tile_groups(
+    group_sizes=group_sizes,
+    group_offset=group_offset,
+    num_local_groups=num_local_groups,
+    m=m,
+    tm=tm,
+    finalize_empty_groups=False,
+  )
+  goff = jnp.asarray(group_offset, jnp.int32).reshape(())
+  starts = jax.lax.dynamic_slice_in_dim(tiles.group_offsets, goff, num_local_groups)
+  ends = jax.lax.dynamic_slice_in_dim(tiles.group_offsets, goff + 1, num_local_groups)
+  first_tile, num_fixed = tiles.active_tiles[0], tiles.active_tiles[1]
+  first_row = first_tile * tm
+  if not write_whole_tiles:
+    # NOTE: rows before the local ones are not written: the first tile starts at their
+    # alignment (the first group's first pass).
+    first_row = jnp.where(ends[-1] > starts[0], (starts[0] // align) * align, first_row)
+  cuts = pass_cut_rows(
+    starts=starts,
+    ends=ends,
+    first_row=first_row,
+    fixed_end=jnp.minimum((first_tile + num_fixed) * tm, m),
+    m=m,
+    tm=tm,
+    sub_m=sub_m,
+    align=align,
+    write_whole_tiles=write_whole_tiles,
+    xp=jnp,
+  )
+  return PassCutTiles(**{k: v.astype(jnp.int32) for k, v in cuts.items()})
+
+
+def pass_cut_rows(
+  *,
+  starts,
+  ends,
+  first_row,
+  fixed_end,
+  m: int,
+  tm: int,
+  sub_m: int,
+  align: int,
+  write_whole_tiles: bool,
+  xp: Any = jnp,
+) -> dict[str, Any]:
+  """`make_pass_cut_tiles`' arrays from the local groups' rows, with jax.numpy (traced, a fixed
+  number of tiles) or numpy (`xp=np`: the cost model; as many tiles as used).
+
+  Args:
+    starts: [num_local_groups] first row of each local group.
+    ends: [num_local_groups] end row of each local group.
+    first_row: the first tile's first row (a multiple of align, at or before the local rows).
+    fixed_end: end of the last visited fixed m-tile (clipped at m).
+    m, tm, sub_m, align, write_whole_tiles: see `make_pass_cut_tiles`.
+    xp: jax.numpy or numpy.
+
+  Returns:
+    dict of `PassCutTiles`' fields.
+  """
+  num_local = starts.shape[0]
+  rows_start, rows_end = starts[0], ends[-1]
+  any_rows = rows_end > rows_start
+  if write_whole_tiles:
+    write_end = fixed_end
+  else:
+    write_end = xp.where(any_rows, rows_end, first_row)
+  step = dict(starts=starts, rows_end=rows_end, write_end=write_end, tm=tm, sub_m=sub_m)
+  step.update(align=align, xp=xp)
+  if xp is jnp:
+    max_tiles = max_pass_cut_tiles(m=m, tm=tm, sub_m=sub_m)
+
+    def body(t, cuts):
+      c = cuts[t]
+      nxt = jnp.where(c < write_end, _next_cut(c, **step), c)
+      return cuts.at[t + 1].set(nxt)
+
+    cuts = jnp.full((max_tiles + 1,), first_row, jnp.int32)
+    cuts = jax.lax.fori_loop(0, max_tiles, body, cuts)
+    num_tiles = jnp.maximum(jnp.sum(cuts[:-1] < write_end), 1)
+  else:
+    cut_list = [int(first_row)]
+    while cut_list[-1] < int(write_end):
+      cut_list.append(int(_next_cut(cut_list[-1], **step)))
+    if len(cut_list) == 1:
+      cut_list.append(cut_list[0])
+    cuts = xp.asarray(cut_list, xp.int64)
+    num_tiles = len(cut_list) - 1
+  first, last, reach = _tile_groups(
+    cuts[:-1],
+    cuts[1:],
+    starts=starts,
+    ends=ends,
+    rows_end=rows_end,
+    num_local=num_local,
+    sub_m=sub_m,
+    align=align,
+    xp=xp,
+  )
+  return dict(
+    tile_start=cuts,
+    tile_reach=reach,
+    tile_first_group=first,
+    tile_last_group=last,
+    num_tiles=xp.reshape(xp.asarray(num_tiles), (1,)),
+  )
