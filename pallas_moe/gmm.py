@@ -533,6 +533,7 @@ def gmm_rowtile_pallas(
   rows_stationary: bool = False,
   fill_unowned: bool = True,
   expected_rows: int | None = None,
+  pass_cuts: bool | None = None,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -580,9 +581,14 @@ def gmm_rowtile_pallas(
       leaves every row outside the local rows (rounded out to the output's DMA granule, which
       get zeros) undefined, at no cost: for callers that never read them (the MoE block's
       receive buffer).
-    count_rows: interpret-mode instrumentation: also return [tiles_n, tiles_m, 4] int32 per grid
+    pass_cuts: cut the m-tiles on the groups' pass grids (`metadata.make_pass_cut_tiles`) instead
+      of every tm rows: a group spanning several tiles then pays no partial pass at a tile
+      boundary, for a few more (shorter) tiles. None: where it can save MXU work
+      (`metadata.uses_pass_cuts`).
+    count_rows: interpret-mode instrumentation: also return [tiles_n, tiles, 4] int32 per grid
       step: rows pushed through the MXU, weight blocks loaded, lhs rows fetched (0 when the
-      tile's block is kept from an earlier step) and output rows written back.
+      tile's block is kept from an earlier step) and output rows written back. Tiles are the
+      m-tiles, or with pass cuts the cut tiles in order (`metadata.max_pass_cut_tiles`).
     interpret: see `common.run_kernel`.
 
   Returns:
@@ -630,26 +636,63 @@ def gmm_rowtile_pallas(
     tm=tm,
     finalize_empty_groups=False,
   )
-  prefetch = (
-    groups.group_offsets,
+  has_existing = existing_out is not None
+  aliased = has_existing or fill_unowned
+  # NOTE: where the rows of a visited tile outside the local rows must hold zeros or
+  # existing_out's values, the whole tile is written back; otherwise only the local rows.
+  write_whole_tiles = aliased
+  out_granule = common.row_granule(out_dtype)
+  align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=max(lhs_granule, out_granule))
+  # NOTE: per-row lhs scales arrive in m-tile blocks, so a quantized lhs keeps the m-tiles.
+  can_cut = lhs_scales is None and metadata.uses_pass_cuts(m=m, tm=tm, sub_m=sub_m, align=align)
+  if pass_cuts is None:
+    pass_cuts = can_cut
+  elif pass_cuts and not can_cut:
+    raise ValueError(
+      f"pass_cuts=True needs passes off the sub_m grid, two passes per tile and more than one "
+      f"tile, and no lhs_scales (m={m}, tm={tm}, sub_m={sub_m}, pass alignment {align}); "
+      "pass pass_cuts=None."
+    )
+  first_group, last_group, active = (
     groups.tile_first_group,
     groups.tile_last_group,
+    groups.active_tiles,
+  )
+  cut_arrays = ()
+  count_tiles = tiles_m
+  if pass_cuts:
+    cuts = metadata.make_pass_cut_tiles(
+      group_sizes=group_sizes,
+      group_offset=group_offset,
+      num_local_groups=num_local_groups,
+      m=m,
+      tm=tm,
+      sub_m=sub_m,
+      align=align,
+      write_whole_tiles=write_whole_tiles,
+    )
+    # NOTE: grid step s is cut tile s (active = (0, tiles used)).
+    first_group, last_group = cuts.tile_first_group, cuts.tile_last_group
+    active = jnp.concatenate([jnp.zeros((1,), jnp.int32), cuts.num_tiles])
+    cut_arrays = (cuts.tile_start, cuts.tile_reach)
+    count_tiles = cuts.tile_reach.shape[0]
+  prefetch = (
+    groups.group_offsets,
+    first_group,
+    last_group,
     groups.load_rank,
     groups.load_group,
     groups.num_loads,
-    groups.active_tiles,
+    active,
     group_offset.reshape((1,)),
+    *cut_arrays,
   )
-  has_existing = existing_out is not None
-  aliased = has_existing or fill_unowned
   # NOTE: the output is padded (and the result sliced back to m rows) for the TPU simulator,
   # whose aliased outputs must not have a ragged last block (jax 0.10.2: "Out-of-bounds block
   # index"), and to a multiple of the output's DMA granule: Mosaic rejects a write-back from a
   # VMEM slice of m % granule rows at some widths (v5e, n = 200), so an m that is not a multiple
   # of 8 rows (f32; 16 bf16) costs one copy of the output.
   simulated = isinstance(interpret, pltpu.InterpretParams)
-  out_granule = common.row_granule(out_dtype)
-  align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=max(lhs_granule, out_granule))
   out_rows = m
   if simulated and aliased:
     out_rows = tiles_m * tm
@@ -671,9 +714,6 @@ def gmm_rowtile_pallas(
       vary_like=(lhs, rhs, group_sizes, group_offset, rhs_scales, lhs_scales),
     )
   present = (True, True, quantized, lhs_quantized, aliased)
-  # NOTE: where the rows of a visited tile outside the local rows must hold zeros or
-  # existing_out's values, the whole tile is written back; otherwise only the local rows.
-  write_whole_tiles = aliased
   w_block = (tn, k) if transpose_rhs else (k, tn)
   prep_block = (tn, k) if rows_stationary else w_block
   # NOTE: rhs blocks are [k, tn], or [tn, k] when transposed; contract lhs's k with rhs's k. With
@@ -686,6 +726,8 @@ def gmm_rowtile_pallas(
   def kernel(
     offsets_ref, first_ref, last_ref, rank_ref, load_ref, nloads_ref, active_ref, goff_ref, *refs
   ):
+    if pass_cuts:
+      (tstart_ref, reach_ref), refs = refs[:2], refs[2:]
     ins, outs, scratch = common.split_refs(
       refs, inputs=present, outputs=1 + count_rows, scratch=5 + quantized + prepare
     )
@@ -699,9 +741,16 @@ def gmm_rowtile_pallas(
     n_i, step = pl.program_id(0), pl.program_id(1)
     num_steps = active_ref[1]
     t = active_ref[0] + step
-    row0 = t * tm
     rows_start = offsets_ref[goff_ref[0]]
     rows_end = offsets_ref[goff_ref[0] + num_local_groups]
+
+    def tile_rows(tile):
+      # NOTE: (first row, end of the rows written back) of a tile: every tm rows, or the cuts.
+      if pass_cuts:
+        return pl.multiple_of(tstart_ref[tile], align), tstart_ref[tile + 1]
+      return tile * tm, tile * tm + tm
+
+    row0, row_end = tile_rows(t)
 
     # NOTE: lhs blocks and output blocks move by manual DMA, double-buffered along a chain of
     # grid steps: the whole grid with `sequential_sweeps` (one core runs it in order), else each
@@ -718,9 +767,27 @@ def gmm_rowtile_pallas(
     def local_rows(tile):
       # NOTE: rows [lo, hi) of `tile`, relative to its first row, that hold local rows: all of
       # them but in the first and last visited tiles (other shards' rows, a receive buffer's
-      # slack past sum(group_sizes)).
-      r0 = tile * tm
+      # slack past sum(group_sizes)). With pass cuts: the rows its passes read, which end at its
+      # last group's last pass (past its written rows when that pass reaches into the next tile).
+      r0, _ = tile_rows(tile)
+      if pass_cuts:
+        return r0, jnp.maximum(rows_start - r0, 0), reach_ref[tile] - r0
       return r0, jnp.maximum(rows_start - r0, 0), jnp.minimum(rows_end - r0, tm)
+
+    def written_rows(tile):
+      # NOTE: rows [lo, hi) of `tile` written back: the local ones when the rest are undefined,
+      # else the whole tile (zeros or existing_out there are part of the result). A cut tile
+      # writes up to the next cut (the rows its last pass computes past it are carried over to
+      # the next tile), and the metadata ends the last one where the output ends.
+      r0, end = tile_rows(tile)
+      lo = jnp.maximum(rows_start - r0, 0)
+      if pass_cuts:
+        hi = end - r0
+      elif write_whole_tiles:
+        hi = jnp.minimum(tm, out_rows - r0)
+      else:
+        hi = jnp.minimum(rows_end - r0, tm)
+      return r0, (0 * lo if write_whole_tiles else lo), hi
 
     def lhs_copies(tile, into):
       r0, lo, hi = local_rows(tile)
@@ -744,9 +811,7 @@ def gmm_rowtile_pallas(
         c_tile, c_col = active_ref[0] + c % num_steps, c // num_steps
       else:
         c_tile, c_col = active_ref[0] + c, n_i
-      r0, lo, hi = local_rows(c_tile)
-      if write_whole_tiles:
-        lo, hi = 0 * lo, jnp.minimum(tm, out_rows - r0)
+      r0, lo, hi = written_rows(c_tile)
       col = pl.multiple_of(c_col * tn, tn)
       return common.tile_row_copies(
         hbm_rows=lambda start, size: out_hbm.at[pl.ds(start, size), common.window(col, tn, n)],
@@ -820,7 +885,29 @@ def gmm_rowtile_pallas(
     # and last visited tiles can hold such rows (the local rows are contiguous); unvisited tiles
     # keep the aliased base buffer: existing_out, or zeros written by `_zeros_outside_active`.
     out_ref[...] = jnp.zeros((tm, tn), out_dtype)
-    if has_existing:
+    if has_existing and pass_cuts:
+      # NOTE: a cut tile whose written rows include rows outside the local ones (the first and
+      # last) starts them as existing_out's, DMA'd from the aliased buffer.
+      r0, lo, hi = written_rows(t)
+      col = pl.multiple_of(n_i * tn, tn)
+      reads = common.tile_row_copies(
+        hbm_rows=lambda start, size: base_hbm.at[pl.ds(start, size), common.window(col, tn, n)],
+        vmem_rows=lambda off, size: out_ref.at[pl.ds(off, size)],
+        sem=sems.at[2 + 2 * quantized],
+        row0=r0,
+        lo=lo,
+        hi=hi,
+        tm=tm,
+        m=out_rows,
+        granule=out_granule,
+      )
+
+      @pl.when((row0 < rows_start) | (row_end > rows_end))
+      def _read_base():
+        common.run_copies(reads, wait=False)
+        common.run_copies(reads, wait=True)
+
+    elif has_existing:
       rows_start = offsets_ref[goff_ref[0]]
       rows_end = offsets_ref[goff_ref[0] + num_local_groups]
       col = pl.multiple_of(n_i * tn, tn)
@@ -842,6 +929,21 @@ def gmm_rowtile_pallas(
         if tiles_m > 1:
           pl.when(partial & (t < tiles_m - 1))(lambda: read_base(tm))
         pl.when(partial & (t == tiles_m - 1))(lambda: read_base(last_rows))
+    if pass_cuts:
+      # NOTE: the previous cut tile's last pass may have computed rows of its last group past
+      # this tile's first row (fewer than `align`, before this tile's first group starts); they
+      # are written back with this tile, from the previous step's output slot (the other one,
+      # intact until the next step).
+      carried_end = offsets_ref[goff_ref[0] + jnp.minimum(first_ref[t], num_local_groups)]
+      prev_row0 = tstart_ref[jnp.maximum(t - 1, 0)]
+      offset = row0 - prev_row0
+
+      @pl.when((step > 0) & (carried_end > row0) & (offset + align <= tm))
+      def _carry():
+        prev = out_vmem.at[1 - slot][pl.ds(pl.multiple_of(offset, align), align), :]
+        row_ids = row0 + lax.broadcasted_iota(jnp.int32, (align, tn), 0)
+        out_ref[:align, :] = jnp.where(row_ids < carried_end, prev, out_ref[:align, :])
+
     if counts_ref is not None:
       counts_ref[n_i, t, 0] = 0
       counts_ref[n_i, t, 1] = 0
@@ -850,8 +952,7 @@ def gmm_rowtile_pallas(
         row0=row0, lo=lo, hi=hi, tm=tm, m=lhs_rows, granule=lhs_granule
       )
       counts_ref[n_i, t, 2] = jnp.where(fetched, end - first, 0)
-      if write_whole_tiles:
-        lo, hi = 0 * lo, jnp.minimum(tm, out_rows - row0)
+      _, lo, hi = written_rows(t)
       first, end = common.tile_row_range(
         row0=row0, lo=lo, hi=hi, tm=tm, m=out_rows, granule=out_granule
       )
@@ -917,9 +1018,11 @@ def gmm_rowtile_pallas(
         # NOTE: only passes over rows of g are multiplied: sub_m-row passes from g's first row in
         # this tile rounded down to `align` (`metadata.group_passes`). Rows a pass shares with a
         # neighbouring group are multiplied for each, and the row mask keeps each group's rows.
+        # NOTE: a cut tile counts its last group's passes up to the next cut: a last pass that
+        # starts before it is this tile's, and computes the group's rows past it too.
         first_row, passes = metadata.group_passes(
           jnp.maximum(start, row0) - row0,
-          jnp.minimum(end, row0 + tm) - row0,
+          jnp.minimum(end, row_end) - row0,
           sub_m=sub_m,
           align=align,
         )
@@ -972,7 +1075,7 @@ def gmm_rowtile_pallas(
     )
 
   # Index maps get (n_i, step, *prefetch refs).
-  def lhs_scales_map(n_i, step, offsets, first, last, rank, load, nloads, active, goff):
+  def lhs_scales_map(n_i, step, offsets, first, last, rank, load, nloads, active, goff, *cut):
     # NOTE: step s of an n-tile is m-tile active[0] + s: unvisited tiles are never fetched.
     return active[0] + step, 0
 
@@ -1006,11 +1109,11 @@ def gmm_rowtile_pallas(
   )
   result_and_cost["alias_last_operand"] = aliased
   result_and_cost["alias_when_interpreted"] = True
-  visited = jnp.arange(tiles_m) - groups.active_tiles[0]
+  visited = jnp.arange(count_tiles) - active[0]
   out = common.call_kernel(
     kernel,
     name="pallas_moe_gmm_rowtile",
-    grid=(tiles_n, groups.active_tiles[1]),
+    grid=(tiles_n, active[1]),
     prefetch=prefetch,
     operands=operands,
     in_specs=in_specs,
@@ -1035,9 +1138,9 @@ def gmm_rowtile_pallas(
     vmem_limit_bytes=vmem_limit_bytes,
     interpret=interpret,
     **result_and_cost,
-    counts_shape=(tiles_n, tiles_m, 4) if count_rows else None,
+    counts_shape=(tiles_n, count_tiles, 4) if count_rows else None,
     # NOTE: counters of unvisited tiles are never written (and those tiles did no work).
-    valid_counts=((visited >= 0) & (visited < groups.active_tiles[1]))[:, None],
+    valid_counts=((visited >= 0) & (visited < active[1]))[:, None],
   )
   if out_rows == m:
     return out

@@ -508,16 +508,16 @@ def _tile_groups(c, c_next, *, starts, ends, rows_end, num_local: int, sub_m: in
   # NOTE: -1 (no group) when the tile's last row is before the local rows.
   last = _holding_group(starts, c_next - 1, xp)
   last = xp.where(c_next > c, last, -1)
-  # NOTE: the last group's passes in the tile end where its pass holding row c_next - 1 ends;
-  # its rows stop at its end (or the tile's, for a group that goes on).
-  lg = xp.maximum(last, 0)
-  s, e = xp.maximum(starts[lg], c), ends[lg]
-  pass_end = (
-    _pass_start_at_or_before(starts, lg, xp.maximum(c_next - 1, s), sub_m=sub_m, align=align, xp=xp)
-    + sub_m
-  )
-  reach = xp.minimum(xp.minimum(pass_end, e), xp.maximum(rows_end, c))
-  reach = xp.where((last >= first) & (e > s), xp.maximum(reach, c), c)
+  # NOTE: the rows the tile computes end where the pass holding its last row ends (clipped to
+  # that row's group): past c_next when that pass is the group's last and reaches into the next
+  # group's first pass; at the local rows' end when the tile reaches past it.
+  r = c_next - 1
+  g = _holding_group(starts, r, xp)
+  gi = xp.maximum(g, 0)
+  pass_end = _pass_start_at_or_before(starts, gi, r, sub_m=sub_m, align=align, xp=xp) + sub_m
+  reach = xp.minimum(pass_end, ends[gi])
+  reach = xp.where(r >= rows_end, rows_end, reach)
+  reach = xp.where((g < 0) | (c_next <= c), c, xp.maximum(reach, c))
   return first, last, reach
 
 

@@ -42,7 +42,7 @@ GMM_CASES = [
   (67, 40, 48, 16, 48, 16, 5, 3, jnp.float32, jnp.float32, True, True),
   (200, 96, 256, 64, 128, 32, 16, 16, jnp.bfloat16, jnp.float32, False, False),
   (130, 64, 128, 256, 128, 256, 6, 4, jnp.bfloat16, jnp.bfloat16, True, False),
-  (300, 128, 256, 128, 256, 128, 9, 9, jnp.float32, jnp.bfloat16, False, True),
+  (300, 128, 256, 128, 256, 32, 9, 9, jnp.float32, jnp.bfloat16, False, True),
   (67, 40, 48, 16, 16, 8, 4, 1, jnp.float32, jnp.float32, True, False),
 ]
 # NOTE: cases run the kernel with `sequential_sweeps` (DMAs crossing n-tiles) or without, fixed
@@ -176,6 +176,15 @@ def check_gmm(
   )
   granule = max(common.row_granule(in_dtype), common.row_granule(out_dtype))
   align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=granule)
+  if metadata.uses_pass_cuts(m=m, tm=tm, sub_m=sub_m, align=align):
+    want = _pass_cut_counts(
+      sizes, offset, local, m=m, tm=tm, sub_m=sub_m, align=align, in_dtype=in_dtype,
+      out_dtype=out_dtype, sequential=sequential, interpret=interpret, sweeps=counts.shape[0],
+    )  # fmt: skip
+    np.testing.assert_array_equal(counts[..., [0, 2, 3]], want)
+    nonempty = int(np.sum(np.asarray(sizes)[offset : offset + local] > 0))
+    np.testing.assert_array_equal(counts[..., 1].sum(axis=1), nonempty)
+    return
   rows = np.asarray(
     metadata.rowtile_mxu_rows(groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m, align=align)
   )
@@ -201,6 +210,67 @@ def check_gmm(
   for t in range(first_tile, first_tile + visited):
     written[t] = min(tm, out_rows - t * tm)
   np.testing.assert_array_equal(counts[..., 3], np.broadcast_to(written, counts.shape[:2]))
+
+
+def _pass_cut_counts(
+  sizes,
+  offset,
+  local,
+  *,
+  m,
+  tm,
+  sub_m,
+  align,
+  in_dtype,
+  out_dtype,
+  sequential,
+  interpret,
+  sweeps,
+  whole=True,
+):
+  """[sweeps, tiles, 3] (MXU rows, lhs rows fetched, output rows written) per cut tile, from the
+  numpy cuts (`metadata.pass_cut_rows`) and the passes of `metadata.group_passes`, independent
+  of the kernel's traced metadata."""
+  sizes = np.asarray(sizes, np.int64)
+  offsets = np.concatenate([[0], np.minimum(np.cumsum(sizes), m)])
+  starts, ends = offsets[offset : offset + local], offsets[offset + 1 : offset + local + 1]
+  rows_start, rows_end = starts[0], ends[-1]
+  first_fixed = rows_start // tm if rows_end > rows_start else min(rows_start // tm, -(-m // tm) - 1)
+  num_fixed = (rows_end - 1) // tm - first_fixed + 1 if rows_end > rows_start else 1
+  lhs_granule, out_granule = common.row_granule(in_dtype), common.row_granule(out_dtype)
+  out_rows = -(-m // out_granule) * out_granule
+  if isinstance(interpret, pltpu.InterpretParams):
+    out_rows = -(-m // tm) * tm  # NOTE: see gmm_rowtile_pallas (aliased output, simulator)
+  first_row = first_fixed * tm
+  if not whole and rows_end > rows_start:
+    first_row = rows_start // align * align
+  cuts = metadata.pass_cut_rows(
+    starts=starts, ends=ends, first_row=first_row,
+    fixed_end=min((first_fixed + num_fixed) * tm, m), m=m, tm=tm, sub_m=sub_m, align=align,
+    write_whole_tiles=whole, xp=np,
+  )  # fmt: skip
+  c, reach = cuts["tile_start"], cuts["tile_reach"]
+  tiles = int(cuts["num_tiles"][0])
+  want = np.zeros((tiles, 3), np.int64)
+  for t in range(tiles):
+    for g in range(cuts["tile_first_group"][t], cuts["tile_last_group"][t] + 1):
+      if ends[g] > starts[g]:
+        s, e = max(starts[g], c[t]) - c[t], min(ends[g], c[t + 1]) - c[t]
+        want[t, 0] += max(metadata.group_passes(s, e, sub_m=sub_m, align=align)[1], 0) * sub_m
+    lo = max(rows_start - c[t], 0)
+    for col, (lo_t, hi_t, granule, rows) in enumerate(
+      [(lo, reach[t] - c[t], lhs_granule, -(-m // lhs_granule) * lhs_granule),
+       (0 if whole else lo, c[t + 1] - c[t], out_granule, out_rows)], start=1,
+    ):  # fmt: skip
+      first, end = common.tile_row_range(
+        row0=c[t], lo=lo_t, hi=hi_t, tm=tm, m=rows, granule=granule
+      )
+      want[t, col] = end - first
+  out = np.zeros((sweeps, max(metadata.max_pass_cut_tiles(m=m, tm=tm, sub_m=sub_m), tiles), 3))
+  out[:, :tiles] = want
+  if sequential and tiles == 1:
+    out[1:, :, 1] = 0  # NOTE: a single tile's lhs block is kept across sweeps
+  return out[:, : metadata.max_pass_cut_tiles(m=m, tm=tm, sub_m=sub_m)]
 
 
 def _edge_rows(sizes, offset, local, *, m, tm, granule):
@@ -475,6 +545,17 @@ def test_gmm_rowtile_moves_only_local_rows(capfd, sequential, stationary, in_dty
   _, counts = call(count_rows=True, interpret=True)
   counts = np.asarray(counts)
   granule = 8 * max(1, 4 // np.dtype(in_dtype).itemsize)
+  align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=granule)
+  if metadata.uses_pass_cuts(m=m, tm=tm, sub_m=sub_m, align=align):
+    want = _pass_cut_counts(
+      sizes, offset, local, m=m, tm=tm, sub_m=sub_m, align=align, in_dtype=in_dtype,
+      out_dtype=jnp.float32, sequential=sequential, interpret=True, sweeps=counts.shape[0],
+      whole=False,
+    )  # fmt: skip
+    np.testing.assert_array_equal(counts[..., [0, 2, 3]], want)
+    # NOTE: the edge tiles move fewer rows than a whole tile (the point of the manual DMAs).
+    assert want[0, :, 2].sum() < tm * np.count_nonzero(want[0, :, 2])
+    return
   fetched = _edge_rows(sizes, offset, local, m=m, tm=tm, granule=granule)
   if sequential and np.count_nonzero(fetched) == 1:
     fetched = np.stack([fetched] + [0 * fetched] * (counts.shape[0] - 1))
