@@ -21,7 +21,7 @@ from pallas_moe.generations import (
   sequential_sweeps,
   tensorcore_rates,
 )
-from pallas_moe.metadata import group_passes, pass_align
+from pallas_moe.metadata import group_passes, pass_align, pass_cut_rows, uses_pass_cuts
 
 
 def _dot_macs(*, rows: int, contract: int, cols: int, mxu: int, min_rows: int | None = None) -> int:
@@ -69,9 +69,15 @@ def rows_stationary_pays(
 
 
 def _rowtile_pairs(
-  starts: np.ndarray, ends: np.ndarray, *, tm: int, sub_m: int, align: int | None = None
+  starts: np.ndarray,
+  ends: np.ndarray,
+  *,
+  tm: int,
+  sub_m: int,
+  align: int | None = None,
+  cuts: dict[str, Any] | None = None,
 ):
-  """The (group, m-tile) pairs a row-tile kernel multiplies, and the passes of each.
+  """The (group, tile) pairs a row-tile kernel multiplies, and the passes of each.
 
   Args:
     starts: [groups] first row of each group (int64).
@@ -79,11 +85,17 @@ def _rowtile_pairs(
     tm: m tile.
     sub_m: rows per MXU pass.
     align: the passes' alignment (`metadata.pass_align`); None: sub_m (the sub_m grid).
+    cuts: gmm's pass-cut tiles (`metadata.pass_cut_rows(xp=np)`, in the coordinates of
+      starts / ends); None: fixed m-tiles [t * tm, (t + 1) * tm).
 
   Returns:
-    (pair_group, pair_tile, pair_hits), in group order: every non-empty group with each tile it
-    intersects, and the number of its sub_m-row passes there (`metadata.group_passes`).
+    (pair_g, pair_t, pair_hits), in group order (fixed tiles) or tile order (pass cuts): every
+    non-empty group with each tile it has passes in, and the number of its sub_m-row passes there
+    (`metadata.group_passes`). Tiles are m-tile indices, or pass-cut tile indices with cuts.
   """
+  align = sub_m if align is None else align
+  if cuts is not None:
+    return _pass_cut_pairs(starts, ends, cuts=cuts, sub_m=sub_m, align=align)
   nonempty = ends > starts
   first_t = np.where(nonempty, starts // tm, 0)
   last_t = np.where(nonempty, (np.maximum(ends, 1) - 1) // tm, -1)
@@ -95,8 +107,29 @@ def _rowtile_pairs(
   lo = pair_t * tm
   s = np.maximum(starts[pair_g], lo) - lo
   e = np.minimum(ends[pair_g], lo + tm) - lo
-  _, hits = group_passes(s, e, sub_m=sub_m, align=sub_m if align is None else align)
+  _, hits = group_passes(s, e, sub_m=sub_m, align=align)
   return pair_g, pair_t, hits
+
+
+def _pass_cut_pairs(starts: np.ndarray, ends: np.ndarray, *, cuts, sub_m: int, align: int):
+  """`_rowtile_pairs` on pass-cut tiles: tile t's groups are tile_first_group[t] ..
+  tile_last_group[t], and a group's passes there cover its rows in [tile_start[t],
+  tile_start[t + 1]) as the kernel counts them (pairs without a pass are dropped)."""
+  c = np.asarray(cuts["tile_start"], np.int64)
+  num_tiles = int(np.asarray(cuts["num_tiles"]).reshape(-1)[0])
+  first = np.asarray(cuts["tile_first_group"], np.int64)[:num_tiles]
+  last = np.asarray(cuts["tile_last_group"], np.int64)[:num_tiles]
+  counts = np.maximum(last - first + 1, 0)
+  pair_t = np.repeat(np.arange(num_tiles), counts)
+  pair_g = np.repeat(first, counts) + (
+    np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+  )
+  c0, c1 = c[pair_t], c[pair_t + 1]
+  s = np.maximum(starts[pair_g], c0) - c0
+  e = np.minimum(ends[pair_g], c1) - c0
+  _, hits = group_passes(s, e, sub_m=sub_m, align=align)
+  keep = (hits > 0) & (ends[pair_g] > starts[pair_g])
+  return pair_g[keep], pair_t[keep], hits[keep]
 
 
 def rowtile_manual_dma(
@@ -111,6 +144,7 @@ def rowtile_manual_dma(
   block_bytes: float,
   sequential_sweeps: bool,
   align: int | None = None,
+  cuts: dict[str, Any] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Per grid step: bytes of the row-tile kernels' manual DMAs, split into overlapped and exposed.
 
@@ -135,22 +169,32 @@ def rowtile_manual_dma(
     block_bytes: bytes of one load / write.
     sequential_sweeps: the kernels' option: DMAs cross sweeps (see the kernels).
     align: gmm's pass alignment (`metadata.pass_align`); None: sub_m.
+    cuts: gmm only: the kernel's pass-cut tiles (`metadata.pass_cut_rows(xp=np)`, in the
+      coordinates of starts / ends), whose tiles are the grid steps of a sweep; None: fixed
+      m-tiles (m and tm give their number).
 
   Returns:
-    (overlapped, exposed), each [sweeps * tiles_m] bytes in grid-step order.
+    (overlapped, exposed), each [sweeps * tiles] bytes in grid-step order (tiles: cdiv(m, tm),
+    or cuts' num_tiles).
   """
   if kind not in ("gmm", "tgmm"):
     raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
+  if cuts is not None and kind != "gmm":
+    raise ValueError("cuts (pass-cut tiles) are gmm's only; pass cuts=None for kind='tgmm'.")
   starts = np.asarray(starts, np.int64)
   ends = np.asarray(ends, np.int64)
   num_groups = starts.size
-  tiles_m = max(1, -(-m // tm))
+  if cuts is None:
+    tiles_m = max(1, -(-m // tm))
+  else:
+    tiles_m = int(np.asarray(cuts["num_tiles"]).reshape(-1)[0])
   nonempty = ends > starts
   # NOTE: the work of one sweep as (tile, group) pairs in kernel order (tiles in order, groups in
   # order within a tile), each with the MXU rows it pushes; tgmm also has a pair without work
   # where an empty group is finalized.
-  first_t = np.where(nonempty, starts // tm, 0)
-  pair_g, pair_t, pair_hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub_m, align=align)
+  pair_g, pair_t, pair_hits = _rowtile_pairs(
+    starts, ends, tm=tm, sub_m=sub_m, align=align, cuts=cuts
+  )
   pair_rows = pair_hits * sub_m
   fin = None
   if kind == "tgmm":
@@ -182,8 +226,9 @@ def rowtile_manual_dma(
 
   if kind == "gmm":
     # NOTE: load r is waited at group r's first pair and started at group r - 1's first pair.
-    loaded = np.flatnonzero(nonempty)
-    first_pair = np.searchsorted(pair_key, first_t[loaded] * num_groups + loaded)
+    # A group's first pair in kernel order is in the tile of its first pass (starts // tm with
+    # fixed tiles; a pass-cut tile's index otherwise).
+    _, first_pair = np.unique(pair_g, return_index=True)
     loads = first_pair.size
     within = [(first_pair[r - 1], first_pair[r], pair_t[first_pair[r]]) for r in range(1, loads)]
     # The first load of a sweep, started where it is waited for.
@@ -339,6 +384,7 @@ def rowtile_step_costs(
   peak_flops: float | None = None,
   buffer_rows: int | None = None,
   unowned_rows: str = "zero",
+  fixed_tiles: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Per-step MXU seconds and HBM bytes of a row-tile kernel's whole grid.
 
@@ -349,6 +395,10 @@ def rowtile_step_costs(
   first sum(group_sizes) rows (a receive buffer's layout). The kernels' `sequential_sweeps`
   follows the generation, as in `pallas_moe.ops`. The zero fill of gmm's unvisited rows (a
   separate kernel) is not a step here: `rowtile_fill_bytes`.
+
+  gmm cuts its tiles on the groups' pass grids where `metadata.uses_pass_cuts` holds (m: the
+  buffer's rows): the grid then walks the `metadata.pass_cut_rows` tiles, a group pays no
+  partial pass where a tile boundary cuts it, and each tile moves its own rows.
 
   Args:
     group_sizes: rows per local group (numpy).
@@ -370,10 +420,13 @@ def rowtile_step_costs(
       the local rows of a tile are written back (rounded to the output's granule); "zero" (the
       default) or "existing" (an `existing_out`): rows outside them are part of the result, so
       every visited tile is written whole (clipped at the buffer's end).
+    fixed_tiles: gmm: model fixed m-tiles even where the kernel cuts its tiles on the pass
+      grids (the kernel without pass cuts, for comparisons).
 
   Returns:
-    (mxu_seconds, overlapped_bytes, exposed_bytes), each [sweeps * tiles_m] in grid-step order:
-    a step takes max(mxu, overlapped / bandwidth) + exposed / bandwidth.
+    (mxu_seconds, overlapped_bytes, exposed_bytes), each [sweeps * tiles] in grid-step order
+    (tiles: the visited m-tiles, or the pass-cut tiles): a step takes max(mxu, overlapped /
+    bandwidth) + exposed / bandwidth.
   """
   if unowned_rows not in ("zero", "undefined", "existing"):
     raise ValueError(
@@ -388,9 +441,28 @@ def rowtile_step_costs(
   m = int(ends[-1]) if gs.size else 0
   tiles_m = max(1, -(-m // tm))
   align = None
+  end = m if buffer_rows is None else max(m, buffer_rows)
+  cuts = None
   if kind == "gmm":
     align = gmm_pass_align(sub_m=sub, tm=tm, lhs_itemsize=lhs_itemsize, out_itemsize=out_itemsize)
-  _, t, hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub, align=align)
+    if not fixed_tiles and gs.size and uses_pass_cuts(m=end, tm=tm, sub_m=sub, align=align):
+      # NOTE: as `metadata.make_pass_cut_tiles` on the local rows [0, m): the first visited
+      # fixed tile is tile 0, and the fixed tiles visited end at cdiv(m, tm) * tm (at least one
+      # tile), clipped at the buffer's end.
+      cuts = pass_cut_rows(
+        starts=starts,
+        ends=ends,
+        first_row=0,
+        fixed_end=min(tiles_m * tm, end),
+        m=end,
+        tm=tm,
+        sub_m=sub,
+        align=align,
+        write_whole_tiles=unowned_rows != "undefined",
+        xp=np,
+      )
+      tiles_m = int(cuts["num_tiles"][0])
+  _, t, hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub, align=align, cuts=cuts)
   # NOTE: one sub-block dot in the orientation the kernel runs (`rows_stationary_pays`).
   swap = rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen)
   if kind == "gmm":
@@ -401,10 +473,14 @@ def rowtile_step_costs(
   peak = gen.peak_bf16_flops if peak_flops is None else peak_flops
   mxu_s = np.bincount(t, hits * 2.0 * macs, tiles_m) / peak
   # NOTE: the row blocks move the tile's local rows [0, m) rounded out to the granule and
-  # clipped at the operands' end (the buffer's, when it has slack).
-  end = m if buffer_rows is None else max(m, buffer_rows)
-  row0 = np.arange(tiles_m) * tm
-  lo, hi = np.zeros(tiles_m, np.int64), np.minimum(m - row0, tm)
+  # clipped at the operands' end (the buffer's, when it has slack); a pass-cut tile's lhs the
+  # rows its passes reach (past its end where it computes rows carried over to the next).
+  if cuts is None:
+    row0 = np.arange(tiles_m) * tm
+    lo, hi = np.zeros(tiles_m, np.int64), np.minimum(m - row0, tm)
+  else:
+    row0 = cuts["tile_start"][:tiles_m]
+    lo, hi = np.zeros(tiles_m, np.int64), cuts["tile_reach"][:tiles_m] - row0
 
   def moved(g):
     # NOTE: gmm pads its lhs and output rows to the granule (when the granule divides tm).
@@ -415,11 +491,22 @@ def rowtile_step_costs(
   sweeps = tiles_k * tiles_n
   tile = np.tile(np.arange(tiles_m), sweeps)
   if kind == "gmm":
-    out_rows = (
-      moved(row_granule_of(out_itemsize))
-      if unowned_rows == "undefined"
-      else np.minimum(_padded(end, row_granule_of(out_itemsize), tm) - row0, tm)
-    )
+    out_granule = row_granule_of(out_itemsize)
+    if cuts is not None:
+      # NOTE: a pass-cut tile writes its rows [tile_start[t], tile_start[t + 1]): the local
+      # rows, or (written whole) the visited fixed tiles' rows, cut the same way.
+      out_rows = tile_rows_moved(
+        row0=row0,
+        lo=lo,
+        hi=cuts["tile_start"][1 : tiles_m + 1] - row0,
+        tm=tm,
+        m=_padded(end, out_granule, tm),
+        granule=out_granule,
+      )
+    elif unowned_rows == "undefined":
+      out_rows = moved(out_granule)
+    else:
+      out_rows = np.minimum(_padded(end, out_granule, tm) - row0, tm)
     fetches = [(np.tile(moved(row_granule_of(lhs_itemsize)) * k * lhs_itemsize, sweeps), tile)]
     writes = np.tile(out_rows * tn * out_itemsize, sweeps)
     block = k * tn * rhs_itemsize
@@ -448,6 +535,7 @@ def rowtile_step_costs(
     block_bytes=block,
     sequential_sweeps=seq,
     align=align,
+    cuts=cuts,
   )
   return np.tile(mxu_s, sweeps), over + row_over, exposed + row_exposed
 
