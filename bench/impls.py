@@ -889,22 +889,64 @@ def pallas_moe_step_scale(
   return scale
 
 
+# NOTE: the row-tile gmm's scalar prefetch: offsets, first, last, load_rank, load_group,
+# num_loads, active_tiles, group_offset, and with pass cuts tile_start, tile_reach; tgmm's:
+# offsets, first, last, finalize_tile, active_tiles, group_offset.
+_GMM_PASS_CUT_PREFETCH = 10
+
+
+def _prefetch_tail(ctx: StepContext) -> int:
+  """Entries after a row-tile kernel's group_offset in its prefetch (2 with pass cuts)."""
+  return 2 if len(ctx.index_operands) == _GMM_PASS_CUT_PREFETCH else 0
+
+
 def _local_groups(ctx: StepContext) -> tuple[np.ndarray, np.ndarray]:
   """(starts, ends) rows of the local groups, from a row-tile kernel's prefetched schedule."""
   prefetch = [np.asarray(x) for x in ctx.index_operands]
-  offsets, goff = prefetch[0], int(prefetch[-1].reshape(-1)[0])
+  offsets = prefetch[0]
+  goff = int(prefetch[-1 - _prefetch_tail(ctx)].reshape(-1)[0])
   num_local = prefetch[3].shape[0]
   return offsets[goff : goff + num_local], offsets[goff + 1 : goff + num_local + 1]
 
 
 def _first_active_tile(ctx: StepContext) -> int:
-  """The m-tile of a row-tile kernel's first m step (`metadata.TileGroups.active_tiles`)."""
-  return int(np.asarray(ctx.index_operands[-2]).reshape(-1)[0])
+  """The m-tile of a row-tile kernel's first m step (`metadata.TileGroups.active_tiles`; 0 with
+  pass cuts, whose steps are the cut tiles)."""
+  return int(np.asarray(ctx.index_operands[-2 - _prefetch_tail(ctx)]).reshape(-1)[0])
+
+
+def _pass_cuts(ctx: StepContext) -> dict[str, np.ndarray] | None:
+  """The row-tile gmm's pass-cut tiles (`metadata.pass_cut_rows`' dict) from its prefetch, or
+  None when it runs fixed m-tiles."""
+  if not _prefetch_tail(ctx):
+    return None
+  prefetch = [np.asarray(x).astype(np.int64) for x in ctx.index_operands]
+  return dict(
+    tile_start=prefetch[8],
+    tile_reach=prefetch[9],
+    tile_first_group=prefetch[1],
+    tile_last_group=prefetch[2],
+    num_tiles=prefetch[6].reshape(-1)[1:2],
+  )
 
 
 def _rowtile_hits(ctx: StepContext, *, tm: int, sub_m: int, align: int) -> np.ndarray:
   """Per step: the passes multiplied."""
   starts, ends = _local_groups(ctx)
+  cuts = _pass_cuts(ctx)
+  if cuts is not None:
+    # NOTE: step s is cut tile s: its groups first..last, their passes up to the next cut.
+    tile = ctx.program_ids[-1].astype(np.int64)
+    row0 = cuts["tile_start"][tile][:, None]
+    row_end = cuts["tile_start"][tile + 1][:, None]
+    g = np.arange(starts.size)[None, :]
+    mine = (g >= cuts["tile_first_group"][tile][:, None]) & (
+      g <= cuts["tile_last_group"][tile][:, None]
+    )
+    s = np.maximum(starts[None, :], row0) - row0
+    e = np.minimum(ends[None, :], row_end) - row0
+    _, passes = metadata.group_passes(s, e, sub_m=sub_m, align=align)
+    return np.where(mine & (e > s) & (ends > starts)[None, :], passes, 0).sum(axis=1)
   # NOTE: the grid's m axis walks only the visited tiles, from the first active one.
   tile = ctx.program_ids[-1] + _first_active_tile(ctx)
   row0 = tile[:, None].astype(np.int64) * tm
@@ -1050,10 +1092,13 @@ def rowtile_hooks(
       zero_rows = first * tm + max(0, rows - (first + num) * tm)
       return np.full(1, float(zero_rows * out_cols * out_itemsize)), np.zeros(1)
     starts, ends = _local_groups(ctx)
-    # NOTE: in the coordinates of the visited tiles (the grid starts at the first active one).
+    # NOTE: in the coordinates of the visited tiles (the grid starts at the first active one);
+    # pass-cut tiles are in the rows' own.
+    cuts = _pass_cuts(ctx)
     shift = _first_active_tile(ctx) * tm
     sweeps = math.prod(ctx.grid[:-1])
     over, exposed = tiling_lib.rowtile_manual_dma(
+      cuts=cuts,
       starts=starts - shift,
       ends=ends - shift,
       m=ctx.grid[-1] * tm,
@@ -1080,6 +1125,14 @@ def rowtile_hooks(
     # NOTE: the local rows [rows_start, rows_end) in the tile, relative to its first row.
     lo = np.maximum(starts[0] - row0, 0) if starts.size else np.zeros_like(row0)
     hi = np.minimum(ends[-1] - row0, tm) if ends.size else np.zeros_like(row0)
+    cuts = _pass_cuts(ctx)
+    written_hi = None
+    if cuts is not None:
+      # NOTE: a cut tile fetches the rows its passes read and writes up to the next cut.
+      row0 = cuts["tile_start"][tile]
+      lo = np.maximum(starts[0] - row0, 0)
+      hi = cuts["tile_reach"][tile] - row0
+      written_hi = cuts["tile_start"][tile + 1] - row0
 
     def moved(granule):
       # NOTE: gmm pads its lhs and output rows to the granule (when the granule divides tm).
@@ -1104,7 +1157,14 @@ def rowtile_hooks(
       ]
       return dict(fetches=fetches, writes=np.zeros(tile.size))
     lhs_rows = moved(tiling_lib.row_granule_of(lhs_itemsize))
-    if unowned_rows == "undefined":
+    if written_hi is not None:
+      granule = tiling_lib.row_granule_of(out_itemsize)
+      padded = -(-rows // granule) * granule
+      out_lo = lo if unowned_rows == "undefined" else 0 * lo
+      out_rows = tiling_lib.tile_rows_moved(
+        row0=row0, lo=out_lo, hi=written_hi, tm=tm, m=padded, granule=granule
+      )
+    elif unowned_rows == "undefined":
       out_rows = moved(tiling_lib.row_granule_of(out_itemsize))
     else:
       granule = tiling_lib.row_granule_of(out_itemsize)

@@ -85,6 +85,8 @@ class KernelTiling:
       (`tiling.rows_stationary_pays`: tn is not a multiple of the MXU width, e.g. 1408 on v6e).
     fill_unowned: row-tile gmm only: write exact zeros to the rows outside the local groups'
       tiles (False: `gmm(..., unowned_rows="undefined")`).
+    pass_cuts: row-tile gmm only: cut the m-tiles on the groups' pass grids
+      (`tiling.rowtile_pass_cuts_pay`).
   """
 
   tiles: Tiles
@@ -94,6 +96,7 @@ class KernelTiling:
   sequential_sweeps: bool = False
   rows_stationary: bool = False
   fill_unowned: bool = True
+  pass_cuts: bool = False
 
   def kwargs(self) -> dict[str, Any]:
     kw = dict(tiling=self.tiles, sub_m=self.sub_m, vmem_limit_bytes=self.vmem_limit_bytes)
@@ -193,6 +196,20 @@ def _resolve_tiles(
       **vmem, kind=f"{kind}_rowtile", generation=generation, rows_stationary=swap
     )
     if estimate <= budget or not (interpret is None or interpret is False):
+      pass_cuts = kind == "gmm" and tiling_lib.rowtile_pass_cuts_pay(
+        m=m,
+        k=k,
+        n=n,
+        num_groups=num_groups,
+        tiles=(tm, tk, tn),
+        lhs_dtype=lhs_dtype,
+        rhs_dtype=rhs_dtype,
+        out_dtype=out_dtype,
+        generation=generation,
+        narrow_dot=narrow_dot,
+        expected_rows=expected_rows,
+        unowned_rows=unowned_rows,
+      )
       return KernelTiling(
         tiles=(tm, tk, tn),
         sub_m=sub_m,
@@ -200,6 +217,7 @@ def _resolve_tiles(
         rowtile=True,
         sequential_sweeps=tiling_lib.sequential_sweeps(generation),
         rows_stationary=swap,
+        pass_cuts=pass_cuts,
       )
   estimate = tiling_lib.vmem_estimate_bytes(**vmem, kind=kind)
   if interpret is None or interpret is False:
@@ -282,6 +300,8 @@ def _run_gmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
       sequential_sweeps=kt.sequential_sweeps,
       rows_stationary=kt.rows_stationary,
       fill_unowned=kt.fill_unowned,
+      # NOTE: a quantized lhs's per-row scales come in m-tile blocks: no cuts there.
+      pass_cuts=kt.pass_cuts and kwargs.get("lhs_scales") is None,
       **kwargs,
     )
   return gmm_pallas(lhs, rhs, group_sizes, **kt.kwargs(), **kwargs)

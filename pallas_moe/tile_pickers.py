@@ -7,6 +7,8 @@ within the VMEM budget (`vmem`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pallas_moe.generations import (
@@ -15,7 +17,8 @@ from pallas_moe.generations import (
   narrow_peak,
   pass_rows,
 )
-from pallas_moe.schedule_cost import rows_stationary_pays, rowtile_modeled_seconds
+from pallas_moe.metadata import uses_pass_cuts
+from pallas_moe.schedule_cost import gmm_pass_align, rows_stationary_pays, rowtile_modeled_seconds
 from pallas_moe.vmem import usable_vmem_bytes, vmem_estimate_bytes
 
 _MIB = 1024 * 1024
@@ -207,6 +210,29 @@ def _divisor_tiles(dim: int) -> list[int]:
 _FILL_SPREAD = 816
 
 
+def _picker_draws(*, m: int, num_groups: int, expected_rows: int | None) -> list[np.ndarray]:
+  """The group sizes the row-tile pickers score on (see `pick_rowtile_tiling`)."""
+  # NOTE: group boundaries of a real routing fall anywhere; equal sizes would put them at regular,
+  # often MXU-aligned rows and hide the per-tile imbalance. A fixed-seed uniform multinomial
+  # draw stands in for the routing the kernel will see.
+  rows = m if expected_rows is None else max(1, min(int(expected_rows), m))
+  # NOTE: with slack, where the real rows end relative to the tile boundaries decides how much of
+  # the last visited tile's MXU sub-blocks (and, where the output is written whole, its output
+  # rows) do no real work. The real count varies around the expectation, so each tiling is scored
+  # at a few ends spread over the largest tm (not multiples of any smaller one): an even chance
+  # for every tm.
+  ends = [rows] if rows == m else sorted({min(m, rows + j * _FILL_SPREAD) for j in range(5)})
+  return [
+    np.random.default_rng(_PICKER_SEED).multinomial(r, np.full(num_groups, 1 / num_groups))
+    for r in ends
+  ]
+
+
+def _draws_seconds(draws: list[np.ndarray], **kwargs: Any) -> float:
+  """Mean `rowtile_modeled_seconds` over the draws."""
+  return sum(rowtile_modeled_seconds(group_sizes=d, **kwargs) for d in draws) / len(draws)
+
+
 def pick_rowtile_tiling(
   *,
   m: int,
@@ -270,17 +296,7 @@ def pick_rowtile_tiling(
   # NOTE: group boundaries of a real routing fall anywhere; equal sizes would put them at regular,
   # often MXU-aligned rows and hide the per-tile imbalance. A fixed-seed uniform multinomial
   # draw stands in for the routing the kernel will see.
-  rows = m if expected_rows is None else max(1, min(int(expected_rows), m))
-  # NOTE: with slack, where the real rows end relative to the tile boundaries decides how much of
-  # the last visited tile's MXU sub-blocks (and, where the output is written whole, its output
-  # rows) do no real work. The real count varies around the expectation, so each tiling is scored
-  # at a few ends spread over the largest tm (not multiples of any smaller one): an even chance
-  # for every tm.
-  ends = [rows] if rows == m else sorted({min(m, rows + j * _FILL_SPREAD) for j in range(5)})
-  draws = [
-    np.random.default_rng(_PICKER_SEED).multinomial(r, np.full(num_groups, 1 / num_groups))
-    for r in ends
-  ]
+  draws = _picker_draws(m=m, num_groups=num_groups, expected_rows=expected_rows)
   # NOTE: tgmm's tm is the lane dim of its [tk, tm] lhs block: a multiple of 128 or all of m.
   align = 128 if kind == "tgmm" else 8
   tms = {min(t, -(-m // align) * align) for t in (128, 256, 512, 1024, 2048, 4096)}
@@ -302,9 +318,10 @@ def pick_rowtile_tiling(
         )
         if est > budget:
           continue
-        score = sum(
-          rowtile_modeled_seconds(
-            group_sizes=sizes,
+        # NOTE: gmm at the better of fixed and pass-cut tiles (`rowtile_pass_cuts_pay`).
+        score = min(
+          _draws_seconds(
+            draws,
             k=k,
             n=n,
             tm=tm,
@@ -319,11 +336,49 @@ def pick_rowtile_tiling(
             step_overhead_s=step_overhead_s,
             buffer_rows=m,
             unowned_rows=unowned_rows,
+            fixed_tiles=fixed,
           )
-          for sizes in draws
-        ) / len(draws)
+          for fixed in ((True, False) if kind == "gmm" else (True,))
+        )
         scored.append((score, est, (tm, tk, tn)))
   if not scored:
     return None
   best = min(score for score, _, _ in scored)
   return min((est, tiles) for score, est, tiles in scored if score <= 1.01 * best)[1]
+
+
+def rowtile_pass_cuts_pay(
+  *,
+  m: int,
+  k: int,
+  n: int,
+  num_groups: int,
+  tiles: tuple[int, int, int],
+  lhs_dtype: Any,
+  rhs_dtype: Any,
+  out_dtype: Any,
+  generation: str | TpuGeneration,
+  narrow_dot: bool = False,
+  expected_rows: int | None = None,
+  unowned_rows: str = "zero",
+) -> bool:
+  """Whether the row-tile gmm should cut its tiles on the groups' pass grids at these tiles.
+
+  Pass cuts (`metadata.make_pass_cut_tiles`) save the partial passes where a tile boundary cuts
+  a group, at the cost of a few more (shorter) grid steps: where the steps are HBM-bound or the
+  per-step overhead dominates, the saving is hidden and the extra steps cost. Decided by the
+  picker's model on its draws (`pick_rowtile_tiling` scores gmm tiles at the better of the two).
+  False where the kernel cannot cut (`metadata.uses_pass_cuts`).
+  """
+  gen = get_generation(generation)
+  tm, tk, tn = tiles
+  sub = pass_rows(tm, gen, kind="gmm", tn=tn)
+  li, ri, oi = _itemsize(lhs_dtype), _itemsize(rhs_dtype), _itemsize(out_dtype)
+  align = gmm_pass_align(sub_m=sub, tm=tm, lhs_itemsize=li, out_itemsize=oi)
+  if not uses_pass_cuts(m=m, tm=tm, sub_m=sub, align=align):
+    return False
+  draws = _picker_draws(m=m, num_groups=num_groups, expected_rows=expected_rows)
+  kw = dict(k=k, n=n, tm=tm, tk=tk, tn=tn, kind="gmm", lhs_itemsize=li, rhs_itemsize=ri)
+  kw.update(out_itemsize=oi, generation=gen, buffer_rows=m, unowned_rows=unowned_rows)
+  kw.update(peak_flops=narrow_peak(gen, lhs_dtype) if narrow_dot else None)
+  return _draws_seconds(draws, **kw) < _draws_seconds(draws, **kw, fixed_tiles=True)

@@ -39,7 +39,7 @@ from pallas_moe.schedule_cost import (
   rowtile_step_costs,
   tile_rows_moved,
 )
-from pallas_moe.tile_pickers import pick_rowtile_tiling, pick_tiling
+from pallas_moe.tile_pickers import pick_rowtile_tiling, pick_tiling, rowtile_pass_cuts_pay
 from pallas_moe.vmem import check_fits_vmem, usable_vmem_bytes, vmem_estimate_bytes, vmem_limit_for
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
   "check_fits_vmem",
   "pick_tiling",
   "pick_rowtile_tiling",
+  "rowtile_pass_cuts_pay",
   "rowtile_manual_dma",
   "rowtile_modeled_seconds",
   "rowtile_row_dma",

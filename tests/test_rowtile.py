@@ -235,7 +235,9 @@ def _pass_cut_counts(
   offsets = np.concatenate([[0], np.minimum(np.cumsum(sizes), m)])
   starts, ends = offsets[offset : offset + local], offsets[offset + 1 : offset + local + 1]
   rows_start, rows_end = starts[0], ends[-1]
-  first_fixed = rows_start // tm if rows_end > rows_start else min(rows_start // tm, -(-m // tm) - 1)
+  first_fixed = rows_start // tm
+  if rows_end <= rows_start:
+    first_fixed = min(first_fixed, -(-m // tm) - 1)
   num_fixed = (rows_end - 1) // tm - first_fixed + 1 if rows_end > rows_start else 1
   lhs_granule, out_granule = common.row_granule(in_dtype), common.row_granule(out_dtype)
   out_rows = -(-m // out_granule) * out_granule
@@ -703,8 +705,11 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
   # fall in the last tile, which is visited, so the fill writes nothing.
   assert [s.operand_bytes["manual"] for s in fill] == ([] if op == "drhs" else [0])
   _, counts = call(lhs, rhs, jnp.asarray(sizes), True)
-  counts = np.asarray(counts)
+  # NOTE: the grid's steps per sweep: the visited m-tiles, or (gmm here) the pass-cut tiles.
+  counts = np.asarray(counts)[:, : sched.step_scale.size // counts.shape[0]]
   counts = counts.reshape(-1, counts.shape[-1])
+  if op != "drhs":
+    assert metadata.uses_pass_cuts(m=m, tm=tm, sub_m=sub_m, align=8)  # NOTE: f32 rows: 8
   if op == "drhs":
     # NOTE: the tgmm's dots by kind (sub-blocks: 1, 2 (a run), 1); the model pads each dot's
     # 32 or 64 rows to the 128-row MXU, so its scale is dots over the body's three.
