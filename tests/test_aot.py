@@ -428,3 +428,53 @@ def test_tgmm_rowtile_row_dmas_compile(gen, m, tiles, sequential, rows_stationar
     _sds(gen, m, n, dtype=dtype),
     _sds(gen, g, dtype=jnp.int32),
   )
+
+
+# (generation, m, (tm, tn), sub_m, sequential, rows_stationary, lhs dtype, out dtype, rows mode)
+_GMM_PASS_CUTS = [
+  ("v5e", 1000, (256, 128), 128, True, False, BF16, BF16, "zero"),
+  ("v6e", 1000, (512, 256), 256, True, True, BF16, jnp.float32, "existing"),
+  ("v5p", 1000, (256, 256), 128, False, False, jnp.float32, BF16, "undefined"),
+  ("tpu7x", 1000, (512, 256), 256, True, False, BF16, BF16, "undefined"),
+]
+
+
+@pytest.mark.parametrize(
+  "gen, m, tiles, sub_m, sequential, rows_stationary, in_dtype, out_dtype, rows", _GMM_PASS_CUTS,
+  ids=str,
+)  # fmt: skip
+def test_gmm_rowtile_pass_cuts_compile(
+  gen, m, tiles, sub_m, sequential, rows_stationary, in_dtype, out_dtype, rows
+):
+  """The row-tile gmm with m-tiles cut on the groups' pass grids (tile starts from SMEM, the
+  carried rows of a last pass read from the other output slot) compiles with Mosaic, in each
+  way it writes rows outside the local ones."""
+  from pallas_moe.gmm import gmm_rowtile_pallas
+
+  tm, tn = tiles
+  g, k, n = 4, 256, 2 * tn
+  existing = rows == "existing"
+
+  def fn(x, w, gs, *ex):
+    return gmm_rowtile_pallas(
+      x,
+      w,
+      gs,
+      tm=tm,
+      tn=tn,
+      out_dtype=out_dtype,
+      group_offset=jnp.int32(1),
+      existing_out=ex[0] if existing else None,
+      sub_m=sub_m,
+      sequential_sweeps=sequential,
+      rows_stationary=rows_stationary,
+      fill_unowned=rows == "zero",
+      pass_cuts=True,
+      interpret=False,
+    )
+
+  args = [_sds(gen, m, k, dtype=in_dtype), _sds(gen, g - 1, k, n, dtype=in_dtype)]
+  args.append(_sds(gen, g, dtype=jnp.int32))
+  if existing:
+    args.append(_sds(gen, m, n, dtype=out_dtype))
+  _compile(gen, fn, *args)

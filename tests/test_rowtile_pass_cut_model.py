@@ -6,7 +6,7 @@ one step per pass-cut tile and sweep, and where the kernel keeps fixed m-tiles
 import numpy as np
 import pytest
 
-from pallas_moe import metadata, schedule_cost, tiling
+from pallas_moe import metadata, schedule_cost, tile_pickers, tiling
 
 # NOTE: v6e gmm with tn a multiple of its 256-wide MXU passes 128 rows (`pass_rows`); bf16 rows
 # align passes to 16 (`gmm_pass_align`); two n sweeps.
@@ -125,3 +125,36 @@ def test_without_pass_cuts_the_model_is_the_fixed_tiles_one(tm, tn, buffer_rows)
   assert tiling.rowtile_modeled_seconds(**kw) == tiling.rowtile_modeled_seconds(
     **kw, fixed_tiles=True
   )
+
+
+@pytest.mark.parametrize(
+  "gen, dims, tiles, want",
+  [
+    # MXU-bound steps: the partial passes saved outweigh a few more grid steps.
+    ("v5e", (131072, 4096, 1536, 128), (1024, 4096, 768), True),
+    ("tpu7x", (131072, 4096, 1536, 128), (1024, 4096, 768), True),
+    # HBM-bound steps on v6e: the saved MXU time is hidden, the extra steps are not.
+    ("v6e", (262144, 7168, 1024, 256), (1024, 7168, 1024), False),
+    # One pass per tile: nothing to cut.
+    ("v6e", (131072, 4096, 1536, 128), (128, 4096, 768), False),
+  ],
+  ids=str,
+)
+def test_pass_cuts_pay_where_the_model_says(gen, dims, tiles, want):
+  """`rowtile_pass_cuts_pay` (what ops runs the kernel with) is the model's comparison of the
+  two tile layouts on the picker's draws, and the picker scores gmm tiles at the better one."""
+  import jax.numpy as jnp
+
+  m, k, n, g = dims
+  dtypes = dict(lhs_dtype=jnp.bfloat16, rhs_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16)
+  got = tiling.rowtile_pass_cuts_pay(
+    m=m, k=k, n=n, num_groups=g, tiles=tiles, generation=gen, **dtypes
+  )
+  assert got is want
+  draws = tile_pickers._picker_draws(m=m, num_groups=g, expected_rows=None)
+  tm, tk, tn = tiles
+  kw = dict(k=k, n=n, tm=tm, tk=tk, tn=tn, kind="gmm", lhs_itemsize=2, rhs_itemsize=2)
+  kw.update(out_itemsize=2, generation=gen, buffer_rows=m)
+  cut = tile_pickers._draws_seconds(draws, **kw)
+  fixed = tile_pickers._draws_seconds(draws, **kw, fixed_tiles=True)
+  assert (cut < fixed) is want
