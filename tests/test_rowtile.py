@@ -1006,8 +1006,15 @@ def test_slack_rows_are_never_fetched_multiplied_or_written():
   sizes = np.array([0, 20, 9, 21, 0], np.int32)  # rows 0..49: 2 of 16 tiles, the 2nd partial
   offset = 1  # local groups 1..3: rows 0..49
   lhs, w = jnp.zeros((m, k)), jnp.zeros((3, k, n))
+  # NOTE: fixed m-tiles (pass cuts would split these 50 rows into three shorter tiles).
   gmm_fn = functools.partial(
-    gmm_rowtile_pallas, tm=tm, tn=n, out_dtype=jnp.float32, sub_m=sub_m, interpret=True
+    gmm_rowtile_pallas,
+    tm=tm,
+    tn=n,
+    out_dtype=jnp.float32,
+    sub_m=sub_m,
+    pass_cuts=False,
+    interpret=True,
   )
   fill, main = cm.analyze(
     lambda x, y, gs, off: gmm_fn(x, y, gs, group_offset=off),
