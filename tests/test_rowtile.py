@@ -608,6 +608,44 @@ def test_gmm_rowtile_passes_start_at_each_group(capfd, stationary):
     check_gmm(case, sizes, 0, 6, RACE_PARAMS, count=False, rows_stationary=stationary)
 
 
+def test_gmm_pass_cuts_split_a_group_between_tiles_whole(capfd):
+  """With pass cuts a group spanning two tiles pays only its own passes; with fixed m-tiles it
+  pays a partial pass on each side of the boundary. Both exact, and the cut kernel race-free
+  (its last pass's rows past the cut are carried into the next tile).
+
+  NOTE: tm = 64, sub_m = 32, f32 rows (passes 8-row aligned); groups [0,40) [40,100) [100,128).
+  Fixed tiles: [0,64) 2 + 1 (g1's rows 40..63), [64,128) 2 (g1's 64..99) + 1 (g2 from 96): 6
+  passes. Cuts at 40 (g1's first pass) and 96 (g2's, whose rows 96..99 g1's last pass computes
+  in the middle tile): g0 2, g1 2 ([40,72), [72,104)), g2 1: 5 passes, in 3 tiles.
+  """
+  m, k, n, tm, tn, sub_m = 128, 40, 48, 64, 48, 32
+  sizes = np.array([40, 60, 28], np.int32)
+  lhs = random_array(11, (m, k), jnp.float32)
+  rhs = random_array(12, (3, k, n), jnp.float32)
+  call = functools.partial(
+    gmm_rowtile_pallas,
+    lhs,
+    rhs,
+    jnp.asarray(sizes),
+    tm=tm,
+    tn=tn,
+    out_dtype=jnp.float32,
+    group_offset=jnp.int32(0),
+    sub_m=sub_m,
+  )
+  want = np_gmm(np.asarray(lhs), np.asarray(rhs), sizes)
+  tol = tolerance(in_dtype=jnp.float32, out_dtype=jnp.float32, k=k)
+  for cuts, passes, tiles in ((False, 6, 2), (True, 5, 3)):
+    out, counts = call(pass_cuts=cuts, count_rows=True, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), want, **tol)
+    counts = np.asarray(counts)[0]
+    assert counts[:, 0].sum() == passes * sub_m
+    assert np.count_nonzero(counts[:, 3]) == tiles
+  with no_races_or_oob(capfd):
+    out = call(pass_cuts=True, interpret=RACE_PARAMS)
+  np.testing.assert_allclose(np.asarray(out), want, **tol)
+
+
 def test_rowtile_rows_against_the_floor():
   """Rows pushed with passes on the sub_m grid = each group's aligned chunks (DESIGN.md); with
   passes from each group's first row (16-row aligned) fewer, and never below the floor of
