@@ -1455,6 +1455,8 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
           vmem_limit_bytes=kt.vmem_limit_bytes,
           sequential_sweeps=kt.sequential_sweeps,
           rows_stationary=kt.rows_stationary,
+          # NOTE: as ops runs it: per-row lhs scales keep the m-tiles.
+          pass_cuts=kt.pass_cuts and not xs,
           interpret=False,
         )
 
