@@ -1433,6 +1433,7 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
         dtypes=tile_dtypes,
         interpret=False,
         narrow_dot=narrow,
+        allow_pass_cuts=not quant_lhs,
       )
     if kt.rowtile:
       tm, _, tn = kt.tiles

@@ -118,6 +118,7 @@ def _resolve_tiles(
   narrow_dot: bool = False,
   expected_rows: int | None = None,
   unowned_rows: str = "zero",
+  allow_pass_cuts: bool = True,
 ) -> KernelTiling:
   """Tiles (and the kernel) for one call: the heuristic, a LUT lookup, or the user's, checked.
 
@@ -140,6 +141,8 @@ def _resolve_tiles(
     expected_rows: the caller's expectation of sum(group_sizes) (see `gmm`), for the heuristic.
     unowned_rows: gmm's option (see `gmm`), for the heuristic: whether the visited tiles'
       output is written whole or only their local rows.
+    allow_pass_cuts: gmm: the row-tile kernel may cut its m-tiles on the groups' pass grids
+      (False for a quantized lhs: its per-row scales come in m-tile blocks).
   """
   m, k, n = dims
   lhs_dtype, rhs_dtype, out_dtype = dtypes
@@ -161,6 +164,7 @@ def _resolve_tiles(
       narrow_dot=narrow_dot,
       expected_rows=expected_rows,
       unowned_rows=unowned_rows,
+      allow_pass_cuts=allow_pass_cuts,
     )
   if picked is not None:
     spec = picked
@@ -196,19 +200,23 @@ def _resolve_tiles(
       **vmem, kind=f"{kind}_rowtile", generation=generation, rows_stationary=swap
     )
     if estimate <= budget or not (interpret is None or interpret is False):
-      pass_cuts = kind == "gmm" and tiling_lib.rowtile_pass_cuts_pay(
-        m=m,
-        k=k,
-        n=n,
-        num_groups=num_groups,
-        tiles=(tm, tk, tn),
-        lhs_dtype=lhs_dtype,
-        rhs_dtype=rhs_dtype,
-        out_dtype=out_dtype,
-        generation=generation,
-        narrow_dot=narrow_dot,
-        expected_rows=expected_rows,
-        unowned_rows=unowned_rows,
+      pass_cuts = (
+        kind == "gmm"
+        and allow_pass_cuts
+        and tiling_lib.rowtile_pass_cuts_pay(
+          m=m,
+          k=k,
+          n=n,
+          num_groups=num_groups,
+          tiles=(tm, tk, tn),
+          lhs_dtype=lhs_dtype,
+          rhs_dtype=rhs_dtype,
+          out_dtype=out_dtype,
+          generation=generation,
+          narrow_dot=narrow_dot,
+          expected_rows=expected_rows,
+          unowned_rows=unowned_rows,
+        )
       )
       return KernelTiling(
         tiles=(tm, tk, tn),
@@ -849,6 +857,7 @@ def gmm(
         dtypes=fwd_dtypes,
         narrow_dot=narrow_dot,
         unowned_rows=gmm_unowned,
+        allow_pass_cuts=activation_dtype is None,
       ),
       fill_unowned=fill,
     ),

@@ -249,6 +249,7 @@ def pick_rowtile_tiling(
   narrow_dot: bool = False,
   expected_rows: int | None = None,
   unowned_rows: str = "zero",
+  allow_pass_cuts: bool = True,
 ) -> tuple[int, int, int] | None:
   """Chooses (tm, tk, tn) for a row-tile kernel, or None when none fits VMEM.
 
@@ -281,6 +282,9 @@ def pick_rowtile_tiling(
     unowned_rows: gmm's `unowned_rows` ("zero", "undefined"; "existing" for an `existing_out`):
       whether the visited tiles' output is written whole (and the rest zero-filled) or only
       their real rows (`rowtile_step_costs`).
+    allow_pass_cuts: gmm: the kernel may cut its m-tiles on the groups' pass grids (False: a
+      quantized lhs, whose per-row scales come in m-tile blocks); tiles are then scored at the
+      better of fixed and cut tiles (`rowtile_pass_cuts_pay`).
 
   Returns:
     (tm, tk, tn), or None.
@@ -338,7 +342,7 @@ def pick_rowtile_tiling(
             unowned_rows=unowned_rows,
             fixed_tiles=fixed,
           )
-          for fixed in ((True, False) if kind == "gmm" else (True,))
+          for fixed in ((True, False) if kind == "gmm" and allow_pass_cuts else (True,))
         )
         scored.append((score, est, (tm, tk, tn)))
   if not scored:
