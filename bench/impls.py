@@ -1227,14 +1227,16 @@ def _pallas_moe_build(
     kind, dk, dn = ("tgmm", k, n) if op == "drhs" else ("gmm", *((k, n) if op == "fwd" else (n, k)))
     kw = dict(preferred_element_type=DTYPE, interpret=False)
     mxu = generation.mxu_size
+    # NOTE: the MoE block passes gmm the buffer's typical fill, tokens x top_k per device
+    # (`moe._expert_parallel`), as a hint for the tiles and for whether to cut them on the pass
+    # grids (`tiling.rowtile_pass_cuts_pay`); gmm alone does not.
+    expected = shape.tokens * shape.top_k if unowned_rows == "undefined" else None
+    hint = expected if expected is not None and expected < m else None
     if tiling is None and schedule == "visits":
       til = pick_tiling(m=m, k=dk, n=dn, num_groups=g, kind=kind, **dt)
     elif tiling is None:
       # NOTE: what pallas_moe.ops runs by default: row-tile tiles when they fit, else the visit
       # kernel's; passing the resolved tiles back to ops selects the same kernel.
-      # NOTE: the MoE block passes gmm the buffer's typical fill, tokens x top_k per device
-      # (`moe._expert_parallel`), as a hint for the tiles; gmm alone does not.
-      expected = shape.tokens * shape.top_k if unowned_rows == "undefined" else None
       with use_generation(generation):
         kt = ops._resolve_tiles(
           None,
@@ -1243,7 +1245,7 @@ def _pallas_moe_build(
           num_groups=g,
           dtypes=(DTYPE, DTYPE, DTYPE),
           interpret=False,
-          expected_rows=expected if expected is not None and expected < m else None,
+          expected_rows=hint,
           unowned_rows=unowned_rows,
         )
       til = kt.tiles
@@ -1281,7 +1283,12 @@ def _pallas_moe_build(
           row_macs = _tgmm_row_macs(k, n, til[1], til[2], rows_stationary=kt.rows_stationary)
         else:
           fn = functools.partial(
-            ops.gmm, tiling=tl, transpose_rhs=op == "dlhs", unowned_rows=unowned_rows, **kw
+            ops.gmm,
+            tiling=tl,
+            transpose_rhs=op == "dlhs",
+            unowned_rows=unowned_rows,
+            expected_rows=hint,
+            **kw,
           )
           row_macs = _gmm_row_macs(dk, dn, til[1], til[2], rows_stationary=kt.rows_stationary)
         return Case(
