@@ -662,9 +662,8 @@ def gmm_rowtile_pallas(
   count_tiles = tiles_m
   if pass_cuts:
     cuts = metadata.make_pass_cut_tiles(
-      group_sizes=group_sizes,
+      groups,
       group_offset=group_offset,
-      num_local_groups=num_local_groups,
       m=m,
       tm=tm,
       sub_m=sub_m,

@@ -522,10 +522,9 @@ def _tile_groups(c, c_next, *, starts, ends, rows_end, num_local: int, sub_m: in
 
 
 def make_pass_cut_tiles(
+  tile_groups: TileGroups,
   *,
-  group_sizes: jax.Array,
   group_offset: jax.Array | int,
-  num_local_groups: int,
   m: int,
   tm: int,
   sub_m: int,
@@ -541,9 +540,9 @@ def make_pass_cut_tiles(
   misalignment) / sub_m) passes however many tiles it spans.
 
   Args:
-    group_sizes: [num_groups_total] int32 rows per group.
+    tile_groups: the fixed m-tiles' schedule (`make_tile_groups` with the same m and tm): the
+      group offsets and the visited fixed tiles.
     group_offset: first global group held by this shard.
-    num_local_groups: groups held by this shard.
     m: rows.
     tm: the most rows a tile holds (>= 2 sub_m).
     sub_m: rows per pass.
@@ -555,14 +554,8 @@ def make_pass_cut_tiles(
   Returns:
     The `PassCutTiles`.
   """
-  tiles = make_tile_groups(
-    group_sizes=group_sizes,
-    group_offset=group_offset,
-    num_local_groups=num_local_groups,
-    m=m,
-    tm=tm,
-    finalize_empty_groups=False,
-  )
+  tiles = tile_groups
+  num_local_groups = tiles.load_rank.shape[0]
   goff = jnp.asarray(group_offset, jnp.int32).reshape(())
   starts = jax.lax.dynamic_slice_in_dim(tiles.group_offsets, goff, num_local_groups)
   ends = jax.lax.dynamic_slice_in_dim(tiles.group_offsets, goff + 1, num_local_groups)

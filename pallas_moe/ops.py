@@ -148,24 +148,14 @@ def _resolve_tiles(
   lhs_dtype, rhs_dtype, out_dtype = dtypes
   generation = tiling_lib.current_generation()
   budget = tiling_lib.usable_vmem_bytes(generation)
+  # NOTE: the row-tile model's view of the call, shared by the picker and the pass-cut choice.
+  model = dict(m=m, k=k, n=n, num_groups=num_groups, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype)
+  model.update(out_dtype=out_dtype, generation=generation, narrow_dot=narrow_dot)
+  model.update(expected_rows=expected_rows, unowned_rows=unowned_rows)
   # NOTE: gmm's passes stream rows (128-row passes on a 256-wide MXU), tgmm's contract them.
   picked = None
   if spec is None and allow_rowtile:
-    picked = tiling_lib.pick_rowtile_tiling(
-      m=m,
-      k=k,
-      n=n,
-      num_groups=num_groups,
-      kind=kind,
-      lhs_dtype=lhs_dtype,
-      rhs_dtype=rhs_dtype,
-      out_dtype=out_dtype,
-      generation=generation,
-      narrow_dot=narrow_dot,
-      expected_rows=expected_rows,
-      unowned_rows=unowned_rows,
-      allow_pass_cuts=allow_pass_cuts,
-    )
+    picked = tiling_lib.pick_rowtile_tiling(**model, kind=kind, allow_pass_cuts=allow_pass_cuts)
   if picked is not None:
     spec = picked
   elif spec is None:
@@ -203,20 +193,7 @@ def _resolve_tiles(
       pass_cuts = (
         kind == "gmm"
         and allow_pass_cuts
-        and tiling_lib.rowtile_pass_cuts_pay(
-          m=m,
-          k=k,
-          n=n,
-          num_groups=num_groups,
-          tiles=(tm, tk, tn),
-          lhs_dtype=lhs_dtype,
-          rhs_dtype=rhs_dtype,
-          out_dtype=out_dtype,
-          generation=generation,
-          narrow_dot=narrow_dot,
-          expected_rows=expected_rows,
-          unowned_rows=unowned_rows,
-        )
+        and tiling_lib.rowtile_pass_cuts_pay(**model, tiles=(tm, tk, tn))
       )
       return KernelTiling(
         tiles=(tm, tk, tn),
