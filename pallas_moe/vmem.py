@@ -88,19 +88,22 @@ def vmem_estimate_bytes(
     acc = tk * tn * 4
     temps = tk * tn * 4 + tm * (tk + tn) * 4
   elif kind == "gmm_rowtile":
-    # NOTE: calibrated on real Mosaic (AOT, the smallest vmem_limit_bytes that compiles), v6e:
-    # (512, 4096, 3584) needs 74 MiB, (512, 14336, 1024) transposed 94 MiB, (256, 4096, 1792)
-    # with existing_out 34 MiB; (256, 14336, 512) transposed needs 46 MiB on v5e and v5p, 50 on
-    # v6e, 43 on tpu7x. Pipelined lhs [tm, k], out and existing_out [tm, tn] blocks (x2), two
-    # manual weight slots [k, tn], the f32 product of one sub-block and, except on tpu7x, a copy
-    # of its lhs rows; quantized weights add the upcast block and the scale slots.
+    # NOTE: calibrated on real Mosaic (AOT, jax 0.12.0.1's libtpu: the smallest vmem_limit_bytes
+    # that compiles, to 0.5 MiB): tpu7x (2048, 1536, 2048) needs 40.4 MiB, (1024, 7168, 1024)
+    # 60.1, (256, 14336, 512) 42.7; v6e (1024, 7168, 1024) 62.0, (2048, 2048, 1408) 39.2; the
+    # same with and without existing_out. That is the kernel's scratch: two lhs slots [tm, k],
+    # two output slots [tm, tn] (existing_out's rows are DMA'd into them) and two weight slots
+    # [k, tn]; except on tpu7x, a copy of one sub-block's lhs rows (v6e's 1.75 MiB at k = 7168);
+    # with rows_stationary the transposed weights (tpu7x (2048, 1536, 2048): 46 MiB against 40).
+    # The f32 product of one sub-block is counted too, as headroom; quantized weights add the
+    # upcast block and the scale slots.
     gen = get_generation(generation) if generation is not None else None
     mxu = pass_granule(gen, kind="gmm", tn=tn) if gen is not None else _MAX_SUB_M
     sub = rows_per_pass(tm, mxu)
     # NOTE: with rows_stationary the lhs rows are the dot's transposed operand; tpu7x then copies
     # them too (AOT: (1024, 2048, 1408) with existing_out needs 31 MiB usual, 39 MiB swapped).
     lhs_copy = gen is None or gen.name != "tpu7x" or rows_stationary
-    blocks = 2 * tm * tk * li + 4 * tm * tn * oi + 2 * tk * tn * ri
+    blocks = 2 * tm * tk * li + 2 * tm * tn * oi + 2 * tk * tn * ri
     temps = sub * tn * 4 + (sub * tk * li if lhs_copy else 0)
     if ri == 1:
       temps += tk * tn * 2 + 2 * tk * 4 + 2 * tn * 4

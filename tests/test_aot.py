@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 import pallas_moe
 from bench.shapes import SHAPES
 from pallas_moe import tiling
+from pallas_moe.generations import pass_rows
 from pallas_moe.gmm import gmm_pallas
 from pallas_moe.tgmm import tgmm_pallas
 
@@ -317,14 +318,14 @@ def test_over_budget_tiling_refused_before_mosaic(gen):
 
 
 # Row-tile tilings compiled with vmem_limit_bytes = our estimate: Mosaic must fit in it (the
-# estimate's calibration points, e.g. (512, 14336, 1024) transposed needing 94 MiB where the
-# estimate says 97, are in `tiling.vmem_estimate_bytes`; mid-size tilings here compile in ~3 s
-# instead of ~15). The weight slots are most of the first: an estimate missing one fails. The
-# `rows_stationary` ones are the default tilings of deepseek-v2-lite on tpu7x (where Mosaic
-# needs 39 MiB for the forward: 8 more than without, about the transposed weight block).
+# estimate's calibration points are in `tiling.vmem_estimate_bytes`). The first is near the
+# usable budget on v6e (Mosaic needs 62.0 MiB: the weight and lhs slots, 28 MiB each, and a
+# sub-block's lhs copy; an estimate missing any of them fails). The `rows_stationary` ones are
+# the default tilings of deepseek-v2-lite on tpu7x (Mosaic needs 32.9 MiB for the forward: 5.5
+# more than without, the transposed weight block).
 # (generation, program, tiles, rows_stationary)
 _ROWTILE_TIGHT = [
-  ("v6e", "dlhs", (256, 4096, 1024), False),
+  ("v6e", "dlhs", (1024, 7168, 1024), False),
   ("v6e", "drhs", (512, 1024, 1024), False),
   ("tpu7x", "fwd", (1024, 2048, 1408), True),
   ("tpu7x", "drhs", (2048, 1024, 1408), True),
@@ -337,10 +338,13 @@ def _rowtile_kernel(gen: str, program: str, tiles, vmem_limit_bytes: int, rows_s
 
   m, g = 8192, 8
   tm, tk, tn = tiles
+  # NOTE: the sub-block rows the public ops use (and the estimate counts): gmm's passes stream
+  # 128 rows on a 256-wide MXU where tn is a multiple of 256, tgmm's contract the MXU edge.
+  kind = "tgmm" if program == "drhs" else "gmm"
   common = dict(
     out_dtype=BF16,
     group_offset=jnp.int32(0),
-    sub_m=tiling.get_generation(gen).mxu_size,
+    sub_m=pass_rows(tm, gen, kind=kind, tn=tn),
     vmem_limit_bytes=vmem_limit_bytes,
     rows_stationary=rows_stationary,
     interpret=False,
