@@ -88,3 +88,29 @@ def test_rowtile_seconds_split_sweeps_on_megacore():
   assert tiling.rowtile_modeled_seconds(**v6e) == tiling.rowtile_modeled_seconds(
     **v6e, tensorcores="chip"
   )
+
+
+def test_fewest_steps_within_vmem(tuned):
+  """gpt-oss-like forward on tpu7x (64 MiB VMEM per TensorCore): a plain search over 128-row /
+  128-column tiles finds no tiling with fewer steps that fits, and the returned one fits."""
+  p = dataclasses.replace(tuned[("tpu7x", "drhs")], op="fwd", m=8192, k=4096, n=14336)
+  steps, (tm, tk, tn) = vt.fewest_steps(p)
+
+  def need(a, b, c):  # two lhs and weight blocks, one output block, an f32 acc if k is split
+    return 2 * 2 * (a * b + b * c) + 2 * a * c + (4 * a * c if b < 4096 else 0)
+
+  cdiv = lambda x, y: -(-x // y)  # noqa: E731
+  assert need(tm, tk, tn) <= 64 << 20
+  assert steps == cdiv(8192, tm) * cdiv(4096, tk) * cdiv(14336, tn)
+  for a in range(128, 8192 + 1, 128):
+    for b in range(128, 4096 + 1, 128):
+      for c in range(128, 14336 + 1, 128):
+        if cdiv(8192, a) * cdiv(4096, b) * cdiv(14336, c) < steps:
+          assert need(a, b, c) > 64 << 20, (a, b, c)
+  r = vt.compare(p)
+  assert r["fewest_steps"] == steps
+  assert r["steps_bound_us"] == pytest.approx(r["granular_us"] + steps * 0.84)
+  # A record whose steps bound is above the target and whose other bounds are not.
+  rec = dict(r, ratio=0.9, bound_ratio=0.7, granular_ratio=0.75, steps_bound_ratio=0.81)
+  assert vt.category(rec) == "steps"
+  assert f"no kernel paying {steps} grid steps" in vt.verdict(rec)
