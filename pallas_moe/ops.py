@@ -119,6 +119,7 @@ def _resolve_tiles(
   expected_rows: int | None = None,
   unowned_rows: str = "zero",
   allow_pass_cuts: bool = True,
+  existing_out: bool = True,
 ) -> KernelTiling:
   """Tiles (and the kernel) for one call: the heuristic, a LUT lookup, or the user's, checked.
 
@@ -143,6 +144,8 @@ def _resolve_tiles(
       output is written whole or only their local rows.
     allow_pass_cuts: gmm: the row-tile kernel may cut its m-tiles on the groups' pass grids
       (False for a quantized lhs: its per-row scales come in m-tile blocks).
+    existing_out: the call has an `existing_out` (the row-tile tgmm then holds its block in
+      VMEM; without one larger tiles fit).
   """
   m, k, n = dims
   lhs_dtype, rhs_dtype, out_dtype = dtypes
@@ -155,7 +158,9 @@ def _resolve_tiles(
   # NOTE: gmm's passes stream rows (128-row passes on a 256-wide MXU), tgmm's contract them.
   picked = None
   if spec is None and allow_rowtile:
-    picked = tiling_lib.pick_rowtile_tiling(**model, kind=kind, allow_pass_cuts=allow_pass_cuts)
+    picked = tiling_lib.pick_rowtile_tiling(
+      **model, kind=kind, allow_pass_cuts=allow_pass_cuts, existing_out=existing_out
+    )
   if picked is not None:
     spec = picked
   elif spec is None:
@@ -187,7 +192,11 @@ def _resolve_tiles(
       kind=kind, sub_m=sub_m, tk=tk, tn=tn, generation=generation
     )
     estimate = tiling_lib.vmem_estimate_bytes(
-      **vmem, kind=f"{kind}_rowtile", generation=generation, rows_stationary=swap
+      **vmem,
+      kind=f"{kind}_rowtile",
+      generation=generation,
+      rows_stationary=swap,
+      existing_out=existing_out,
     )
     if estimate <= budget or not (interpret is None or interpret is False):
       pass_cuts = (
@@ -848,11 +857,13 @@ def gmm(
       ),
       fill_unowned=fill,
     ),
+    # NOTE: the weight gradient has no existing_out (`_weight_grad`).
     drhs=resolve(
       drhs_spec,
       dims=drhs_dims,
       kind="tgmm",
       dtypes=(lhs.dtype, compute_dtype, rhs_for_tiles.dtype),
+      existing_out=False,
     ),
     transpose_rhs=bool(transpose_rhs),
     interpret=interpret,
@@ -971,6 +982,7 @@ def tgmm(
     # NOTE: the row-tile tgmm takes no scales: quantized operands run the visit kernel.
     allow_rowtile=not (lhs_q or rhs_q),
     expected_rows=_check_expected_rows(expected_rows),
+    existing_out=existing_out is not None,
   )
   # NOTE: the narrow MXU dot needs one narrow dtype on both sides and scales that factor out of
   # the contraction (per channel); per-token scales are applied to upcast values instead.

@@ -38,6 +38,7 @@ def rowtile_vmem_bytes(
   rhs_dtype,
   out_dtype,
   generation: str | TpuGeneration,
+  existing_out: bool = True,
 ) -> int:
   """VMEM a row-tile kernel needs at (tm, tk, tn), with `rows_stationary` where it pays (as the
   kernels decide it).
@@ -51,6 +52,7 @@ def rowtile_vmem_bytes(
     rhs_dtype: rhs element type.
     out_dtype: output element type.
     generation: TPU generation.
+    existing_out: the call has an `existing_out` (tgmm then holds its block in VMEM).
 
   Returns:
     Bytes (`vmem_estimate_bytes`).
@@ -67,6 +69,7 @@ def rowtile_vmem_bytes(
     kind=f"{kind}_rowtile",
     generation=gen,
     rows_stationary=rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen),
+    existing_out=existing_out,
   )
 
 
@@ -250,6 +253,7 @@ def pick_rowtile_tiling(
   expected_rows: int | None = None,
   unowned_rows: str = "zero",
   allow_pass_cuts: bool = True,
+  existing_out: bool = True,
 ) -> tuple[int, int, int] | None:
   """Chooses (tm, tk, tn) for a row-tile kernel, or None when none fits VMEM.
 
@@ -285,6 +289,8 @@ def pick_rowtile_tiling(
     allow_pass_cuts: gmm: the kernel may cut its m-tiles on the groups' pass grids (False: a
       quantized lhs, whose per-row scales come in m-tile blocks); tiles are then scored at the
       better of fixed and cut tiles (`rowtile_pass_cuts_pay`).
+    existing_out: the call has an `existing_out` (tgmm then needs VMEM for its block; False
+      admits larger tgmm tiles).
 
   Returns:
     (tm, tk, tn), or None.
@@ -319,6 +325,7 @@ def pick_rowtile_tiling(
           rhs_dtype=rhs_dtype,
           out_dtype=out_dtype,
           generation=gen,
+          existing_out=existing_out,
         )
         if est > budget:
           continue

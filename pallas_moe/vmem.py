@@ -48,6 +48,7 @@ def vmem_estimate_bytes(
   kind: str,
   generation: str | TpuGeneration | None = None,
   rows_stationary: bool = False,
+  existing_out: bool = True,
 ) -> int:
   """Estimates the VMEM a gmm/tgmm tiling needs.
 
@@ -72,6 +73,8 @@ def vmem_estimate_bytes(
       and Mosaic's temporaries differ); None: the largest over the generations.
     rows_stationary: row-tile kinds only: the kernel runs with `rows_stationary` (transposed
       weights / products / sums).
+    existing_out: "tgmm_rowtile" only: the call has an `existing_out` (its [tk, tn] block and
+      f32 sum are then in VMEM too). The default counts them, the safe side.
 
   Returns:
     Estimated bytes.
@@ -113,18 +116,18 @@ def vmem_estimate_bytes(
       temps += tk * tn * max(ri, 2) + sub * tn * 4
     return int(blocks + temps + _ROWTILE_MARGIN)
   elif kind == "tgmm_rowtile":
-    # NOTE: calibrated likewise: (1024, 2048, 1792) needs 45 MiB (64 with existing_out),
-    # (512, 1024, 1024) 13 MiB. Two slots each of lhs [tk, tm] and rhs [tm, tn] (filled by the
+    # NOTE: calibrated likewise (v6e): (1024, 2048, 1792) needs 45.2 MiB, 64.1 with existing_out;
+    # (2048, 1024, 1024) 25.0 MiB. Two slots each of lhs [tk, tm] and rhs [tm, tn] (filled by the
     # kernel's row DMAs; the size of the pipeline's double buffers they replaced), the f32
-    # accumulator, two staging slots, the existing_out buffer with its f32 sum (counted always:
-    # the estimate does not know whether the call has one), and the masked sub-block operands.
+    # accumulator, two staging slots, with `existing_out` its [tk, tn] block and f32 sum, and the
+    # masked sub-block operands.
     # Not counted: the [2, tk, m % 128] lhs tail buffer of a ragged m (2 * tk * 128 elements
     # with lane padding: 0.5 MiB at tk = 1024 in bf16; the estimate does not know m).
     gen = get_generation(generation) if generation is not None else None
     mxu = gen.mxu_size if gen is not None else _MAX_SUB_M
     sub = rows_per_pass(tm, mxu)
     blocks = 2 * tm * tk * li + 2 * tm * tn * ri
-    acc = tk * tn * 4 + 2 * tk * tn * oi + tk * tn * (oi + 4)
+    acc = tk * tn * 4 + 2 * tk * tn * oi + (tk * tn * (oi + 4) if existing_out else 0)
     temps = sub * (tk + tn) * 4
     if rows_stationary:
       # NOTE: the transposed rhs sub-block. The transposed f32 sum at a group's finalize reuses
