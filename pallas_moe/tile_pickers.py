@@ -262,7 +262,7 @@ def pick_rowtile_tiling(
   exposed DMA time (`rowtile_step_costs`) and
   the per-step overhead: the DESIGN.md model applied to the row-tile schedule. Candidates: tm in
   {128 .. 4096} (powers of two; or all of m), tn (and tgmm's tk) dividing the dim; gmm's tk is
-  always k (the whole contraction stays in VMEM). Among tilings within 1% of the best, the one
+  always k (the whole contraction stays in VMEM). Among tilings within 0.25% of the best, the one
   needing the least VMEM wins.
 
   Args:
@@ -355,7 +355,7 @@ def pick_rowtile_tiling(
   if not scored:
     return None
   best = min(score for score, _, _ in scored)
-  return min((est, tiles) for score, est, tiles in scored if score <= 1.01 * best)[1]
+  return min((est, tiles) for score, est, tiles in scored if score <= 1.0025 * best)[1]
 
 
 def rowtile_pass_cuts_pay(
