@@ -387,6 +387,44 @@ def test_rowtile_estimate_covers_mosaic(gen, program, tiles, rows_stationary, ex
   _compile(gen, fn, *args)
 
 
+# Quantized weights near the usable budget, compiled with vmem_limit_bytes = our estimate: the
+# tiles ops picks for mixtral's forward (m = 32768, k = 4096, n = 14336, G = 8): fp8 x fp8 on
+# tpu7x (the narrow dot, per-row lhs scales) and int8 weights upcast in VMEM on v6e.
+# (generation, tiles, weight dtype, narrow)
+_QUANT_TIGHT = [
+  ("tpu7x", (2048, 4096, 1024), jnp.float8_e4m3fn, True),
+  ("v6e", (1024, 4096, 3584), jnp.int8, False),
+]
+
+
+@pytest.mark.parametrize("gen, tiles, wdtype, narrow", _QUANT_TIGHT, ids=str)
+def test_rowtile_estimate_covers_mosaic_quantized(gen, tiles, wdtype, narrow):
+  from pallas_moe.gmm import gmm_rowtile_pallas
+
+  tm, k, tn = tiles
+  m, g, n = 8192, 8, 2 * tn
+  lhs_dtype = wdtype if narrow else BF16
+  est = tiling.vmem_estimate_bytes(
+    tm=tm, tk=k, tn=tn, lhs_dtype=lhs_dtype, rhs_dtype=wdtype, out_dtype=BF16,
+    kind="gmm_rowtile", generation=gen,
+  )  # fmt: skip
+  assert est > 0.75 * tiling.usable_vmem_bytes(gen), "keep these near the budget"
+  common = dict(
+    tm=tm, tn=tn, out_dtype=BF16, group_offset=jnp.int32(0), narrow_dot=narrow,
+    sub_m=pass_rows(tm, gen, kind="gmm", tn=tn), vmem_limit_bytes=est, interpret=False,
+  )  # fmt: skip
+  args = [_sds(gen, m, k, dtype=lhs_dtype), _sds(gen, g, k, n, dtype=wdtype)]
+  args += [_sds(gen, g, dtype=jnp.int32), _sds(gen, g, 1, n, dtype=jnp.float32)]
+  if narrow:
+    fn = lambda x, w, gs, ws, xs: gmm_rowtile_pallas(
+      x, w, gs, rhs_scales=ws, lhs_scales=xs, **common
+    )
+    args.append(_sds(gen, m, 1, dtype=jnp.float32))
+  else:
+    fn = lambda x, w, gs, ws: gmm_rowtile_pallas(x, w, gs, rhs_scales=ws, **common)
+  _compile(gen, fn, *args)
+
+
 def test_rowtile_estimate_counts_both_weight_slots():
   """(256, 14336, 2048) transposed: Mosaic needs ~135 MiB on v6e (measured: "Used 135.17M of
   127.94M vmem"); the estimate must refuse it. (Not compiled here: the failing compile takes
