@@ -20,9 +20,12 @@ ours modeled, ours / tokamax, and the bound no kernel can beat on that device, m
 flops / peak, minimum HBM bytes / bandwidth) at the device's rates as the model counts them
 (`CostReport.roofline_us`: rows = sum(group_sizes), each operand read once and the output
 written once), with bound / tokamax. Target: ours <= 0.8 x tokamax. A problem whose bound /
-tokamax exceeds 0.8 cannot get there with any kernel; one whose bound allows it but ours does
-not is our kernel's gap. `--search` models a small set of other row-tile tilings on the problems
-above the target, to tell a picker miss from a kernel limit.
+tokamax exceeds 0.8 cannot get there with any kernel. Two tighter floors name the problems no
+kernel of a kind can bring there: whole MXU passes from each group's first row (MXU-granular),
+and those plus the per-step cost of the fewest grid steps any tiling fits in VMEM
+(`fewest_steps`). A problem above the target under all of them is our kernel's gap. `--search`
+models a small set of other row-tile tilings on the problems above the target, to tell a picker
+miss from a kernel limit.
 
 Usage: `python -m bench.vs_tuned [--chip v5e] [--op fwd] [--cache-dir DIR] [--search]
 [--json FILE] [--markdown]`, or `--from-json FILE [--markdown]` to re-print a saved run.
