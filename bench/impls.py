@@ -1247,6 +1247,9 @@ def _pallas_moe_build(
           interpret=False,
           expected_rows=hint,
           unowned_rows=unowned_rows,
+          # NOTE: as ops runs these calls: no existing_out (tgmm's weight gradient has none;
+          # gmm's estimate does not depend on it).
+          existing_out=False,
         )
       til = kt.tiles
     else:
@@ -1262,6 +1265,7 @@ def _pallas_moe_build(
           num_groups=g,
           dtypes=(DTYPE, DTYPE, DTYPE),
           interpret=False,
+          existing_out=False,
         )
       if kt.rowtile:
         scale, manual = rowtile_hooks(

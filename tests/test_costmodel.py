@@ -324,6 +324,34 @@ def test_pallas_moe_default_rowtile_rows_and_bytes(op):
   assert s.hbm_bytes == want
 
 
+def test_pallas_moe_default_weight_gradient_tiles_are_ops_without_existing_out():
+  """The bench's tgmm has no existing_out, like the weight gradient ops runs: its tiles are the
+  ones ops picks for such a call. At this shape (mixtral's up projection, one expert on v6e, a
+  16,384-row buffer) the estimate without existing_out's block admits a wider tk than with it."""
+  from pallas_moe import ops
+
+  m, k, n = 16384, 4096, 14336
+  shape = _tiny_shape(m=m, k=k, n=n, g=1)
+  case = IMPLS["pallas_moe"].build(
+    op="drhs", shape=shape, group_sizes=np.array([8276], np.int32), generation=V6E
+  )
+  picked = {}
+  for existing_out in (False, True):
+    with tiling.use_generation(V6E):
+      picked[existing_out] = ops._resolve_tiles(
+        None,
+        dims=(m, k, n),
+        kind="tgmm",
+        num_groups=1,
+        dtypes=(jnp.bfloat16,) * 3,
+        interpret=False,
+        existing_out=existing_out,
+      ).tiles
+  assert picked[False] != picked[True]
+  assert case.kernel == "rowtile"
+  assert case.tiling == picked[False]
+
+
 @pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
 def test_rows_stationary_saves_the_column_padding_on_v6e(op):
   """n = 384 on v6e's 256-wide MXU: the forward and the weight gradient run with the rows
