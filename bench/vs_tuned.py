@@ -291,10 +291,8 @@ def fewest_steps(problem: TunedProblem) -> tuple[int, tuple[int, int, int]]:
   p = problem
   vmem = get_generation(p.chip).vmem_bytes
   item = 2  # bf16 operands and output
-  if p.op == "drhs":
-    rows, dims = p.m, (p.k, p.n)
-  else:
-    rows, dims = p.m, ((p.n, p.k) if p.op == "dlhs" else (p.k, p.n))
+  # NOTE: dims = (contraction, output) for gmm (dlhs contracts n), tgmm's [k, n] output for drhs.
+  rows, dims = p.m, ((p.n, p.k) if p.op == "dlhs" else (p.k, p.n))
 
   def choices(d, cap=None):
     top = d if cap is None else min(d, cap)
