@@ -10,7 +10,7 @@ median, TFLOP/s, % of peak.
 
 megablox-best is the fastest modeled megablox tiling of tm, tk, tn in {128, 256, 512, 1024, full
 dim} (tk, tn also tokamax's tuned sizes: 768, 1536, 1792, 2944, 3584, ...) whose VMEM estimate
-(`tiling.vmem_estimate_bytes`) fits 3/4 of the chip's physical VMEM: the budget megablox reaches
+(`tiling.vmem_estimate_bytes`) fits 7/8 of the chip's physical VMEM: the budget megablox reaches
 only if its caller raises Mosaic's scoped limit (it passes no vmem_limit_bytes); the table "Against
 megablox at its best tiling" says whether that tiling also fits the scoped default, and `--impls
 megablox-best-scoped` searches within the scoped default. The search prunes with a lower bound of
@@ -456,7 +456,7 @@ def mbbest_table(records: list[dict], *, markdown: bool) -> str:
 
   `vs mbbest` = megablox-best's modeled time / the implementation's (< 1: megablox is faster);
   `mbbest scoped`: whether megablox's best tiling fits the chip's scoped VMEM default (the
-  search's budget is 3/4 of physical VMEM).
+  search's budget is 7/8 of physical VMEM).
 
   Args:
     records: from `run`.

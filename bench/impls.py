@@ -517,7 +517,7 @@ register(
 # NOTE: "fits" uses our `vmem_estimate_bytes` for megablox's blocks (kind "gmm": lhs [tm, tk],
 # rhs [tk, tn], out [tm, tn] double-buffered + f32 acc [tm, tn]; "tgmm": lhs [tm, tk], rhs
 # [tm, tn], out [tk, tn] + f32 acc [tk, tn] and the f32 masked input copies megablox's tgmm makes)
-# against `usable_vmem_bytes` (3/4 of physical VMEM), not the scoped default: megablox passes no
+# against `usable_vmem_bytes` (7/8 of physical VMEM), not the scoped default: megablox passes no
 # `vmem_limit_bytes`, so it reaches that budget only if its caller raises the scoped limit. The
 # estimate leaves out the f32 masked copies megablox's gmm makes on a ragged last k tile; both
 # choices admit more tilings (generous to megablox). Whether the best also fits the scoped

@@ -7,6 +7,7 @@ within the VMEM budget (`vmem`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -93,7 +94,15 @@ def _tm_candidates(m: int, mxu: int) -> list[int]:
   return sorted(set(cands)) + [m] if m <= 2048 else sorted(set(cands))
 
 
-def pick_tiling(
+def pick_tiling(**kwargs: Any) -> tuple[int, int, int]:
+  """Chooses (tm, tk, tn) for a gmm or tgmm by a small cost model of our kernels.
+
+  See `visit_tiling_and_seconds` (same keyword arguments) for the model; this returns its tiles.
+  """
+  return visit_tiling_and_seconds(**kwargs)[0]
+
+
+def visit_tiling_and_seconds(
   *,
   m: int,
   k: int,
@@ -106,8 +115,8 @@ def pick_tiling(
   generation: str | TpuGeneration,
   vmem_budget_bytes: int | None = None,
   step_overhead_s: float | None = None,
-) -> tuple[int, int, int]:
-  """Chooses (tm, tk, tn) for a gmm or tgmm by a small cost model of our kernels.
+) -> tuple[tuple[int, int, int], float]:
+  """The visit-schedule kernels' tiles (`pick_tiling`) and their modeled seconds.
 
   Our kernels multiply an m-tile in sub-blocks of the MXU's row count and skip sub-blocks outside
   the visit's group, so MXU work does not grow with tm; what tm, tk and tn change is HBM traffic
@@ -140,7 +149,8 @@ def pick_tiling(
     step_overhead_s: per grid step overhead; default the generation's `step_overhead_s`.
 
   Returns:
-    (tm, tk, tn): tm a multiple of the MXU size (or m), tk and tn multiples of 128 or full dims.
+    ((tm, tk, tn), seconds): tm a multiple of the MXU size (or m), tk and tn multiples of 128 or
+    full dims; the model's time for them.
   """
   if kind not in ("gmm", "tgmm"):
     raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
@@ -195,7 +205,10 @@ def pick_tiling(
   # NOTE: among tilings within 2% of the best modeled time, take the one needing the least VMEM:
   # bigger blocks buy nothing once a kernel is MXU-bound, and they cost Mosaic compile time.
   best_score = min(score for score, _, _ in scored)
-  return min((est, tiles) for score, est, tiles in scored if score <= 1.02 * best_score)[1]
+  _, tiles, score = min(
+    (est, tiles, score) for score, est, tiles in scored if score <= 1.02 * best_score
+  )
+  return tiles, score
 
 
 # Row-tile kernels (`gmm_rowtile_pallas`, `tgmm_rowtile_pallas`): one grid step per m-tile.
@@ -211,6 +224,20 @@ def _divisor_tiles(dim: int) -> list[int]:
 # NOTE: 4096 / 5 rounded to 8 rows: 0, 816, ..., 3264 land at different offsets within every
 # power-of-two tm from 128 to 4096.
 _FILL_SPREAD = 816
+
+
+# NOTE: gmm's m-tiles: every 256 rows to 2048, every 512 to 4096, every 1024 to 8192. Between two
+# powers of two lies the tile that fills VMEM with fewer steps (tpu7x, 0.84 us each) or splits
+# the rows into fewer, fuller tiles; the largest pay on v6e's 128 MiB VMEM, where HBM-bound
+# problems then pay fewer steps. tgmm keeps powers of two: it also picks tk, and its scoring
+# is several times gmm's.
+_GMM_TMS = (
+  128,
+  *range(256, 2048, 256),
+  *range(2048, 4096, 512),
+  *range(4096, 8193, 1024),
+)
+_TGMM_TMS = (128, 256, 512, 1024, 2048, 4096)
 
 
 def _picker_draws(*, m: int, num_groups: int, expected_rows: int | None) -> list[np.ndarray]:
@@ -236,6 +263,10 @@ def _draws_seconds(draws: list[np.ndarray], **kwargs: Any) -> float:
   return sum(rowtile_modeled_seconds(group_sizes=d, **kwargs) for d in draws) / len(draws)
 
 
+# NOTE: cached: the ops call the picker each time they are traced, and scoring every candidate on
+# its draws takes 0.05-1 s on large problems. Its arguments are hashable (dtypes, names or frozen
+# `TpuGeneration`s, ints).
+@functools.lru_cache(maxsize=256)
 def pick_rowtile_tiling(
   *,
   m: int,
@@ -255,13 +286,14 @@ def pick_rowtile_tiling(
   allow_pass_cuts: bool = True,
   existing_out: bool = True,
 ) -> tuple[int, int, int] | None:
-  """Chooses (tm, tk, tn) for a row-tile kernel, or None when none fits VMEM.
+  """Chooses (tm, tk, tn) for a row-tile kernel, or None (see Returns).
 
   Scores every candidate on one uniform-routing draw of group sizes (the kernel does not see the
   real sizes when it is traced) by the sum over grid steps of max(MXU time, HBM time), plus the
   exposed DMA time (`rowtile_step_costs`) and
-  the per-step overhead: the DESIGN.md model applied to the row-tile schedule. Candidates: tm in
-  {128 .. 4096} (powers of two; or all of m), tn (and tgmm's tk) dividing the dim; gmm's tk is
+  the per-step overhead: the DESIGN.md model applied to the row-tile schedule. Candidates: tm
+  (or all of m) from 128 to 8192 for gmm (every 256 rows to 2048, then every 512 and 1024:
+  `_GMM_TMS`), powers of two to 4096 for tgmm; tn (and tgmm's tk) dividing the dim; gmm's tk is
   always k (the whole contraction stays in VMEM). Among tilings within 0.25% of the best, the one
   needing the least VMEM wins.
 
@@ -293,7 +325,9 @@ def pick_rowtile_tiling(
       admits larger tgmm tiles).
 
   Returns:
-    (tm, tk, tn), or None.
+    (tm, tk, tn), or None: when no tiling fits VMEM, or when on a megacore device (v5p) the best
+    one has fewer (k, n) sweeps than TensorCores and the visit kernel's model
+    (`visit_tiling_and_seconds`) is faster.
   """
   if kind not in ("gmm", "tgmm"):
     raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
@@ -309,7 +343,8 @@ def pick_rowtile_tiling(
   draws = _picker_draws(m=m, num_groups=num_groups, expected_rows=expected_rows)
   # NOTE: tgmm's tm is the lane dim of its [tk, tm] lhs block: a multiple of 128 or all of m.
   align = 128 if kind == "tgmm" else 8
-  tms = {min(t, -(-m // align) * align) for t in (128, 256, 512, 1024, 2048, 4096)}
+  ladder = _GMM_TMS if kind == "gmm" else _TGMM_TMS
+  tms = {min(t, -(-m // align) * align) for t in ladder}
   tms = sorted(t if t < m else m for t in tms)
   tks = _divisor_tiles(k) if kind == "tgmm" else [k]
   scored = []
@@ -355,7 +390,35 @@ def pick_rowtile_tiling(
   if not scored:
     return None
   best = min(score for score, _, _ in scored)
-  return min((est, tiles) for score, est, tiles in scored if score <= 1.0025 * best)[1]
+  _, tiles, seconds = min(
+    (est, tiles, score) for score, est, tiles in scored if score <= 1.0025 * best
+  )
+  cores = gen.tensorcores_per_device
+  sweeps = (k // tiles[1]) * (n // tiles[2])
+  if cores > 1 and sweeps < cores:
+    # NOTE: on a megacore device the row-tile kernel splits only its sweeps between the
+    # TensorCores; with fewer sweeps than cores (a tn of all n, where no 128-multiple divides it:
+    # 2880) a core idles, while the visit kernel splits its n-tiles, ragged or not. Its model
+    # (`visit_tiling_and_seconds`) decides.
+    try:
+      _, visit_seconds = visit_tiling_and_seconds(
+        m=m,
+        k=k,
+        n=n,
+        num_groups=num_groups,
+        kind=kind,
+        lhs_dtype=lhs_dtype,
+        rhs_dtype=rhs_dtype,
+        out_dtype=out_dtype,
+        generation=gen,
+        vmem_budget_bytes=budget,
+        step_overhead_s=step_overhead_s,
+      )
+    except ValueError:
+      visit_seconds = float("inf")
+    if visit_seconds < seconds:
+      return None
+  return tiles
 
 
 def rowtile_pass_cuts_pay(

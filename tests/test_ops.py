@@ -324,6 +324,31 @@ def test_unowned_rows_undefined_matches_on_owned_rows_and_saves_the_fill():
     pallas_moe.gmm(x, w, sizes, group_offset=1, unowned_rows="garbage")
 
 
+def test_megacore_keeps_the_visit_kernel_where_the_row_tile_one_would_idle_a_core():
+  """n = 2880: no 128-multiple divides it, so the row-tile gmm's only tn is all of n, one sweep.
+  On v5p (two TensorCores per device) that runs on one core while the visit kernel splits its
+  two n-tiles: the picker declines the row tiles there (the visit model is faster), and keeps
+  them on v6e (one core), where the visit model is the slower one."""
+  from pallas_moe import tiling
+  from pallas_moe.tile_pickers import visit_tiling_and_seconds
+
+  kw = dict(
+    m=16384, k=2880, n=2880, num_groups=32, kind="gmm", lhs_dtype=jnp.bfloat16,
+    rhs_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
+  )  # fmt: skip
+  assert tiling.pick_rowtile_tiling(**kw, generation="v5p") is None
+  visit_tiles, _ = visit_tiling_and_seconds(**kw, generation="v5p")
+  assert visit_tiles[2] < 2880  # several n-tiles, one per core
+  rowtile = tiling.pick_rowtile_tiling(**kw, generation="v6e")
+  assert rowtile is not None and rowtile[2] == 2880
+  gs = np.random.default_rng(0).multinomial(16384, np.full(32, 1 / 32))
+  one_core = tiling.rowtile_modeled_seconds(
+    group_sizes=gs, k=2880, n=2880, tm=rowtile[0], tk=2880, tn=2880, kind="gmm",
+    lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2, generation="v6e",
+  )  # fmt: skip
+  assert one_core < visit_tiling_and_seconds(**kw, generation="v6e")[1]
+
+
 def test_expected_rows_picks_tiles_for_the_real_rows_and_changes_nothing_else():
   """`expected_rows` is a hint for the default tiles of a receive buffer with slack: on
   mixtral's EP weight gradient (one expert, 8,192 of 16,384 rows) the picker scores the tiles on
