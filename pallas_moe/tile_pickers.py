@@ -401,18 +401,10 @@ def pick_rowtile_tiling(
     # 2880) a core idles, while the visit kernel splits its n-tiles, ragged or not. Its model
     # (`visit_tiling_and_seconds`) decides.
     try:
+      problem = dict(m=m, k=k, n=n, num_groups=num_groups, kind=kind, out_dtype=out_dtype)
+      problem.update(lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype, generation=gen)
       _, visit_seconds = visit_tiling_and_seconds(
-        m=m,
-        k=k,
-        n=n,
-        num_groups=num_groups,
-        kind=kind,
-        lhs_dtype=lhs_dtype,
-        rhs_dtype=rhs_dtype,
-        out_dtype=out_dtype,
-        generation=gen,
-        vmem_budget_bytes=budget,
-        step_overhead_s=step_overhead_s,
+        **problem, vmem_budget_bytes=budget, step_overhead_s=step_overhead_s
       )
     except ValueError:
       visit_seconds = float("inf")
