@@ -222,7 +222,8 @@ def _divisor_tiles(dim: int) -> list[int]:
 
 
 # NOTE: 4096 / 5 rounded to 8 rows: 0, 816, ..., 3264 land at different offsets within every
-# power-of-two tm from 128 to 4096.
+# power-of-two tm from 128 to 4096 (and every tm from 3584 up). Within some tms between powers of
+# two they cluster: 0-192 of 768, 0-192 and 816-912 of 1536.
 _FILL_SPREAD = 816
 
 
