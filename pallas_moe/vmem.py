@@ -142,7 +142,7 @@ def vmem_estimate_bytes(
 
 
 # NOTE: the row-tile estimates are per-buffer sums calibrated on real Mosaic (they match the AOT
-# figures within 1-3 MiB, above them); a fixed margin covers Mosaic's internal scratch.
+# figures within 1-4 MiB, above them); a fixed margin covers Mosaic's internal scratch.
 _ROWTILE_MARGIN = 1 << 20
 
 
@@ -239,7 +239,7 @@ def usable_vmem_bytes(generation: str | TpuGeneration) -> int:
   """VMEM our kernels may ask Mosaic for (`vmem_limit_bytes`): 7/8 of the physical VMEM.
 
   Mosaic counts its internal scratch inside the limit, and our row-tile estimates are calibrated
-  1-3 MiB above what Mosaic needs (`vmem_estimate_bytes`); the last 1/8 (8 MiB on tpu7x, 16 on
+  1-4 MiB above what Mosaic needs (`vmem_estimate_bytes`); the last 1/8 (8 MiB on tpu7x, 16 on
   v6e) is left to what an estimate misses. tokamax's TPU kernels ask for more: the whole VMEM
   (its routing-MoE gmm plan, MLA v2) or 0.95 of it (fused MoE reduce-scatter).
   """
