@@ -539,11 +539,14 @@ class KernelCounts:
       tgmm's first sub-block of a group, written into the accumulator), if not `per_group`.
     empty_groups: executions of the once-per-group regions that store and (almost) do not load
       (the row-tile tgmm's zeroing, for empty groups only), if not `per_group`.
+    segments: the row-tile gmm's pass segments, a loop level between its group and sub-block
+      loops when the compiled kernel has one (its first lhs block ramped in chunks).
   """
 
   steps: int
   loop_levels: tuple[float | tuple[float, ...], ...]
   per_group: float | None = None
+  segments: float | None = None
   group_starts: float | None = None
   empty_groups: float | None = None
 
@@ -595,6 +598,17 @@ def kernel_counts(*, kernel: str, ctx, case) -> KernelCounts:
         group_starts=first,
         empty_groups=empty * sweeps,
       )
+    if kernel.startswith("pallas_moe_gmm_rowtile"):
+      # NOTE: where the kernel ramps its first lhs block, a group's passes run in segments (a
+      # while loop around the sub-block loop): one per group iteration but in a chain's first
+      # step, where a segment also ends at each lhs chunk still in flight (at most one more
+      # per chunk, not counted).
+      return KernelCounts(
+        steps=steps,
+        loop_levels=(group_iters, hits),
+        per_group=groups * sweeps,
+        segments=group_iters,
+      )
     return KernelCounts(steps=steps, loop_levels=(group_iters, hits), per_group=groups * sweeps)
   if kernel.startswith(("pallas_moe_gmm", "pallas_moe_tgmm")):
     return KernelCounts(steps=steps, loop_levels=(hits,))
@@ -645,10 +659,13 @@ def trip_counts(root: Node, counts: KernelCounts) -> dict[int, float]:
       find(c, level + dynamic)
 
   find(root, 0)
-  if len(levels) > len(counts.loop_levels):
+  loop_levels = counts.loop_levels
+  if counts.segments is not None and len(levels) == len(loop_levels) + 1:
+    loop_levels = (loop_levels[0], counts.segments, *loop_levels[1:])
+  if len(levels) > len(loop_levels):
     raise ValueError(
       f"{len(levels)} levels of dynamic loops in the schedule, the kernel's metadata "
-      f"counts {len(counts.loop_levels)}"
+      f"counts {len(loop_levels)}"
     )
   # NOTE: where a level also holds loops without MXU work (tpu7x's fp8 kernel copies its scales
   # in a 5-bundle loop beside the sub-block loop), the level's count goes to the loops with
@@ -660,7 +677,7 @@ def trip_counts(root: Node, counts: KernelCounts) -> dict[int, float]:
   level_of = {id(n): lv for lv, loops in levels.items() for n in loops}
   own: dict[int, float] = {}
   for lv, loops in levels.items():
-    total = counts.loop_levels[lv]
+    total = loop_levels[lv]
     if isinstance(total, tuple):
       # NOTE: per-loop totals, matched to the loops by their vmatmuls per iteration.
       if len(total) != len(loops):
@@ -682,7 +699,7 @@ def trip_counts(root: Node, counts: KernelCounts) -> dict[int, float]:
         e = float(c.exit_bound if c.exit_bound is not None else counts.steps)
       elif id(c) in level_of:
         lv = level_of[id(c)]
-        e = own[id(c)] if id(c) in own else counts.loop_levels[lv] / len(levels[lv])
+        e = own[id(c)] if id(c) in own else loop_levels[lv] / len(levels[lv])
         inner = lv == 0
       elif c.kind == "loop":
         e = execs[id(node)] * (c.exit_bound or 1)

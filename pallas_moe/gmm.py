@@ -539,6 +539,12 @@ def gmm_rowtile_pallas(
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """Runs the row-tile gmm kernel on validated arguments.
 
+  The kernel moves lhs row blocks, group weights and output blocks by manual DMA, each
+  double-buffered. The first lhs block of a chain of grid steps (which nothing overlaps) arrives
+  in chunks (`metadata.ramp_chunk_rows`: at most 8 per tile, at least one pass each), and each
+  pass waits only for the chunks holding its rows, so the MXU starts after one chunk and the
+  first group's weights, not after the whole block.
+
   Args:
     lhs: [m, k].
     rhs: [num_local_groups, k, n], or [num_local_groups, n, k] with `transpose_rhs`.
@@ -675,6 +681,8 @@ def gmm_rowtile_pallas(
     active = jnp.concatenate([jnp.zeros((1,), jnp.int32), cuts.num_tiles])
     cut_arrays = (cuts.tile_start, cuts.tile_reach)
     count_tiles = cuts.tile_reach.shape[0]
+  ramp_rows = metadata.ramp_chunk_rows(tm=tm, sub_m=sub_m, granule=lhs_granule)
+  ramp_chunks = metadata.cdiv(tm, ramp_rows) if ramp_rows else 0
   prefetch = (
     groups.group_offsets,
     first_group,
@@ -728,8 +736,13 @@ def gmm_rowtile_pallas(
     if pass_cuts:
       (tstart_ref, reach_ref), refs = refs[:2], refs[2:]
     ins, outs, scratch = common.split_refs(
-      refs, inputs=present, outputs=1 + count_rows, scratch=5 + quantized + prepare
+      refs,
+      inputs=present,
+      outputs=1 + count_rows,
+      scratch=5 + quantized + prepare + 2 * bool(ramp_chunks),
     )
+    if ramp_chunks:
+      (ramp_sems, ready_ref), scratch = scratch[-2:], scratch[:-2]
     lhs_hbm, rhs_hbm, scales_hbm, lhs_scales_ref, base_hbm = ins
     out_hbm, counts_ref = outs[0], (outs[1] if count_rows else None)
     w_vmem, sems = scratch[0], scratch[1]
@@ -788,12 +801,19 @@ def gmm_rowtile_pallas(
         hi = jnp.minimum(rows_end - r0, tm)
       return r0, (0 * lo if write_whole_tiles else lo), hi
 
-    def lhs_copies(tile, into):
+    def lhs_copies(tile, into, chunk=None):
       r0, lo, hi = local_rows(tile)
+      sem = io_sems.at[into]
+      if chunk is not None:
+        # NOTE: ramp chunk `chunk` of the tile: its rows [chunk, chunk + 1) x ramp_rows, clipped
+        # to the local ones (an empty range moves nothing), on its own semaphore.
+        lo = jnp.maximum(lo, chunk * ramp_rows)
+        hi = jnp.minimum(hi, (chunk + 1) * ramp_rows)
+        sem = ramp_sems.at[chunk]
       return common.tile_row_copies(
         hbm_rows=lambda start, size: lhs_hbm.at[pl.ds(start, size)],
         vmem_rows=lambda off, size: lhs_vmem.at[into, pl.ds(off, size)],
-        sem=io_sems.at[into],
+        sem=sem,
         row0=r0,
         lo=lo,
         hi=hi,
@@ -842,7 +862,8 @@ def gmm_rowtile_pallas(
       return carry
 
     prefetch = (num_steps > 1) & (chain + 1 < chain_len)
-    lax.fori_loop(jnp.where(chain == 0, 0, 1), jnp.where(prefetch, 2, 1), start_fetch, 0)
+    if not ramp_chunks:
+      lax.fori_loop(jnp.where(chain == 0, 0, 1), jnp.where(prefetch, 2, 1), start_fetch, 0)
 
     out_ref = out_vmem.at[slot]
 
@@ -878,6 +899,29 @@ def gmm_rowtile_pallas(
     def wait_load(rank, sweep):
       for c in weight_copies(rank, sweep):
         c.wait()
+
+    if ramp_chunks:
+      # NOTE: the chain's first tile is fetched in chunks of ramp_rows rows, each waited for by
+      # the first pass that reads it (`sub_body`), so the MXU starts after one chunk instead of
+      # the whole block. Issue order is the order of need: the first chunk, the first group's
+      # weights (loaded here rather than when that group starts, `_load`), the other chunks,
+      # then the next tile's prefetch.
+      def start_chunk(c, carry):
+        common.run_copies(lhs_copies(t, 0, chunk=c), wait=False)
+        return carry
+
+      @pl.when(chain == 0)
+      def _ramp():
+        start_chunk(0, 0)
+
+        @pl.when(nloads_ref[0] > 0)
+        def _first_load():
+          start_load(0, n_i)
+
+        lax.fori_loop(1, ramp_chunks, start_chunk, 0)
+
+      ready_ref[0] = jnp.where(chain == 0, 0, ramp_chunks)
+      lax.fori_loop(1, jnp.where(prefetch, 2, 1), start_fetch, 0)
 
     # NOTE: the output block starts as existing_out (or zeros); each group overwrites its rows.
     # Rows of other shards' groups and rows past sum(group_sizes) keep this value. Only the first
@@ -957,9 +1001,14 @@ def gmm_rowtile_pallas(
       )
       counts_ref[n_i, t, 3] = end - first
 
-    @pl.when(fetched)
+    # NOTE: a ramped first tile is waited for chunk by chunk in `sub_body`.
+    @pl.when(fetched & (chain > 0) if ramp_chunks else fetched)
     def _wait_lhs():
       common.run_copies(lhs_copies(t, lhs_slot), wait=True)
+
+    def wait_chunk(c, carry):
+      common.run_copies(lhs_copies(t, 0, chunk=c), wait=True)
+      return carry
 
     lhs_ref = lhs_vmem.at[lhs_slot]
 
@@ -981,10 +1030,13 @@ def gmm_rowtile_pallas(
           exposed_first = rank == 0
           if sequential_sweeps:
             exposed_first = exposed_first & (n_i == 0)
+          # NOTE: with a ramp, the chain's first step started this load with its first lhs chunk
+          # (the rank-0 group starts in the chain's first tile).
+          if not ramp_chunks:
 
-          @pl.when(exposed_first)
-          def _first():
-            start_load(rank, n_i)
+            @pl.when(exposed_first)
+            def _first():
+              start_load(rank, n_i)
 
           @pl.when(rank + 1 < nloads_ref[0])
           def _prefetch():
@@ -1052,13 +1104,37 @@ def gmm_rowtile_pallas(
           out_ref[rows, :] = jnp.where(mine, prod.astype(out_dtype), out_ref[rows, :])
           return c
 
-        lax.fori_loop(0, passes, sub_body, 0)
+        if ramp_chunks:
+
+          def segment(p):
+            # NOTE: waits for the chunks holding pass p's rows (pass_block's, clipped at the
+            # tile's end), then runs every pass from p whose rows those chunks (and the ones
+            # before) hold: all of the group's passes once the whole block is in (every step
+            # but the chain's first), so the pass loop itself never waits.
+            r0 = jnp.minimum(first_row + p * sub_m, tm - sub_m)
+            ready = ready_ref[0]
+            need = jnp.minimum(metadata.cdiv(r0 + sub_m, ramp_rows), ramp_chunks)
+            lax.fori_loop(ready, need, wait_chunk, 0)
+            covered = jnp.maximum(ready, need)
+            ready_ref[0] = covered
+            fit = (covered * ramp_rows - sub_m - first_row) // sub_m + 1
+            end = jnp.where(covered >= ramp_chunks, passes, jnp.clip(fit, p + 1, passes))
+            lax.fori_loop(p, end, sub_body, 0)
+            return end
+
+          lax.while_loop(lambda p: p < passes, segment, 0)
+        else:
+          lax.fori_loop(0, passes, sub_body, 0)
         if counts_ref is not None:
           counts_ref[n_i, t, 0] += passes * sub_m
 
       return carry
 
     lax.fori_loop(first_ref[t], last_ref[t] + 1, group_body, 0)
+    if ramp_chunks:
+      # NOTE: chunks no pass read (none, as passes cover the fetched rows; kept so that no DMA
+      # is left pending).
+      lax.fori_loop(ready_ref[0], ramp_chunks, wait_chunk, 0)
 
     common.run_copies(out_copies(chain), wait=False)
 
@@ -1130,7 +1206,11 @@ def gmm_rowtile_pallas(
       pltpu.VMEM((2, tm, k), lhs.dtype),
       pltpu.VMEM((2, tm, tn), out_dtype),
       pltpu.SemaphoreType.DMA((4,)),
-    ],
+    ]
+    + (
+      # NOTE: the ramp's chunk semaphores and how many chunks the passes have waited for.
+      [pltpu.SemaphoreType.DMA((ramp_chunks,)), pltpu.SMEM((1,), jnp.int32)] if ramp_chunks else []
+    ),
     dimension_semantics=("arbitrary", "arbitrary")
     if sequential_sweeps
     else ("parallel", "arbitrary"),

@@ -21,7 +21,13 @@ from pallas_moe.generations import (
   sequential_sweeps,
   tensorcore_rates,
 )
-from pallas_moe.metadata import group_passes, pass_align, pass_cut_rows, uses_pass_cuts
+from pallas_moe.metadata import (
+  group_passes,
+  pass_align,
+  pass_cut_rows,
+  ramp_chunk_rows,
+  uses_pass_cuts,
+)
 
 
 def _dot_macs(*, rows: int, contract: int, cols: int, mxu: int, min_rows: int | None = None) -> int:
@@ -324,6 +330,7 @@ def rowtile_row_dma(
   writes,
   sweeps: int,
   sequential_sweeps: bool,
+  ramp_bytes: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Per grid step: bytes of the row-tile kernels' manual row-block DMAs (gmm's lhs and output,
   tgmm's lhs and rhs), split into overlapped and exposed.
@@ -342,6 +349,9 @@ def rowtile_row_dma(
     writes: [steps] bytes written back after each step (zeros: none).
     sweeps: chains of equal length without `sequential_sweeps` (the grid's other axes).
     sequential_sweeps: the kernels' option.
+    ramp_bytes: gmm's ramp (`metadata.ramp_chunk_rows`): the chain's first block arrives in
+      chunks and the first pass waits only for its own, so at most these bytes (one chunk) are
+      exposed and the rest overlap the first step's work. None: no ramp.
 
   Returns:
     (overlapped, exposed), each [steps] in grid-step order.
@@ -361,7 +371,9 @@ def rowtile_row_dma(
     moved = first.copy()
     moved[1:] |= key[1:] != key[:-1]
     b = np.where(moved, nbytes, 0.0)
-    exposed += np.where(first, b, 0.0)
+    head = b if ramp_bytes is None else np.minimum(b, ramp_bytes)
+    exposed += np.where(first, head, 0.0)
+    over += np.where(first, b - head, 0.0)
     over[:-1] += np.where(first[1:], 0.0, b[1:])
   exposed += np.where(last, writes, 0.0)
   over[1:] += np.where(last[:-1], 0.0, writes[:-1])
@@ -510,6 +522,8 @@ def rowtile_step_costs(
     fetches = [(np.tile(moved(row_granule_of(lhs_itemsize)) * k * lhs_itemsize, sweeps), tile)]
     writes = np.tile(out_rows * tn * out_itemsize, sweeps)
     block = k * tn * rhs_itemsize
+    ramp = ramp_chunk_rows(tm=tm, sub_m=sub, granule=row_granule_of(lhs_itemsize))
+    ramp_bytes = ramp * k * lhs_itemsize if ramp else None
   else:
     # NOTE: tgmm fetches both every step (a single visited tile too: its k and n windows
     # change with the sweep).
@@ -520,9 +534,10 @@ def rowtile_step_costs(
     ]
     writes = np.zeros(sweeps * tiles_m)
     block = tk * tn * out_itemsize
+    ramp_bytes = None
   seq = sequential_sweeps(gen)
   row_over, row_exposed = rowtile_row_dma(
-    fetches=fetches, writes=writes, sweeps=sweeps, sequential_sweeps=seq
+    fetches=fetches, writes=writes, sweeps=sweeps, sequential_sweeps=seq, ramp_bytes=ramp_bytes
   )
   over, exposed = rowtile_manual_dma(
     starts=starts,
