@@ -210,8 +210,12 @@ def test_use_generation_picks_that_generations_tiles(gen):
   fill, eqn = _find_pallas_calls(jaxpr.jaxpr)  # the zero fill of the unvisited tiles, the gmm
   assert fill.params["name"] == "pallas_moe_zero_fill"
   # NOTE: lhs and the output move by manual DMA: the tiles are the shapes of their VMEM slots,
-  # the kernel's last scratch refs [2, tm, k] and [2, tm, tn].
-  *_, lhs_slots, out_slots, _sems = (v.aval.shape for v in eqn.params["jaxpr"].invars)
+  # the kernel's last multi-dimensional scratch refs [2, tm, k] and [2, tm, tn] (after them
+  # only semaphore arrays and the ramp's SMEM counter).
+  shapes = [v.aval.shape for v in eqn.params["jaxpr"].invars]
+  while len(shapes[-1]) < 3:
+    shapes.pop()
+  lhs_slots, out_slots = shapes[-2:]
   got = (lhs_slots[1], lhs_slots[2], out_slots[2])
   assert lhs_slots[0] == out_slots[0] == 2 and out_slots[1] == got[0]
   assert got == want
