@@ -557,19 +557,25 @@ def measure(
   Returns:
     `analyze`'s dict with variant, topology, ep, data, rows and program.
   """
+  from pallas_moe import tiling
+
   rows = dims.buffer_rows(ep)
   if program is None:
     program = "maxtext" if have_maxtext() else "ours"
-  if variant == "pm_moe_layer":
-    compiled, program = moe_layer_compiled(topology=topology, ep=ep, data=data, dims=dims), "moe"
-  elif program == "maxtext":
-    compiled = maxtext_compiled(
-      variant, topology=topology, ep=ep, data=data, dims=dims, out_dir=out_dir
-    )
-  else:
-    mesh = _mesh(topology, ep=ep, data=data)
-    step, args = expert_program(variant, mesh=mesh, dims=dims, rows=rows)
-    compiled = _compile(step, args, mesh.devices.flat[0])
+  # NOTE: pallas_moe picks tiles, VMEM limits and chunk counts for the current generation, which
+  # on a CPU host is v5e unless set: compile each topology with its own chip's choices.
+  with tiling.use_generation(topology.split(":")[0]):
+    if variant == "pm_moe_layer":
+      compiled = moe_layer_compiled(topology=topology, ep=ep, data=data, dims=dims)
+      program = "moe"
+    elif program == "maxtext":
+      compiled = maxtext_compiled(
+        variant, topology=topology, ep=ep, data=data, dims=dims, out_dir=out_dir
+      )
+    else:
+      mesh = _mesh(topology, ep=ep, data=data)
+      step, args = expert_program(variant, mesh=mesh, dims=dims, rows=rows)
+      compiled = _compile(step, args, mesh.devices.flat[0])
   rec = analyze(compiled, rows=rows)
   rec.update(variant=variant, topology=topology, ep=ep, data=data, rows=rows, program=program)
   return rec

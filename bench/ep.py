@@ -416,6 +416,7 @@ STEP_CONFIGS: tuple[tuple[str, int], ...] = (
   ("deepseek-v3", 64),
   ("qwen3-30b-a3b", 8),
   ("deepseek-v2-lite", 8),
+  ("deepseek-v2-lite", 4),
 )
 STEP_CHIPS = ("v5e", "v5p", "v6e")
 STEP_TOKENS = (4096, 16384)
@@ -897,6 +898,12 @@ DEFAULT_BATCH_SPLIT: dict[tuple[str, int, int, str], int] = {
   ("deepseek-v2-lite", 8, 16384, "v5e"): 8,
   ("deepseek-v2-lite", 8, 16384, "v5p"): 8,
   ("deepseek-v2-lite", 8, 16384, "v6e"): 2,
+  ("deepseek-v2-lite", 4, 4096, "v5e"): 4,
+  ("deepseek-v2-lite", 4, 4096, "v5p"): 4,
+  ("deepseek-v2-lite", 4, 4096, "v6e"): 2,
+  ("deepseek-v2-lite", 4, 16384, "v5e"): 4,
+  ("deepseek-v2-lite", 4, 16384, "v5p"): 4,
+  ("deepseek-v2-lite", 4, 16384, "v6e"): 4,
 }
 
 

@@ -87,7 +87,11 @@ def aot_step_compiled(
     return jnp.sum(jnp.square(y.astype(jnp.float32))) + aux["aux_loss"]
 
   step = (jax.value_and_grad if with_value else jax.grad)(loss, argnums=(0, 1))
-  with jax.default_device(topo.devices[0]):
+  from pallas_moe import tiling
+
+  # NOTE: the block's tiles and chunk counts for the topology's chip (on a CPU host the current
+  # generation is v5e unless set).
+  with jax.default_device(topo.devices[0]), tiling.use_generation(topology.split(":")[0]):
     return jax.jit(step).lower(params, x).compile(compiler_options=compiler_options)
 
 

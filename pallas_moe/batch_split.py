@@ -66,7 +66,12 @@ _CHOICES = {
     (64, 16384): (8, 8, 2),
   },
   "qwen3-30b-a3b": {(8, 4096): (8, 4, 2), (8, 16384): (8, 8, 2)},
-  "deepseek-v2-lite": {(8, 4096): (4, 4, 2), (8, 16384): (8, 8, 2)},
+  "deepseek-v2-lite": {
+    (8, 4096): (4, 4, 2),
+    (8, 16384): (8, 8, 2),
+    (4, 4096): (4, 4, 2),
+    (4, 16384): (4, 4, 4),
+  },
 }
 MODELED_BATCH_SPLIT: dict[tuple[int, int, int, int, int, int, str], int] = {
   (*_DIMS[model], ep, tokens, chip): c

@@ -93,6 +93,9 @@ MODELED_DEDUP: dict[tuple[int, int, int, int, int], tuple[bool | None, ...]] = {
   # deepseek-v2-lite: 1.07, 1.11, 0.98 x plain at 4096; 1.05, 1.14, 0.89 at 16384.
   (64, 6, 2048, 8, 4096): (False, False, True),
   (64, 6, 2048, 8, 16384): (False, False, True),
+  # deepseek-v2-lite at EP 4: 1.07, 1.03, 1.09 at 4096; 1.12, 1.05, 1.10 at 16384.
+  (64, 6, 2048, 4, 4096): (False, False, False),
+  (64, 6, 2048, 4, 16384): (False, False, False),
   # qwen3-30b-a3b: 0.93, 1.06, 0.83 at 4096; 0.85, 1.04, 0.75 at 16384.
   (128, 8, 2048, 8, 4096): (True, False, True),
   (128, 8, 2048, 8, 16384): (True, False, True),
