@@ -916,15 +916,16 @@ DEFAULT_BATCH_SPLIT: dict[tuple[str, int, int, str], int] = {
 # NOTE: the same with the deduplicated exchange (`--options dedup`; bench/ep_tables.md, "Exchange
 # options"), for the cases `pallas_moe.dedup.MODELED_DEDUP` has modeled: its expand/reduce passes
 # add TensorCore time per chunk that more chunks hide under the exchange, so the best count
-# moves up (v6e at 16,384 tokens: 8 instead of 2).
+# moves up (v6e at 16,384 tokens: 8 instead of 2 for qwen3-30b-a3b and deepseek-v2-lite).
 DEFAULT_BATCH_SPLIT_DEDUP: dict[tuple[str, int, int, str], int] = {
-  ("deepseek-v3", 32, 16384, "v6e"): 8,
+  ("deepseek-v3", 32, 16384, "v6e"): 2,
   **{
     (model, 8, tokens, chip): 4 if tokens == 4096 else 8
     for model in ("qwen3-30b-a3b", "deepseek-v2-lite")
     for tokens in (4096, 16384)
     for chip in ("v5e", "v5p", "v6e")
   },
+  ("qwen3-30b-a3b", 8, 4096, "v6e"): 2,
 }
 
 

@@ -85,8 +85,8 @@ MODELED_BATCH_SPLIT: dict[tuple[int, int, int, int, int, int, str], int] = {
 # 1, 2, 4, 8 chunks of `python -m bench.ep --options dedup`, uniform routing, exact buffers), for
 # the layers `dedup.MODELED_DEDUP` has modeled.
 _CHOICES_DEDUP = {
-  "deepseek-v3": {(32, 16384): (None, None, 8)},
-  "qwen3-30b-a3b": {(8, 4096): (4, 4, 4), (8, 16384): (8, 8, 8)},
+  "deepseek-v3": {(32, 16384): (None, None, 2)},
+  "qwen3-30b-a3b": {(8, 4096): (4, 4, 2), (8, 16384): (8, 8, 8)},
   "deepseek-v2-lite": {(8, 4096): (4, 4, 4), (8, 16384): (8, 8, 8)},
 }
 MODELED_BATCH_SPLIT_DEDUP: dict[tuple[int, int, int, int, int, int, str], int] = {

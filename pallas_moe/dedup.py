@@ -586,13 +586,17 @@ def reduce_rows(y, *, src, weight, valid, num_rows: int):
 
   Args:
     y: [P', d] expert outputs (rows past the groups are undefined).
-    src, weight, valid: from `expand`.
+    src, weight, valid: from `expand`; weight None: y is already weighted (`expert_mlp`'s
+      `row_weights`), rows are summed as they are.
     num_rows: U.
 
   Returns:
     [U, d] f32: row i = sum of weight * y over the expert rows of received row i.
   """
-  contrib = jnp.where(valid[:, None], y.astype(jnp.float32) * weight[:, None], 0.0)
+  y = y.astype(jnp.float32)
+  if weight is not None:
+    y = y * weight[:, None]
+  contrib = jnp.where(valid[:, None], y, 0.0)
   return jnp.zeros((num_rows, y.shape[1]), jnp.float32).at[src].add(contrib)
 
 

@@ -306,9 +306,20 @@ def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig, expected
 
 
 def expert_mlp(
-  rows, wi, wo, group_sizes, *, config: MoEConfig, expected_rows: int | None = None
+  rows,
+  wi,
+  wo,
+  group_sizes,
+  *,
+  config: MoEConfig,
+  expected_rows: int | None = None,
+  row_weights: jax.Array | None = None,
 ) -> jax.Array:
   """SwiGLU experts over rows sorted by (local) expert.
+
+  The down projection and the activation before it are rematerialized: the backward recomputes
+  `swiglu(h)` from h (which the gate/up projection's backward keeps anyway), so no [B, f]
+  activation and no [B, d] output is kept from the forward to the backward.
 
   Args:
     rows: [B, d] rows sorted by expert; the outputs of rows past `sum(group_sizes)` are
@@ -319,13 +330,23 @@ def expert_mlp(
     config: the layer config (tilings, gmm_impl).
     expected_rows: how many of the B rows are expected to be real (a receive buffer's typical
       fill), a hint for gmm's default tiles (`gmm(..., expected_rows=)`); None: B.
+    row_weights: optional [B] f32 per-row scales (routing weights), applied to the activation
+      before the down projection: `(w * swiglu(h)) @ wo == w * (swiglu(h) @ wo)`, whose
+      gradient for w needs the activation the backward recomputes, not the [B, d] output.
 
   Returns:
-    [B, d] expert outputs.
+    [B, d] expert outputs (scaled by `row_weights`).
   """
   kw = dict(config=config, expected_rows=expected_rows)
   h = _grouped_matmul(rows, wi, group_sizes, tiling=config.wi_tiling, **kw)
-  return _grouped_matmul(swiglu(h), wo, group_sizes, tiling=config.wo_tiling, **kw)
+
+  def down(h, wo, group_sizes, row_weights):
+    act = swiglu(h)
+    if row_weights is not None:
+      act = (act.astype(jnp.float32) * row_weights[:, None]).astype(act.dtype)
+    return _grouped_matmul(act, wo, group_sizes, tiling=config.wo_tiling, **kw)
+
+  return jax.checkpoint(down)(h, wo, group_sizes, row_weights)
 
 
 def shared_mlp(x, wi, wo, *, gate=None, float32_gate: bool = True) -> jax.Array:
@@ -905,8 +926,12 @@ def _pipelined_dedup_exchange(
       n = tc * k
       expected = n if n < rows.shape[0] else None
       prev = src
-      y_rows = expert_mlp(rows, wi, wo, sizes, config=config, expected_rows=expected)
-      y_u = dedup_lib.reduce_rows(y_rows, src=src, weight=weight, valid=valid, num_rows=unique_rows)
+      # NOTE: the routing weights scale the expert rows' activations inside the MLP, so the
+      # weights' gradient does not keep the [P, d] expert outputs for the backward.
+      y_rows = expert_mlp(
+        rows, wi, wo, sizes, config=config, expected_rows=expected, row_weights=weight
+      )
+      y_u = dedup_lib.reduce_rows(y_rows, src=src, weight=None, valid=valid, num_rows=unique_rows)
       with jax.named_scope("combine"):
         back = collectives.combine(
           y_u.astype(ch.x.dtype),

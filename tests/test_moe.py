@@ -292,3 +292,33 @@ def test_undefined_slack_rows_never_reach_the_layer():
   for leaf in jax.tree.leaves(got):
     assert np.isfinite(np.asarray(leaf, np.float32)).all()
   _assert_close(got, _ref_grads(params, x, config), F32_TOL)
+
+
+def test_expert_mlp_keeps_no_activation_or_output_for_the_backward():
+  """The down projection is rematerialized: the backward keeps the rows and h = rows @ wi, not
+  swiglu(h) [B, f] nor the [B, d] output; routing weights applied to the activation give the
+  weighted output and its weight gradient without keeping the output either."""
+  b, d, f, g = 48, 16, 24, 3
+  config = MoEConfig(num_experts=g, top_k=1, d_model=d, expert_ffn_dim=f, gmm_impl="ragged_dot")
+  k = jax.random.split(jax.random.key(3), 4)
+  rows = jax.random.normal(k[0], (b, d), jnp.float32)
+  wi = jax.random.normal(k[1], (g, d, 2 * f), jnp.float32) / d**0.5
+  wo = jax.random.normal(k[2], (g, f, d), jnp.float32) / f**0.5
+  w = jax.random.uniform(k[3], (b,), jnp.float32)
+  gs = jnp.array([20, 0, 28], jnp.int32)
+
+  def mlp(rows, wi, wo, w):
+    return moe.expert_mlp(rows, wi, wo, gs, config=config, row_weights=w)
+
+  y, vjp = jax.vjp(mlp, rows, wi, wo, w)
+  kept = [x.shape for x in jax.tree.leaves(vjp) if hasattr(x, "shape")]
+  assert (b, f) not in kept and kept.count((b, d)) <= 1  # NOTE: the rows, not the output
+  assert (b, 2 * f) in kept
+  plain = moe.expert_mlp(rows, wi, wo, gs, config=config)
+  np.testing.assert_allclose(y, w[:, None] * plain, rtol=1e-5, atol=1e-6)
+  ct = jax.random.normal(jax.random.key(4), y.shape, jnp.float32)
+  got = vjp(ct)
+  want = jax.vjp(lambda r, a, o, s: s[:, None] * moe.expert_mlp(r, a, o, gs, config=config),
+                 rows, wi, wo, w)[1](ct)  # fmt: skip
+  for x, z in zip(got, want, strict=True):
+    np.testing.assert_allclose(x, z, rtol=1e-4, atol=1e-5)
