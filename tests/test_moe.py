@@ -294,10 +294,11 @@ def test_undefined_slack_rows_never_reach_the_layer():
   _assert_close(got, _ref_grads(params, x, config), F32_TOL)
 
 
-def test_expert_mlp_keeps_no_activation_or_output_for_the_backward():
-  """The down projection is rematerialized: the backward keeps the rows and h = rows @ wi, not
-  swiglu(h) [B, f] nor the [B, d] output; routing weights applied to the activation give the
-  weighted output and its weight gradient without keeping the output either."""
+def test_weighted_expert_mlp_keeps_no_activation_or_output_for_the_backward():
+  """With routing weights (the deduplicated exchange's expert rows), the weights scale the
+  activation and the down projection is rematerialized: the backward keeps the rows and
+  h = rows @ wi, not the activation [B, f] nor the [B, d] output; the output and every
+  gradient (the weights' too) are those of the weighted output."""
   b, d, f, g = 48, 16, 24, 3
   config = MoEConfig(num_experts=g, top_k=1, d_model=d, expert_ffn_dim=f, gmm_impl="ragged_dot")
   k = jax.random.split(jax.random.key(3), 4)
