@@ -598,18 +598,14 @@ def kernel_counts(*, kernel: str, ctx, case) -> KernelCounts:
         group_starts=first,
         empty_groups=empty * sweeps,
       )
-    if kernel.startswith("pallas_moe_gmm_rowtile"):
-      # NOTE: where the kernel ramps its first lhs block, a group's passes run in segments (a
-      # while loop around the sub-block loop): one per group iteration but in a chain's first
-      # step, where a segment also ends at each lhs chunk still in flight (at most one more
-      # per chunk, not counted).
-      return KernelCounts(
-        steps=steps,
-        loop_levels=(group_iters, hits),
-        per_group=groups * sweeps,
-        segments=group_iters,
-      )
-    return KernelCounts(steps=steps, loop_levels=(group_iters, hits), per_group=groups * sweeps)
+    # NOTE: where the gmm ramps its first lhs block, a group's passes run in segments (a while
+    # loop around the sub-block loop): one per group iteration but in a chain's first step,
+    # where a segment also ends at each lhs chunk still in flight (at most one more per chunk,
+    # not counted).
+    segments = group_iters if kernel.startswith("pallas_moe_gmm_rowtile") else None
+    return KernelCounts(
+      steps=steps, loop_levels=(group_iters, hits), per_group=groups * sweeps, segments=segments
+    )
   if kernel.startswith(("pallas_moe_gmm", "pallas_moe_tgmm")):
     return KernelCounts(steps=steps, loop_levels=(hits,))
   return KernelCounts(steps=steps, loop_levels=())

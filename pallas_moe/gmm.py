@@ -902,7 +902,7 @@ def gmm_rowtile_pallas(
 
     if ramp_chunks:
       # NOTE: the chain's first tile is fetched in chunks of ramp_rows rows, each waited for by
-      # the first pass that reads it (`sub_body`), so the MXU starts after one chunk instead of
+      # the first pass that reads it (`segment`), so the MXU starts after one chunk instead of
       # the whole block. Issue order is the order of need: the first chunk, the first group's
       # weights (loaded here rather than when that group starts, `_load`), the other chunks,
       # then the next tile's prefetch.
@@ -1001,7 +1001,7 @@ def gmm_rowtile_pallas(
       )
       counts_ref[n_i, t, 3] = end - first
 
-    # NOTE: a ramped first tile is waited for chunk by chunk in `sub_body`.
+    # NOTE: a ramped first tile is waited for chunk by chunk in `segment`.
     @pl.when(fetched & (chain > 0) if ramp_chunks else fetched)
     def _wait_lhs():
       common.run_copies(lhs_copies(t, lhs_slot), wait=True)
@@ -1107,11 +1107,11 @@ def gmm_rowtile_pallas(
         if ramp_chunks:
 
           def segment(p):
-            # NOTE: waits for the chunks holding pass p's rows (pass_block's, clipped at the
-            # tile's end), then runs every pass from p whose rows those chunks (and the ones
-            # before) hold: all of the group's passes once the whole block is in (every step
-            # but the chain's first), so the pass loop itself never waits.
-            r0 = jnp.minimum(first_row + p * sub_m, tm - sub_m)
+            # NOTE: waits for the chunks holding pass p's rows (as `sub_body` places the pass),
+            # then runs every pass from p whose rows those chunks (and the ones before) hold:
+            # all of the group's passes once the whole block is in (every step but the chain's
+            # first), so the pass loop itself never waits.
+            r0, _ = common.pass_block(first_row + p * sub_m, sub_m=sub_m, tm=tm, align=align)
             ready = ready_ref[0]
             need = jnp.minimum(metadata.cdiv(r0 + sub_m, ramp_rows), ramp_chunks)
             lax.fori_loop(ready, need, wait_chunk, 0)

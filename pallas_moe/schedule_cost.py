@@ -297,6 +297,13 @@ def row_granule_of(itemsize: int, *, lanes: bool = False) -> int:
   return 128 if lanes else 8 * max(1, 4 // int(itemsize))
 
 
+def gmm_ramp_bytes(*, tm: int, sub_m: int, k: int, lhs_itemsize: int) -> float | None:
+  """Bytes of one chunk of the row-tile gmm's ramped first lhs block (`metadata.ramp_chunk_rows`
+  rows of a [tm, k] block): what `rowtile_row_dma(ramp_bytes=)` exposes; None: no ramp."""
+  rows = ramp_chunk_rows(tm=tm, sub_m=sub_m, granule=row_granule_of(lhs_itemsize))
+  return rows * k * lhs_itemsize if rows else None
+
+
 def gmm_pass_align(*, sub_m: int, tm: int, lhs_itemsize: int, out_itemsize: int) -> int:
   """`metadata.pass_align` of the row-tile gmm, whose passes slice its lhs and output rows:
   the larger of their row granules (`row_granule_of`)."""
@@ -522,8 +529,7 @@ def rowtile_step_costs(
     fetches = [(np.tile(moved(row_granule_of(lhs_itemsize)) * k * lhs_itemsize, sweeps), tile)]
     writes = np.tile(out_rows * tn * out_itemsize, sweeps)
     block = k * tn * rhs_itemsize
-    ramp = ramp_chunk_rows(tm=tm, sub_m=sub, granule=row_granule_of(lhs_itemsize))
-    ramp_bytes = ramp * k * lhs_itemsize if ramp else None
+    ramp_bytes = gmm_ramp_bytes(tm=tm, sub_m=sub, k=k, lhs_itemsize=lhs_itemsize)
   else:
     # NOTE: tgmm fetches both every step (a single visited tile too: its k and n windows
     # change with the sweep).

@@ -30,6 +30,7 @@ from pallas_moe.generations import (
 )
 from pallas_moe.schedule_cost import (
   gmm_pass_align,
+  gmm_ramp_bytes,
   row_granule_of,
   rows_stationary_pays,
   rowtile_fill_bytes,
@@ -62,6 +63,7 @@ __all__ = [
   "tile_rows_moved",
   "row_granule_of",
   "gmm_pass_align",
+  "gmm_ramp_bytes",
   "narrow_peak",
   "min_pass_rows",
   "pass_granule",
