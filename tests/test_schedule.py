@@ -218,3 +218,42 @@ def test_split_step_overlaps_chunks(gen):
   assert bwd, schedule.summary(s)
   for _, k in fwd:
     assert not schedule.is_backward(k.op_name)  # the forward's gmms, not the backward's
+
+
+def _exchange_spans(s: schedule.Schedule) -> dict[tuple[str, str, int], tuple[int, int]]:
+  """(pass, exchange, chunk) -> (start, done) positions of each expert exchange in the entry."""
+  spans = {}
+  for a in s.async_collectives:
+    if a.kind == "ragged-all-to-all" and a.computation == s.entry:
+      spans[_where(a.op_name)] = (a.start_index, a.done_index)
+  for c in s.sync_collectives:
+    if c.kind == "ragged-all-to-all" and c.computation == s.entry:
+      spans[_where(c.op_name)] = (c.index, c.index)
+  return spans
+
+
+def _where(op_name: str) -> tuple[str, str, int]:
+  return (
+    "bwd" if schedule.is_backward(op_name) else "fwd",
+    schedule.exchange_of(op_name),
+    schedule.chunk_of(op_name),
+  )
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("gen, dedup", [("v5e", False), ("v6e", True)])
+def test_split_step_keeps_two_chunks_in_flight(gen, dedup):
+  """batch_split=4: chunk c's dispatch starts after chunk c-2's combine is done, and in the
+  backward chunk c-2's combine gradient starts after chunk c's dispatch gradient is done (the
+  block's barriers; without them XLA starts every chunk's combine gradient at once and keeps
+  all four chunks' backward buffers live). Chunks still overlap: some chunk's gmm runs under
+  another's exchange, in both passes."""
+  s = _step(gen, batch_split=4, options=ASYNC_PROGRAM, overrides=dict(dedup_dispatch=dedup))
+  spans = _exchange_spans(s)
+  assert len(spans) == 16, schedule.summary(s)
+  for c in (2, 3):
+    assert spans["fwd", "dispatch", c][0] > spans["fwd", "combine", c - 2][1], schedule.summary(s)
+    assert spans["bwd", "combine", c - 2][0] > spans["bwd", "dispatch", c][1], schedule.summary(s)
+  pairs = schedule.cross_chunk_overlaps(s)
+  assert any(not schedule.is_backward(a.op_name) for a, _ in pairs), schedule.summary(s)
+  assert any(schedule.is_backward(a.op_name) for a, _ in pairs), schedule.summary(s)
