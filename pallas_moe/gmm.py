@@ -230,6 +230,7 @@ def _result_and_cost(
   tiles_n,
   rows=None,
   whole_output=False,
+  visit_tiles=None,
 ):
   """`common.call_kernel`'s result and cost arguments, shared by both gmm kernels.
 
@@ -239,19 +240,34 @@ def _result_and_cost(
   rows with `whole_output`, the visit kernel, which writes every tile; with existing_out all of
   it read and written). `others` are the remaining operands the result varies with (group
   sizes, offset).
+
+  `visit_tiles=(tm, tk)`: the visit kernel's tiles. Where tk < k its k-tiles change at every
+  grid step, so each visit fetches its [tm, k] lhs rows and its group's [k, tn] weights anew:
+  per n-tile, `metadata.max_visits` visits of `rows` rows each read tm * k of lhs and k * tn of
+  rhs (megablox's kernel, which visits the same way, declares about this too).
   """
   m, k = lhs.shape
   rows = m if rows is None else min(rows, m)
   has_existing = existing_out is not None
   operands = (lhs, rhs, *others, existing_out, rhs_scales, lhs_scales)
   out_bytes = jnp.dtype(out_dtype).itemsize * n
+  lhs_rows, rhs_reads = rows, 1
+  if visit_tiles is not None and visit_tiles[1] < k:
+    tm = visit_tiles[0]
+    # NOTE: the visits of `rows` rows: one per m-tile they cover plus at most one per group
+    # whose first tile is shared with the previous group.
+    visits = metadata.max_visits(m=rows, tm=tm, num_local_groups=rhs.shape[0])
+    lhs_rows = visits * tm
+    # NOTE: rhs.size is every group's k * n once; a visit reads its group's k * n (k * tn in
+    # each of the n-tiles).
+    rhs_reads = visits / rhs.shape[0]
   return dict(
     out_shape=common.out_struct((m, n), out_dtype, *operands),
     flops=2 * rows * k * n,
-    bytes_accessed=rows * k * lhs.dtype.itemsize * tiles_n
-    + rhs.size * rhs.dtype.itemsize
+    bytes_accessed=lhs_rows * k * lhs.dtype.itemsize * tiles_n
+    + int(rhs.size * rhs.dtype.itemsize * rhs_reads)
     + (rhs_scales.size * 4 if rhs_scales is not None else 0)
-    + (rows * 4 * tiles_n if lhs_scales is not None else 0)
+    + (lhs_rows * 4 * tiles_n if lhs_scales is not None else 0)
     + (2 * m * out_bytes if has_existing else (m if whole_output else rows) * out_bytes),
     alias_last_operand=has_existing,
   )
@@ -501,6 +517,7 @@ def gmm_pallas(
       tiles_n=tiles_n,
       rows=expected_rows,
       whole_output=True,
+      visit_tiles=(tm, tk),
     ),
     counts_shape=(tiles_n, schedule.max_visits) if count_rows else None,
     valid_counts=jnp.arange(schedule.max_visits) < schedule.num_visits,

@@ -105,6 +105,43 @@ def test_cost_estimates_count_expected_rows():
   assert full.bytes_accessed == M * K * 4 * 2 + M * N * 4 * 2 + out_bytes
 
 
+@pytest.mark.parametrize("tk", [32, K], ids=["k_tiled", "whole_k"])
+def test_gmm_visit_kernel_cost_counts_refetched_blocks(tk):
+  """The visit kernel's bytes: with tk < k every grid step moves to another k-tile, so each
+  visit fetches its lhs tile and its group's weights again (per n-tile: tm * k and k * tn);
+  with tk = k a group's weights stay put across its visits and lhs rows are read once."""
+  from pallas_moe.gmm import gmm_pallas
+
+  tm, tn, groups = 64, 128, len(SIZES)
+  x, w = jnp.zeros((M, K), F32), jnp.zeros((groups, K, N), F32)
+
+  def cost(expected_rows):
+    fn = lambda x, w, gs: gmm_pallas(  # noqa: E731
+      x,
+      w,
+      gs,
+      tiling=(tm, tk, tn),
+      out_dtype=F32,
+      group_offset=jnp.int32(0),
+      expected_rows=expected_rows,
+      interpret=True,
+    )
+    jaxpr = jax.make_jaxpr(fn)(x, w, jnp.asarray(SIZES))
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    return eqn.params["cost_estimate"]
+
+  tiles_n, out_bytes = N // tn, M * N * 4
+  for rows in (100, M):
+    c = cost(rows if rows < M else None)
+    assert c.flops == 2 * rows * K * N
+    if tk < K:
+      visits = -(-rows // tm) + groups  # m-tiles of the rows, plus one per group
+      want = visits * tm * K * 4 * tiles_n + visits * K * N * 4 + out_bytes
+    else:
+      want = rows * K * 4 * tiles_n + groups * K * N * 4 + out_bytes
+    assert c.bytes_accessed == want, (rows, c.bytes_accessed, want)
+
+
 # pallas_moe's own tiles run the row-tile kernels; MaxText-style tiles of 256 (tk below k, tn not
 # dividing 384) run the visit kernels. 4 experts per device over ep 4; buffer 256 tokens x top-2
 # x 4 = 2048 rows.
