@@ -46,6 +46,11 @@ after chunk c-1's expand (`jax.lax.optimization_barrier`), and each chunk's expa
 reduce run under the other chunk's exchange, as the plain exchange's gmms do. In the backward
 the weight gradients (tgmm) run under the last dispatch on v5e but after every exchange on v6e
 (also unsplit); the plain exchange's run under it on both.
+
+With three or more chunks the block also binds chunk c's dispatch to follow chunk c-2's combine,
+and in the backward chunk c-2's combine gradient to follow chunk c's dispatch gradient
+(`moe._fence`): without it XLA starts every chunk's combine gradient at once and holds every
+chunk's backward buffers together.
 """
 
 from __future__ import annotations
