@@ -131,13 +131,18 @@ class Rates:
   link_bytes_per_s: float
   fwd_exchange_us: float
   bwd_exchange_us: float
+  # NOTE: False charges only the kernels and the expert exchanges: what `bench.ep`'s pipeline
+  # models, in the compiled program's order.
+  xla_ops: bool = True
+  # NOTE: multiplies every kernel's time (e.g. to the step model's gmm time for the step).
+  kernel_scale: float = 1.0
 
 
 def _kernel_us(op: Op, rates: Rates) -> float:
   cost = re.search(r'cost_estimate\\?":\{([^}]*)\}', op.line)
   fields = dict(re.findall(r'(\w+)\\?":\\?"?([\d.eE+\-]+)', cost.group(1))) if cost else {}
   flops, nbytes = float(fields.get("flops", 0)), float(fields.get("bytes_accessed", 0))
-  return max(flops / rates.flops_per_s, nbytes / rates.hbm_bytes_per_s) * 1e6
+  return rates.kernel_scale * max(flops / rates.flops_per_s, nbytes / rates.hbm_bytes_per_s) * 1e6
 
 
 def _conv_flops(op: Op, sizes: dict[str, tuple[int, ...]]) -> float:
@@ -166,6 +171,8 @@ def _op_us(op: Op, comps, rates: Rates, sizes, nbytes, memo) -> float:
     return max((_comp_us(c, comps, rates, memo) for c in op.called), default=0.0)
   if op.opcode == "call":
     return sum(_comp_us(c, comps, rates, memo) for c in op.called)
+  if not rates.xla_ops:
+    return 0.0
   if op.opcode in _COLLECTIVES or op.opcode == "ragged-all-to-all":
     return op.out_bytes / rates.link_bytes_per_s * 1e6
   flops = _conv_flops(op, sizes) if op.opcode == "convolution" else 0.0
@@ -212,6 +219,8 @@ def makespan(text: str, rates: Rates) -> dict[str, float]:
         links_free = max(links_free, t) + dur
         ends[op.name] = links_free
         exchanges += dur
+      elif not rates.xla_ops:
+        ends[op.name] = t
       elif any(c in op.opcode for c in _COLLECTIVES):
         ends[op.name] = t + op.out_bytes / 2 / rates.link_bytes_per_s * 1e6
       else:
@@ -233,8 +242,12 @@ def makespan(text: str, rates: Rates) -> dict[str, float]:
   )
 
 
-def rates_for(*, chip: str, model: str, ep: int, tokens: int, chunks: int, dedup: bool) -> Rates:
-  """The chip's per-core rates and one chunk's modeled exchange times (`bench.ep.case_row`)."""
+def rates_for(
+  *, chip: str, model: str, ep: int, tokens: int, chunks: int, dedup: bool
+) -> tuple[Rates, float]:
+  """The chip's per-core rates and one chunk's modeled exchange times (`bench.ep.case_row`),
+  and the step model's own figures for that chunked step: (step µs, its gmm µs), forward and
+  backward."""
   from bench import ep as ep_model
 
   row = ep_model.case_row(
@@ -254,7 +267,7 @@ def rates_for(*, chip: str, model: str, ep: int, tokens: int, chunks: int, dedup
     link_bytes_per_s=ep_model.CHIPS[chip].link_bytes_per_s,
     fwd_exchange_us=row["ici_fwd_us"] / (2 * chunks),
     bwd_exchange_us=row["ici_bwd_us"] / (2 * chunks),
-  )
+  ), (row["chunked"][chunks]["step_us"], row["chunked"][chunks]["gmm_us"])
 
 
 def main(argv=None) -> None:
@@ -266,8 +279,14 @@ def main(argv=None) -> None:
   parser.add_argument("--tokens", type=int, default=4096)
   parser.add_argument("--chunks", type=int, required=True)
   parser.add_argument("--dedup", action="store_true")
+  parser.add_argument(
+    "--kernels_only",
+    action="store_true",
+    help="charge only the kernels (scaled to the step model's gmm time) and expert exchanges: "
+    "the step model's pipeline in the compiled order",
+  )
   args = parser.parse_args(argv)
-  rates = rates_for(
+  rates, (model_us, model_gmm_us) = rates_for(
     chip=args.chip,
     model=args.model,
     ep=args.ep,
@@ -275,10 +294,16 @@ def main(argv=None) -> None:
     chunks=args.chunks,
     dedup=args.dedup,
   )
+  rates = dataclasses.replace(rates, xla_ops=not args.kernels_only)
   print(json.dumps(dataclasses.asdict(rates)))
+  print(f"step model: {model_us:.1f} us, of which gmm {model_gmm_us:.1f} us")
   for path in args.hlo:
     with open(path) as f:
-      r = makespan(f.read(), rates)
+      text = f.read()
+    r = makespan(text, rates)
+    if args.kernels_only:
+      scaled = dataclasses.replace(rates, kernel_scale=model_gmm_us / r["kernel_us"])
+      r = makespan(text, scaled)
     print(path, json.dumps({k: round(v, 1) for k, v in r.items()}))
 
 
