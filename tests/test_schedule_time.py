@@ -72,3 +72,15 @@ def test_makespan_by_hand():
 def test_no_entry_raises():
   with pytest.raises(ValueError, match="ENTRY"):
     schedule_time.makespan("HloModule m\n", RATES)
+
+
+def test_kernels_only_and_kernel_scale():
+  """Without XLA's ops the fusion is free: k1 40, wait to 100, the loop 60 (t = 160), wait to
+  250. Kernels at twice their time: k1 80 (t = 100 after a 20 µs wait), the loop 120: t = 220,
+  then d2 at 250."""
+  import dataclasses
+
+  r = schedule_time.makespan(SCHEDULE, dataclasses.replace(RATES, xla_ops=False))
+  assert (r["total_us"], r["core_us"], r["waiting_us"]) == pytest.approx((250, 100, 150))
+  r = schedule_time.makespan(SCHEDULE, dataclasses.replace(RATES, xla_ops=False, kernel_scale=2.0))
+  assert (r["total_us"], r["core_us"], r["waiting_us"]) == pytest.approx((250, 200, 50))
