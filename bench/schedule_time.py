@@ -13,9 +13,10 @@ walks the entry computation in that order with:
 - any other XLA op: its operand and output bytes at the HBM bandwidth (fusions as one op; 0 for
   bitcasts, tuples, parameters and constants); while loops: body x trip count; conditionals:
   the longest branch;
-- an expert exchange (`ragged-all-to-all`): the step model's time for one chunk's exchange
-  (`bench.ep.case_row`: the whole forward or backward ICI time / (2 * chunks)), the exchanges
-  sharing the links one at a time; other collectives: their output bytes at one link's rate.
+- an expert exchange (a `ragged-all-to-all` in the block's `dispatch` or `combine` scope): the
+  step model's time for one chunk's exchange (`bench.ep.case_row`: the whole forward or
+  backward ICI time / (2 * chunks)), the exchanges sharing the links one at a time; other
+  collectives (the plans' small exchanges among them): their output bytes at one link's rate.
 The result is the time the schedule needs under those times: with the same times for two
 programs (e.g. with and without a barrier), it says what their orders cost, which counting the
 kernels under each exchange (`pallas_moe.schedule`) does not. It is not a measurement: the op
@@ -30,7 +31,7 @@ import json
 import math
 import re
 
-from pallas_moe import generations
+from pallas_moe import generations, schedule
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 _DTYPE_BYTES.update(
@@ -213,7 +214,9 @@ def makespan(text: str, rates: Rates) -> dict[str, float]:
   for op in ops:
     if op.opcode.endswith("-start"):
       inner = op.line
-      if "ragged" in op.opcode or "ragged_all_to_all" in inner:
+      name = re.search(r'op_name="([^"]*)"', inner)
+      role = schedule.exchange_of(name.group(1)) if name else None
+      if ("ragged" in op.opcode or "ragged_all_to_all" in inner) and role:
         dur = rates.bwd_exchange_us if "transpose(" in inner else rates.fwd_exchange_us
         # NOTE: the exchanges share the links: one at a time, in the order they start.
         links_free = max(links_free, t) + dur
