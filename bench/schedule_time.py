@@ -235,6 +235,16 @@ def makespan(text: str, rates: Rates) -> dict[str, float]:
       waiting += max(0.0, end - t)
       t = max(t, end)
       continue
+    if op.opcode == "ragged-all-to-all":
+      name = re.search(r'op_name="([^"]*)"', op.line)
+      if name and schedule.exchange_of(name.group(1)):
+        # NOTE: a synchronous expert exchange: the core waits for the links and the transfer.
+        dur = rates.bwd_exchange_us if "transpose(" in op.line else rates.fwd_exchange_us
+        links_free = max(links_free, t) + dur
+        waiting += links_free - t
+        exchanges += dur
+        t = links_free
+        continue
     us = _op_us(op, comps, rates, sizes, nbytes, memo)
     if op.opcode == "custom-call" and us:
       kernels += us

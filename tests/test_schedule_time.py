@@ -84,3 +84,21 @@ def test_kernels_only_and_kernel_scale():
   assert (r["total_us"], r["core_us"], r["waiting_us"]) == pytest.approx((250, 100, 150))
   r = schedule_time.makespan(SCHEDULE, dataclasses.replace(RATES, xla_ops=False, kernel_scale=2.0))
   assert (r["total_us"], r["core_us"], r["waiting_us"]) == pytest.approx((250, 200, 50))
+
+
+def test_synchronous_exchange_waits_for_the_links():
+  """A synchronous expert exchange after an async one: it starts when the links are free (100)
+  and the core waits through it (to 200)."""
+  text = SCHEDULE.replace(
+    "  ROOT %out = bf16[8]{0} bitcast(%d1)",
+    f"  %x = bf16[8]{{0}} ragged-all-to-all(%d1), {_FWD2}\n  ROOT %out = bf16[8]{{0}} bitcast(%x)",
+  )
+  text = text.replace("%s1 = ", "%s1_unused = ").replace("%s2 = ", "%s2_unused = ")
+  text = text.replace("ragged-all-to-all-done(%s2)", "bitcast(%d0)")
+  text = text.replace("ragged-all-to-all-done(%s1)", "bitcast(%d0)")
+  r = schedule_time.makespan(text, RATES)
+  # NOTE: s0 100 (links to 100), s1_unused 50 (to 150), s2_unused 100 (to 250): the core is
+  # at 192 after the loop, the synchronous exchange waits for the links (250) and runs to 350.
+  assert r["total_us"] == pytest.approx(350.0)
+  assert r["exchange_us"] == pytest.approx(350.0)
+  assert r["waiting_us"] == pytest.approx(60 + 58 + 100)
