@@ -97,6 +97,8 @@ def _topology(name: str):
 # --------------------------------------------------------------------------------------------
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?(%?[\w.\-]+)\s*=\s*(\S+?)\[([\d,]*)\]\S*\s+([\w\-]+)\(")
+# NOTE: any instruction, whatever its type (tuples included: every `*-start`).
+_STARTS = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s")
 
 
 def _logical_lines(text: str) -> list[str]:
@@ -105,7 +107,7 @@ def _logical_lines(text: str) -> list[str]:
   out = []
   for line in text.splitlines():
     header = not line[:1].isspace() and line.rstrip().endswith("{")
-    starts = _INSTR.match(line) or header or line.strip() in ("}", "")
+    starts = _STARTS.match(line) or header or line.strip() in ("}", "")
     if out and not starts:
       out[-1] += " " + line.strip()
     else:
@@ -201,8 +203,7 @@ def vmem_copies(text: str) -> list[tuple[str, str, int]]:
     ("prefetch" or "evict", "dtype[shape]", bytes) per copy, in program order.
   """
   out = []
-  # NOTE: raw lines: `_logical_lines` joins tuple-shaped instructions to the line before.
-  for line in text.splitlines():
+  for line in _logical_lines(text):
     m = _COPY_START.match(line)
     if not m:
       continue
@@ -228,14 +229,16 @@ def kernel_costs(text: str) -> list[dict]:
       continue
     m = _INSTR.match(line)
     name = m.group(1).lstrip("%").split(".")[0] if m else "?"
-    cost = re.search(r'cost_estimate\\?":\{([^}]*)\}', line)
-    fields = {}
-    if cost:
-      for key, val in re.findall(r'(\w+)\\?":\\?"?([\d.eE+\-]+)', cost.group(1)):
-        fields[key] = float(val)
-    flops, bytes_accessed = fields.get("flops", 0.0), fields.get("bytes_accessed", 0.0)
+    flops, bytes_accessed = cost_estimate(line)
     out.append(dict(name=name, flops=flops, bytes_accessed=bytes_accessed))
   return out
+
+
+def cost_estimate(line: str) -> tuple[float, float]:
+  """(flops, bytes_accessed) of the CostEstimate in one instruction's line (0 where absent)."""
+  cost = re.search(r'cost_estimate\\?":\{([^}]*)\}', line)
+  fields = dict(re.findall(r'(\w+)\\?":\\?"?([\d.eE+\-]+)', cost.group(1))) if cost else {}
+  return float(fields.get("flops", 0.0)), float(fields.get("bytes_accessed", 0.0))
 
 
 def analyze(compiled, *, rows: int) -> dict[str, Any]:

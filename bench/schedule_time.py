@@ -31,6 +31,7 @@ import json
 import math
 import re
 
+from bench.aot_step import _logical_lines, cost_estimate
 from pallas_moe import generations, schedule
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
@@ -76,22 +77,6 @@ def _array_bytes(text: str) -> tuple[int, tuple[int, ...]]:
       first = shape
     total += math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
   return total, first or ()
-
-
-_STARTS = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s")
-
-
-def _logical_lines(text: str) -> list[str]:
-  """Lines with an instruction that spans several (a custom call's metadata holds newlines)
-  joined into one; an instruction starts with `name = ` whatever its type (tuples included)."""
-  out: list[str] = []
-  for line in text.splitlines():
-    header = not line[:1].isspace() and line.rstrip().endswith("{")
-    if out and not (_STARTS.match(line) or header or line.strip() in ("}", "")):
-      out[-1] += " " + line.strip()
-    else:
-      out.append(line)
-  return out
 
 
 def parse(text: str) -> tuple[dict[str, list[Op]], str]:
@@ -140,9 +125,7 @@ class Rates:
 
 
 def _kernel_us(op: Op, rates: Rates) -> float:
-  cost = re.search(r'cost_estimate\\?":\{([^}]*)\}', op.line)
-  fields = dict(re.findall(r'(\w+)\\?":\\?"?([\d.eE+\-]+)', cost.group(1))) if cost else {}
-  flops, nbytes = float(fields.get("flops", 0)), float(fields.get("bytes_accessed", 0))
+  flops, nbytes = cost_estimate(op.line)
   return rates.kernel_scale * max(flops / rates.flops_per_s, nbytes / rates.hbm_bytes_per_s) * 1e6
 
 
@@ -153,6 +136,20 @@ def _conv_flops(op: Op, sizes: dict[str, tuple[int, ...]]) -> float:
   if not labels or not lhs or "f" not in labels.group(1):
     return 0.0
   return 2.0 * math.prod(op.out_dims) * lhs[labels.group(1).index("f")]
+
+
+def _expert_exchange_us(op: Op, rates: Rates) -> float | None:
+  """The modeled time of an expert exchange (a ragged all-to-all in the block's `dispatch` or
+  `combine` scope, async or not), else None."""
+  name = re.search(r'op_name="([^"]*)"', op.line)
+  if "ragged" not in op.line or not name or not schedule.exchange_of(name.group(1)):
+    return None
+  return rates.bwd_exchange_us if schedule.is_backward(name.group(1)) else rates.fwd_exchange_us
+
+
+def _by_name(ops: list[Op]) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
+  """Each op's output dims and output bytes, by name."""
+  return {o.name: o.out_dims for o in ops}, {o.name: o.out_bytes for o in ops}
 
 
 def _trip_count(op: Op) -> int:
@@ -177,11 +174,10 @@ def _op_us(op: Op, comps, rates: Rates, sizes, nbytes, memo) -> float:
   if op.opcode in _COLLECTIVES or op.opcode == "ragged-all-to-all":
     return op.out_bytes / rates.link_bytes_per_s * 1e6
   flops = _conv_flops(op, sizes) if op.opcode == "convolution" else 0.0
-  if op.opcode == "fusion":
-    for inner in comps.get(op.called[0], []) if op.called else []:
-      if inner.opcode == "convolution":
-        inner_sizes = {o.name: o.out_dims for o in comps[op.called[0]]}
-        flops += _conv_flops(inner, inner_sizes)
+  if op.opcode == "fusion" and op.called:
+    fused = comps.get(op.called[0], [])
+    inner_sizes, _ = _by_name(fused)
+    flops += sum(_conv_flops(o, inner_sizes) for o in fused if o.opcode == "convolution")
   moved = op.out_bytes + sum(nbytes.get(o, 0) for o in op.operands)
   return max(flops / rates.flops_per_s, moved / rates.hbm_bytes_per_s) * 1e6
 
@@ -190,8 +186,7 @@ def _comp_us(name: str, comps, rates: Rates, memo: dict) -> float:
   if name not in memo:
     memo[name] = 0.0  # NOTE: guards recursion; HLO computations are not recursive.
     ops = comps.get(name, [])
-    sizes = {o.name: o.out_dims for o in ops}
-    nbytes = {o.name: o.out_bytes for o in ops}
+    sizes, nbytes = _by_name(ops)
     memo[name] = sum(_op_us(o, comps, rates, sizes, nbytes, memo) for o in ops)
   return memo[name]
 
@@ -205,19 +200,15 @@ def makespan(text: str, rates: Rates) -> dict[str, float]:
   """
   comps, entry = parse(text)
   ops = comps[entry]
-  sizes = {o.name: o.out_dims for o in ops}
-  nbytes = {o.name: o.out_bytes for o in ops}
+  sizes, nbytes = _by_name(ops)
   memo: dict[str, float] = {}
   t = core = kernels = exchanges = waiting = 0.0
   links_free = 0.0
   ends: dict[str, float] = {}
   for op in ops:
+    dur = _expert_exchange_us(op, rates)
     if op.opcode.endswith("-start"):
-      inner = op.line
-      name = re.search(r'op_name="([^"]*)"', inner)
-      role = schedule.exchange_of(name.group(1)) if name else None
-      if ("ragged" in op.opcode or "ragged_all_to_all" in inner) and role:
-        dur = rates.bwd_exchange_us if "transpose(" in inner else rates.fwd_exchange_us
+      if dur is not None:
         # NOTE: the exchanges share the links: one at a time, in the order they start.
         links_free = max(links_free, t) + dur
         ends[op.name] = links_free
@@ -235,16 +226,13 @@ def makespan(text: str, rates: Rates) -> dict[str, float]:
       waiting += max(0.0, end - t)
       t = max(t, end)
       continue
-    if op.opcode == "ragged-all-to-all":
-      name = re.search(r'op_name="([^"]*)"', op.line)
-      if name and schedule.exchange_of(name.group(1)):
-        # NOTE: a synchronous expert exchange: the core waits for the links and the transfer.
-        dur = rates.bwd_exchange_us if "transpose(" in op.line else rates.fwd_exchange_us
-        links_free = max(links_free, t) + dur
-        waiting += links_free - t
-        exchanges += dur
-        t = links_free
-        continue
+    if op.opcode == "ragged-all-to-all" and dur is not None:
+      # NOTE: a synchronous expert exchange: the core waits for the links and the transfer.
+      links_free = max(links_free, t) + dur
+      waiting += links_free - t
+      exchanges += dur
+      t = links_free
+      continue
     us = _op_us(op, comps, rates, sizes, nbytes, memo)
     if op.opcode == "custom-call" and us:
       kernels += us
@@ -257,7 +245,7 @@ def makespan(text: str, rates: Rates) -> dict[str, float]:
 
 def rates_for(
   *, chip: str, model: str, ep: int, tokens: int, chunks: int, dedup: bool
-) -> tuple[Rates, float]:
+) -> tuple[Rates, tuple[float, float]]:
   """The chip's per-core rates and one chunk's modeled exchange times (`bench.ep.case_row`),
   and the step model's own figures for that chunked step: (step µs, its gmm µs), forward and
   backward."""
