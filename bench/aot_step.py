@@ -27,13 +27,19 @@ the fusion whose root it is), which is what an extra layout change or a copy of 
 buffer looks like in the compiled program; and the bytes XLA's memory-space assignment copies
 between HBM and VMEM (`vmem_copies`: on v5e / v6e it may prefetch a kernel's whole weight
 operand into VMEM), which XLA-op bytes include.
+
+`--stock_bytes_scale S [S ...]` compiles the stock variant with its kernels' declared
+CostEstimate bytes scaled by each S (the kernels themselves unchanged): how much of the temp and
+XLA-op bytes hangs on XLA's reading of one cost hint rather than on the kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import importlib
 import os
 import re
 import sys
@@ -57,6 +63,7 @@ __all__ = [
   "expert_program",
   "kernel_costs",
   "measure",
+  "scaled_stock_estimates",
   "table",
   "vmem_copies",
 ]
@@ -424,6 +431,51 @@ def _logical_to_mesh(specs, mesh, rules):
 # --------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def scaled_stock_estimates(scale: float):
+  """Stock megablox's kernels declare `scale` x their CostEstimate bytes while this is active.
+
+  Patches the `pl` that upstream megablox's gmm module and MaxText's megablox fork (where it is
+  installed) build their `pl.CostEstimate` with; their kernels, grids and flops are unchanged.
+  pallas_moe's kernels are not affected.
+
+  Args:
+    scale: factor on `bytes_accessed`; 1.0 changes nothing.
+
+  Yields:
+    None.
+  """
+  from jax.experimental import pallas as pl
+
+  # NOTE: by module path: the megablox packages export their gmm functions over the module names.
+  modules = [importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")]
+  try:
+    modules.append(importlib.import_module("maxtext.kernels.megablox.backend"))
+  except ImportError:
+    pass
+
+  def cost_estimate(*, flops, bytes_accessed, **kwargs):
+    return pl.CostEstimate(flops=flops, bytes_accessed=int(bytes_accessed * scale), **kwargs)
+
+  scaled = types.ModuleType("pallas_scaled_cost")
+  scaled.__dict__.update(vars(pl))
+  scaled.CostEstimate = cost_estimate
+  saved = [(mod, mod.pl) for mod in modules]
+  # NOTE: megablox's gmm and tgmm are jitted; their traces cached under the other estimate would
+  # be reused, so the caches are dropped on the way in and out.
+  if scale != 1.0:
+    jax.clear_caches()
+  try:
+    for mod in modules:
+      mod.pl = scaled
+    yield
+  finally:
+    for mod, original in saved:
+      mod.pl = original
+    if scale != 1.0:
+      jax.clear_caches()
+
+
 def _stock_gmm():
   """Upstream megablox's differentiable gmm (jax.experimental.pallas.ops.tpu.megablox)."""
   from jax.experimental.pallas.ops.tpu.megablox import gmm
@@ -544,6 +596,7 @@ def measure(
   dims: Dims = DEEPSEEK_V2_LITE,
   program: str | None = None,
   out_dir: str = "/tmp/pallas_moe_aot_step",
+  stock_bytes_scale: float = 1.0,
 ) -> dict[str, Any]:
   """Compiles one variant for one topology and mesh and analyzes it (`analyze`).
 
@@ -556,18 +609,28 @@ def measure(
     program: "maxtext" (MaxText's layer) or "ours" (`expert_program`); None: maxtext where it
       is installed. Ignored for "pm_moe_layer".
     out_dir: MaxText's base_output_directory.
+    stock_bytes_scale: the megablox variant's kernels declare this x their CostEstimate bytes
+      (`scaled_stock_estimates`); other variants take only 1.0.
 
   Returns:
-    `analyze`'s dict with variant, topology, ep, data, rows and program.
+    `analyze`'s dict with variant, topology, ep, data, rows, program and stock_bytes_scale.
   """
   from pallas_moe import tiling
 
+  if stock_bytes_scale != 1.0 and variant != "megablox":
+    raise ValueError(
+      f"stock_bytes_scale={stock_bytes_scale} scales stock megablox's estimates; "
+      f"variant={variant!r} has none: pass 1.0 or variant='megablox'."
+    )
   rows = dims.buffer_rows(ep)
   if program is None:
     program = "maxtext" if have_maxtext() else "ours"
   # NOTE: pallas_moe picks tiles, VMEM limits and chunk counts for the current generation, which
   # on a CPU host is v5e unless set: compile each topology with its own chip's choices.
-  with tiling.use_generation(topology.split(":")[0]):
+  with (
+    tiling.use_generation(topology.split(":")[0]),
+    scaled_stock_estimates(stock_bytes_scale),
+  ):
     if variant == "pm_moe_layer":
       compiled = moe_layer_compiled(topology=topology, ep=ep, data=data, dims=dims)
       program = "moe"
@@ -580,8 +643,21 @@ def measure(
       step, args = expert_program(variant, mesh=mesh, dims=dims, rows=rows)
       compiled = _compile(step, args, mesh.devices.flat[0])
   rec = analyze(compiled, rows=rows)
-  rec.update(variant=variant, topology=topology, ep=ep, data=data, rows=rows, program=program)
+  rec.update(
+    variant=variant,
+    topology=topology,
+    ep=ep,
+    data=data,
+    rows=rows,
+    program=program,
+    stock_bytes_scale=stock_bytes_scale,
+  )
   return rec
+
+
+def _variant_label(record: dict) -> str:
+  scale = record.get("stock_bytes_scale", 1.0)
+  return record["variant"] + ("" if scale == 1.0 else f" (est. bytes x{scale:g})")
 
 
 def table(records: list[dict], *, markdown: bool) -> str:
@@ -608,7 +684,7 @@ def table(records: list[dict], *, markdown: bool) -> str:
       [
         r["topology"],
         f"{r['ep']}x{r['data']}",
-        r["variant"],
+        _variant_label(r),
         mb(r["temp"]),
         mb(r["peak"]),
         mb(r["args"]),
@@ -638,6 +714,14 @@ def main(argv=None) -> None:
   parser.add_argument("--program", choices=["maxtext", "ours"], default=None)
   parser.add_argument("--markdown", action="store_true")
   parser.add_argument("--json", default=None, help="also write the records to this file")
+  parser.add_argument(
+    "--stock_bytes_scale",
+    nargs="+",
+    type=float,
+    default=[1.0],
+    help="compile the megablox variant once per factor on its kernels' declared CostEstimate "
+    "bytes (the kernels unchanged); other variants run once, unscaled",
+  )
   args = parser.parse_args(argv)
   import json
 
@@ -646,9 +730,18 @@ def main(argv=None) -> None:
     for mesh in args.meshes:
       ep, data = (int(x) for x in mesh.split("x"))
       for variant in args.variants:
-        rec = measure(variant, topology=topology, ep=ep, data=data, program=args.program)
-        print(json.dumps(rec), file=sys.stderr, flush=True)
-        records.append(rec)
+        scales = args.stock_bytes_scale if variant == "megablox" else [1.0]
+        for scale in scales:
+          rec = measure(
+            variant,
+            topology=topology,
+            ep=ep,
+            data=data,
+            program=args.program,
+            stock_bytes_scale=scale,
+          )
+          print(json.dumps(rec), file=sys.stderr, flush=True)
+          records.append(rec)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(records, f, indent=1)

@@ -236,6 +236,8 @@ class CallCost:
   notes: tuple[str, ...]
   compute_excess_us: float = 0.0
   tensorcores: int = 1
+  # NOTE: the part of dma_us no MXU work overlaps (a sweep's first load, the last write).
+  exposed_us: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -796,6 +798,7 @@ def cost(
         notes=s.notes + dot_notes,
         compute_excess_us=excess,
         tensorcores=cores,
+        exposed_us=float(stall[mine].sum()) * 1e6,
       )
     )
   min_bytes = min_hbm_bytes if min_hbm_bytes is not None else sum(c.min_hbm_bytes for c in calls)

@@ -206,3 +206,41 @@ def test_buffer_sized_and_prefetch_parsing():
     ("prefetch", "bf16[16,1408,2048]", 16 * 1408 * 2048 * 2),
     ("evict", "bf16[4096]", 4096 * 2),
   ]
+
+
+def test_scaled_stock_estimates_scales_only_megablox_bytes():
+  """The sensitivity switch: megablox's `pl.CostEstimate` declares scale x the bytes (flops
+  unchanged) inside the context and is restored after it; pallas_moe's variants refuse a scale."""
+  import importlib
+
+  from jax.experimental import pallas as pl
+
+  upstream = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
+  with aot_step.scaled_stock_estimates(1.5):
+    est = upstream.pl.CostEstimate(flops=10, bytes_accessed=1000, transcendentals=0)
+    assert (est.flops, est.bytes_accessed) == (10, 1500)
+    assert pl.CostEstimate(flops=10, bytes_accessed=1000, transcendentals=0).bytes_accessed == 1000
+  assert upstream.pl is pl
+  with pytest.raises(ValueError, match="stock_bytes_scale"):
+    aot_step.measure("pm_mt_tiles", topology="v5e:2x2", ep=4, data=1, stock_bytes_scale=1.1)
+
+
+@pytest.mark.aot
+def test_scaled_stock_estimates_reach_the_compiled_program():
+  """Stock megablox's kernels compiled under a scale declare that much more in the compiled HLO's
+  CostEstimates, with the same flops and Mosaic calls."""
+  rows = DIMS.buffer_rows(MESH["ep"])
+  mesh = aot_step._mesh(MESH["topology"], ep=MESH["ep"], data=MESH["data"])
+  recs = []
+  for scale in (1.0, 2.0):
+    with aot_step.scaled_stock_estimates(scale):
+      step, args = aot_step.expert_program(
+        "megablox", mesh=mesh, dims=DIMS, rows=rows, tiles=MT_TILES
+      )
+      compiled = aot_step._compile(step, args, mesh.devices.flat[0])
+    recs.append(aot_step.analyze(compiled, rows=rows))
+  base, scaled = recs
+  assert scaled["mosaic_calls"] == base["mosaic_calls"] == STOCK_CALLS
+  assert scaled["flops_kernels"] == base["flops_kernels"]
+  assert scaled["bytes_kernels"] == pytest.approx(2 * base["bytes_kernels"], rel=1e-6)
