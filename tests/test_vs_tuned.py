@@ -114,3 +114,25 @@ def test_fewest_steps_within_vmem(tuned):
   rec = dict(r, ratio=0.9, bound_ratio=0.7, granular_ratio=0.75, steps_bound_ratio=0.81)
   assert vt.category(rec) == "steps"
   assert f"no kernel paying {steps} grid steps" in vt.verdict(rec)
+
+
+def test_gap_verdict_splits_ours_above_the_granular_passes(tuned):
+  """Our-gap verdict: ours = the MXU-granular passes + MXU passes beyond them + DMA beyond the
+  MXU + exposed loads and writes + per-step cost, each printed; the cut is ours - 0.8x tokamax."""
+  r = vt.compare(tuned[("v5e", "fwd")])
+  o = r["ours"]
+  assert r["granular_mxu_us"] == pytest.approx(2 * r["floor_rows"] * 4096 * 4096 / 197e12 * 1e6)
+  assert 0 <= o["exposed_us"] <= o["dma_us"]
+  assert o["overhead_us"] == pytest.approx(o["steps"] * 0.35)
+  # Forced into the gap category (its roofline is above 0.8x, so it is not one on its own).
+  rec = dict(r, ratio=0.85, bound_ratio=0.7, granular_ratio=0.75, steps_bound_ratio=0.78)
+  assert vt.category(rec) == "ours"
+  text = vt.verdict(rec)
+  wait = o["modeled_us"] - o["mxu_us"] - o["exposed_us"] - o["overhead_us"]
+  parts = [o["mxu_us"] - r["granular_mxu_us"], max(wait, 0.0), o["exposed_us"], o["overhead_us"]]
+  assert r["granular_mxu_us"] + sum(parts) == pytest.approx(o["modeled_us"], abs=1e-6)
+  assert f"{o['modeled_us'] - 0.8 * r['tokamax_us']:.0f} us to cut" in text
+  assert (
+    f"MXU passes {parts[0]:.0f}, DMA beyond MXU {parts[1]:.0f}, exposed loads and writes "
+    f"{parts[2]:.0f}, per-step cost {parts[3]:.0f} ({o['steps']} steps" in text
+  )
