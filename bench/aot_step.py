@@ -195,22 +195,37 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
 _DTYPE_BYTES.update({"s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8})
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
 _COPY_START = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((.*)\)\s+copy-start\(")
+_SLICE_START = re.compile(
+  r"^\s*(?:ROOT\s+)?%?[\w.\-]*slice-start[\w.\-]*\s*=\s*\((.*)\)\s+async-start\("
+)
 
 
 def vmem_copies(text: str) -> list[tuple[str, str, int]]:
   """The copies XLA's memory-space assignment makes between HBM and VMEM (`copy-start` whose
   destination, or source, layout is in memory space 1): prefetches (e.g. a kernel's whole
-  weight operand, which the kernel then reads from VMEM) and evictions.
+  weight operand, which the kernel then reads from VMEM) and evictions; and its sliced
+  prefetches (an async `slice-start` from HBM into memory space 1: a slice of an operand of
+  XLA's own ops, e.g. a dot's activation in row blocks), "prefetch slice".
 
   NOTE: these are XLA's choices, made per operand from its own cost model; cost_analysis counts
   about 4 x their bytes (copy-start and copy-done each a read and a write), so they move the
   XLA-op bytes between programs that are otherwise the same.
 
   Returns:
-    ("prefetch" or "evict", "dtype[shape]", bytes) per copy, in program order.
+    ("prefetch", "evict" or "prefetch slice", "dtype[shape]", bytes) per copy, in program order.
   """
   out = []
   for line in _logical_lines(text):
+    m = _SLICE_START.match(line)
+    if m:
+      # NOTE: an async slice's shape is ((source), destination, context).
+      arrays = _ARRAY.findall(m.group(1))
+      if len(arrays) >= 2:
+        (_, _, src_layout), (dtype, shape, dst_layout) = arrays[0], arrays[1]
+        if "S(1)" in dst_layout and "S(1)" not in src_layout and dtype in _DTYPE_BYTES:
+          size = _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in shape.split(",") if d]))
+          out.append(("prefetch slice", f"{dtype}[{shape}]", size))
+      continue
     m = _COPY_START.match(line)
     if not m:
       continue
@@ -257,8 +272,9 @@ def analyze(compiled, *, rows: int) -> dict[str, Any]:
 
   Returns:
     dict(temp, peak, args, out, bytes_total, bytes_kernels, bytes_xla, flops_total,
-    flops_kernels, mosaic_calls, kernels, copies, bytes_vmem_copies, vmem_copies): vmem_copies
-    lists `vmem_copies` of at least 1 MB, bytes_vmem_copies counts all of them.
+    flops_kernels, mosaic_calls, kernels, copies, bytes_vmem_copies, bytes_vmem_slices,
+    vmem_copies): vmem_copies lists `vmem_copies` of at least 1 MB; bytes_vmem_copies counts
+    all the whole-array prefetches and evictions, bytes_vmem_slices the sliced prefetches.
   """
   ma = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -283,7 +299,8 @@ def analyze(compiled, *, rows: int) -> dict[str, Any]:
     mosaic_calls=len(kernels),
     kernels=[k["name"] for k in kernels],
     copies=big_copies(text, rows=rows),
-    bytes_vmem_copies=sum(size for _, _, size in moves),
+    bytes_vmem_copies=sum(size for kind, _, size in moves if kind != "prefetch slice"),
+    bytes_vmem_slices=sum(size for kind, _, size in moves if kind == "prefetch slice"),
     vmem_copies=[
       f"{kind} {shape} {size / 1e6:,.0f} MB" for kind, shape, size in moves if size >= 1e6
     ],

@@ -187,7 +187,8 @@ def test_buffer_sized_and_prefetch_parsing():
   """The bench's HLO readers on hand-written lines: a buffer's rows split by a reshape count, a
   weight or a send buffer whose leading products pass the rows without equalling them does not;
   copy-start is (destination, source, context): a copy into memory space 1 is a prefetch, one
-  out of it an eviction."""
+  out of it an eviction; an async slice into memory space 1 is a sliced prefetch, any other
+  async-start (an exchange) is none."""
   rows = 98304
   assert aot_step._buffer_sized([12288, 8, 2, 1024], rows)
   assert aot_step._buffer_sized([768, 128], rows)
@@ -200,11 +201,17 @@ def test_buffer_sized_and_prefetch_parsing():
       "bf16[16,1408,2048]{2,1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%w), backend_config={}",
       "  %copy-start.29 = (bf16[4096]{0:T(1024)(128)(2,1)}, bf16[4096]{0:T(1024)(128)(2,1)S(1)}, "
       "u32[]{:S(2)}) copy-start(%f), backend_config={}",
+      "  %slice-start.12 = ((bf16[4096,2816]{1,0:T(8,128)(2,1)}), "
+      "bf16[1024,2816]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) async-start(%fusion.201#0), "
+      "calls=%async_computation.16, backend_config={}",
+      "  %ragged-all-to-all-start = ((bf16[24576,2,1024]{2,1,0}, bf16[196608,2,1024]{2,1,0}), "
+      "bf16[196608,2,1024]{2,1,0}, u32[]{:S(2)}) async-start(%r, %e), calls=%a",
     ]
   )
   assert aot_step.vmem_copies(text) == [
     ("prefetch", "bf16[16,1408,2048]", 16 * 1408 * 2048 * 2),
     ("evict", "bf16[4096]", 4096 * 2),
+    ("prefetch slice", "bf16[1024,2816]", 1024 * 2816 * 2),
   ]
 
 
