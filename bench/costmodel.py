@@ -922,29 +922,41 @@ def model(
 
 def op_floor_rows(group_sizes, *, generation, op: str) -> int:
   """`floor_rows` at the op's pass granule (`pallas_moe.generations.pass_granule`): gmm's rows
-  (fwd, dlhs) in `min_pass_rows` passes, tgmm's (drhs) contracted in MXU-edge chunks."""
-  kind = "tgmm" if op == "drhs" else "gmm"
-  return floor_rows(group_sizes, pass_granule(generation, kind=kind))
+  (fwd, dlhs) in `min_pass_rows` passes, a group's last two as one widened pass where the row-tile
+  gmm runs them so (`metadata.merge_tail_rows`: half a pass more); tgmm's (drhs) contracted in
+  MXU-edge chunks."""
+  if op == "drhs":
+    return floor_rows(group_sizes, pass_granule(generation, kind="tgmm"))
+  granule = pass_granule(generation, kind="gmm")
+  return floor_rows(group_sizes, granule, tail=granule // 2)
 
 
-def floor_rows(group_sizes, mxu: int) -> int:
+def floor_rows(group_sizes, mxu: int, *, tail: int = 0) -> int:
   """Rows a pass-granular kernel cannot avoid pushing: each group's rows in whole passes.
 
   A systolic MXU multiplies a weight tile by at least `mxu` rows at a time (the op's pass
-  granule), and a pass holds one group's weights. The best a kernel can do for a group of s
-  rows is ceil(s / mxu) passes started at its first row (tokamax's v2 row blocks start there;
-  pallas_moe's row-tile gmm starts within 16 rows of it, and tgmm on the mxu grid); empty
-  groups cost nothing.
+  granule), and a pass holds one group's weights. A kernel pushing passes of `mxu` rows does
+  best with ceil(s / mxu) of them for a group of s rows, started at its first row (tokamax's
+  v2 row blocks start there; pallas_moe's row-tile gmm starts within 16 rows of it, and tgmm
+  on the mxu grid); empty groups cost nothing. With `tail`, the group's last two passes count as
+  one of mxu + tail rows where the last would hold at most `tail` rows (the row-tile gmm's
+  widened last pass, `metadata.merge_tail_rows`).
 
   Args:
     group_sizes: rows per group (sorted-by-group layout).
     mxu: rows per pass.
+    tail: rows a widened last pass adds to a pass (0: none).
 
   Returns:
     Total rows.
   """
   gs = np.maximum(np.asarray(group_sizes, np.int64), 0)
-  return int((-(-gs // mxu) * mxu).sum())
+  passes = -(-gs // mxu)
+  rows = passes * mxu
+  if tail:
+    widened = (passes >= 2) & (gs - (passes - 1) * mxu <= tail)
+    rows = rows - np.where(widened, mxu - tail, 0)
+  return int(rows.sum())
 
 
 def aligned_rows(group_sizes, chunk: int) -> int:

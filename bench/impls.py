@@ -33,6 +33,7 @@ from bench.costmodel import CallSchedule, StepContext
 from bench.shapes import Shape
 from pallas_moe import metadata
 from pallas_moe import tiling as tiling_lib
+from pallas_moe.generations import MIN_PASS_ROWS
 from pallas_moe.tgmm import INTERIOR_SUBS
 from pallas_moe.tiling import TpuGeneration, pick_tiling, use_generation
 
@@ -86,6 +87,8 @@ class Case:
       MXU); makes `mxu_rows_executed` a pure row count. Callable of the MXU size.
     tgmm_dots: the row-tile tgmm's per-step dots by kind (`rowtile_tgmm_dots`), for
       `bench.llo`'s trip counts; None for other kernels.
+    gmm_passes: the row-tile gmm's per-step passes and widened passes (`rowtile_gmm_passes`),
+      for `bench.llo`'s trip counts; None for other kernels.
   """
 
   fn: Callable[..., Any]
@@ -98,6 +101,7 @@ class Case:
   schedules: tuple[CallSchedule, ...] | None = None
   extra: dict[str, Any] = dataclasses.field(default_factory=dict)
   tgmm_dots: Callable[[StepContext], tuple[np.ndarray, ...]] | None = None
+  gmm_passes: Callable[[StepContext], tuple[np.ndarray, np.ndarray]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -930,8 +934,18 @@ def _pass_cuts(ctx: StepContext) -> dict[str, np.ndarray] | None:
   )
 
 
-def _rowtile_hits(ctx: StepContext, *, tm: int, sub_m: int, align: int) -> np.ndarray:
-  """Per step: the passes multiplied."""
+def rowtile_gmm_passes(
+  ctx: StepContext, *, tm: int, sub_m: int, align: int, tail: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """Per step of the row-tile gmm: (sub_m-row passes, widened passes of sub_m + tail rows), as
+  the kernel runs them (`metadata.group_pass_plan`)."""
+
+  def pushed(s, e, cover_end=None):
+    _, passes, merged = metadata.group_pass_plan(
+      s, e, sub_m=sub_m, align=align, tail=tail, tm=tm, cover_end=cover_end
+    )
+    return np.stack([passes - 2 * merged, merged.astype(passes.dtype)])
+
   starts, ends = _local_groups(ctx)
   cuts = _pass_cuts(ctx)
   if cuts is not None:
@@ -945,8 +959,9 @@ def _rowtile_hits(ctx: StepContext, *, tm: int, sub_m: int, align: int) -> np.nd
     )
     s = np.maximum(starts[None, :], row0) - row0
     e = np.minimum(ends[None, :], row_end) - row0
-    _, passes = metadata.group_passes(s, e, sub_m=sub_m, align=align)
-    return np.where(mine & (e > s) & (ends > starts)[None, :], passes, 0).sum(axis=1)
+    both = pushed(s, e, cover_end=ends[None, :] - row0)
+    both = np.where(mine & (e > s) & (ends > starts)[None, :], both, 0).sum(axis=2)
+    return both[0], both[1]
   # NOTE: the grid's m axis walks only the visited tiles, from the first active one.
   tile = ctx.program_ids[-1] + _first_active_tile(ctx)
   row0 = tile[:, None].astype(np.int64) * tm
@@ -954,8 +969,20 @@ def _rowtile_hits(ctx: StepContext, *, tm: int, sub_m: int, align: int) -> np.nd
   # (`metadata.group_passes`), none where it has no rows there.
   s = np.clip(starts[None, :] - row0, 0, tm)
   e = np.clip(ends[None, :] - row0, 0, tm)
-  _, passes = metadata.group_passes(s, e, sub_m=sub_m, align=align)
-  return np.where(e > s, passes, 0).sum(axis=1)
+  both = np.where(e > s, pushed(s, e), 0).sum(axis=2)
+  return both[0], both[1]
+
+
+def rowtile_gmm_pass_counts(
+  *, tm: int, sub_m: int, lhs_itemsize: int = 2, out_itemsize: int = 2, rows_stationary=False
+) -> Callable[[StepContext], tuple[np.ndarray, np.ndarray]]:
+  """`rowtile_gmm_passes` for one row-tile gmm configuration: its pass alignment and widened
+  pass (`metadata.merge_tail_rows`) as the kernel derives them."""
+  align = tiling_lib.gmm_pass_align(
+    sub_m=sub_m, tm=tm, lhs_itemsize=lhs_itemsize, out_itemsize=out_itemsize
+  )
+  tail = metadata.merge_tail_rows(sub_m=sub_m, tm=tm, align=align, rows_stationary=rows_stationary)
+  return functools.partial(rowtile_gmm_passes, tm=tm, sub_m=sub_m, align=align, tail=tail)
 
 
 def rowtile_tgmm_dots(
@@ -1018,12 +1045,16 @@ def rowtile_hooks(
   lhs_itemsize: int = 2,
   rhs_itemsize: int = 2,
   unowned_rows: str = "zero",
+  rows_stationary: bool = False,
 ):
   """Cost-model hooks of the row-tile kernels, from their prefetched schedule.
 
   MXU: each step multiplies, for every group of its tile, the sub_m-row sub-blocks holding the
   group's rows (the same count as `metadata.rowtile_mxu_rows`, checked against the kernels'
-  `count_rows`). gmm: its one sub-block dot runs once per hit: step_scale = hits. tgmm: its
+  `count_rows`). gmm: its sub-block dot runs once per pass, and its widened last-pass dot of
+  sub_m + tail rows (`metadata.merge_tail_rows`; where the kernel has one) once per widened
+  pass; the model counts each once per step, so step_scale = the rows pushed over their rows
+  together (a dot costs its rows). tgmm: its
   three dots (the group's first sub-block, an interior run, a single sub-block;
   `rowtile_tgmm_dots`) run as often as that function counts; step_scale is their padded work
   over the body's (one of each). Manual DMA:
@@ -1055,6 +1086,7 @@ def rowtile_hooks(
     rhs_itemsize: tgmm: bytes per rhs element.
     unowned_rows: gmm: "undefined" (`fill_unowned=False`, no existing_out: only a tile's local
       rows are written back) or "zero" / "existing" (visited tiles are written whole).
+    rows_stationary: gmm: the kernel's orientation option (no widened pass with it).
 
   Returns:
     (step_scale, step_manual_bytes). They also cover the gmm's `pallas_moe_zero_fill` call: no
@@ -1064,10 +1096,15 @@ def rowtile_hooks(
   # NOTE: gmm's passes start at each group's first row in the tile, to the lhs / output VMEM
   # tile; tgmm's stay on the sub_m grid.
   align = sub_m
+  tail = 0
   if op != "drhs":
     align = tiling_lib.gmm_pass_align(
       sub_m=sub_m, tm=tm, lhs_itemsize=lhs_itemsize, out_itemsize=out_itemsize
     )
+    tail = metadata.merge_tail_rows(
+      sub_m=sub_m, tm=tm, align=align, rows_stationary=rows_stationary
+    )
+  min_rows = min(mxu, MIN_PASS_ROWS)
 
   def is_fill(ctx: StepContext) -> bool:
     return "pallas_moe_zero_fill" in ctx.name
@@ -1082,7 +1119,10 @@ def rowtile_hooks(
       # has room for a run (as the kernel decides statically).
       body = 2 * one + (run if sub_m < tm and tm // sub_m >= interior_subs else 0)
       return ((first + singles) * one + runs * run) / body
-    return _rowtile_hits(ctx, tm=tm, sub_m=sub_m, align=align).astype(np.float64)
+    # NOTE: a pass costs max(rows, the MXU's minimum) (`generations.min_pass_rows`).
+    one, wide = max(sub_m, min_rows), max(sub_m + tail, min_rows)
+    regular, widened = rowtile_gmm_passes(ctx, tm=tm, sub_m=sub_m, align=align, tail=tail)
+    return (regular * one + widened * wide) / (one + (wide if tail else 0))
 
   def manual(ctx: StepContext) -> tuple[np.ndarray, np.ndarray]:
     if is_fill(ctx):
@@ -1109,6 +1149,7 @@ def rowtile_hooks(
       block_bytes=tk * tn * itemsize if block_bytes is None else block_bytes,
       sequential_sweeps=sequential_sweeps,
       align=align,
+      tail=tail,
     )
     row_over, row_exposed = tiling_lib.rowtile_row_dma(
       **_rowtile_row_blocks(ctx, starts=starts, ends=ends), sweeps=sweeps,
@@ -1277,6 +1318,7 @@ def _pallas_moe_build(
           tn=til[2],
           sub_m=sub_m,
           sequential_sweeps=kt.sequential_sweeps,
+          rows_stationary=kt.rows_stationary,
           rows=m,
           out_cols=dn,
           mxu=mxu,
@@ -1310,6 +1352,9 @@ def _pallas_moe_build(
           )
           if op == "drhs"
           else None,
+          gmm_passes=None
+          if op == "drhs"
+          else rowtile_gmm_pass_counts(tm=til[0], sub_m=sub_m, rows_stationary=kt.rows_stationary),
         )
     # NOTE: the visit-schedule kernels, called directly (ops would pick the row-tile kernel for
     # tiles it can run).
@@ -1485,6 +1530,7 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
         rows=m,
         out_cols=dn,
         lhs_itemsize=jnp.dtype(lhs.dtype).itemsize,
+        rows_stationary=kt.rows_stationary,
       )
       return Case(
         fn=_in_generation(rowtile_fn, generation),
@@ -1494,6 +1540,12 @@ def _pallas_moe_quant_build(dtype: str, *, activations: bool):
         step_manual_bytes=manual,
         row_macs=_gmm_row_macs(dk, dn, dk, tn, rows_stationary=kt.rows_stationary),
         kernel="rowtile-rows-stationary" if kt.rows_stationary else "rowtile",
+        gmm_passes=rowtile_gmm_pass_counts(
+          tm=tm,
+          sub_m=kt.sub_m,
+          lhs_itemsize=jnp.dtype(lhs.dtype).itemsize,
+          rows_stationary=kt.rows_stationary,
+        ),
       )
     # NOTE: tiles and VMEM estimate as for bf16 (as pallas_moe.gmm does: an over-estimate that
     # covers the upcast copy of the 8-bit blocks).

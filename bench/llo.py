@@ -536,7 +536,8 @@ class KernelCounts:
     per_group: executions of the once-per-group regions (a weight load and transpose, an
       accumulator's zeroing and write), or None if the kernel has none.
     group_starts: executions of the once-per-group regions that hold vmatmuls (the row-tile
-      tgmm's first sub-block of a group, written into the accumulator), if not `per_group`.
+      tgmm's first sub-block of a group, written into the accumulator; the row-tile gmm's
+      widened last pass), if not `per_group`.
     empty_groups: executions of the once-per-group regions that store and (almost) do not load
       (the row-tile tgmm's zeroing, for empty groups only), if not `per_group`.
     segments: the row-tile gmm's pass segments, a loop level between its group and sub-block
@@ -603,8 +604,19 @@ def kernel_counts(*, kernel: str, ctx, case) -> KernelCounts:
     # where a segment also ends at each lhs chunk still in flight (at most one more per chunk,
     # not counted).
     segments = group_iters if kernel.startswith("pallas_moe_gmm_rowtile") else None
+    passes = getattr(case, "gmm_passes", None)
+    widened = None
+    if kernel.startswith("pallas_moe_gmm_rowtile") and passes is not None:
+      # NOTE: the sub-block loop runs the regular passes; a group's widened last pass is a
+      # region of the group loop holding a dot, run once per widened pass.
+      regular, wide = passes(ctx)
+      hits, widened = float(np.sum(regular)), float(np.sum(wide))
     return KernelCounts(
-      steps=steps, loop_levels=(group_iters, hits), per_group=groups * sweeps, segments=segments
+      steps=steps,
+      loop_levels=(group_iters, hits),
+      per_group=groups * sweeps,
+      segments=segments,
+      group_starts=widened,
     )
   if kernel.startswith(("pallas_moe_gmm", "pallas_moe_tgmm")):
     return KernelCounts(steps=steps, loop_levels=(hits,))

@@ -666,6 +666,7 @@ def gmm_rowtile_pallas(
   write_whole_tiles = aliased
   out_granule = common.row_granule(out_dtype)
   align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=max(lhs_granule, out_granule))
+  tail = metadata.merge_tail_rows(sub_m=sub_m, tm=tm, align=align, rows_stationary=rows_stationary)
   # NOTE: per-row lhs scales arrive in m-tile blocks, so a quantized lhs keeps the m-tiles.
   can_cut = lhs_scales is None and metadata.uses_pass_cuts(m=m, tm=tm, sub_m=sub_m, align=align)
   if pass_cuts is None:
@@ -1088,15 +1089,24 @@ def gmm_rowtile_pallas(
         # neighbouring group are multiplied for each, and the row mask keeps each group's rows.
         # NOTE: a cut tile counts its last group's passes up to the next cut: a last pass that
         # starts before it is this tile's, and computes the group's rows past it too.
-        first_row, passes = metadata.group_passes(
+        # NOTE: where the group's last pass would hold at most `tail` of its rows, its last two
+        # passes run as one widened pass of sub_m + tail rows (`metadata.group_pass_plan`),
+        # after the regular ones; its rows are within theirs, and end at the group's real end
+        # (past the cut, in a cut tile) at the latest.
+        first_row, passes, merged = metadata.group_pass_plan(
           jnp.maximum(start, row0) - row0,
           jnp.minimum(end, row_end) - row0,
           sub_m=sub_m,
           align=align,
+          tail=tail,
+          tm=tm,
+          cover_end=end - row0,
         )
+        regular = passes - 2 * merged.astype(jnp.int32)
 
-        def sub_body(p, c):
-          r0, rows = common.pass_block(first_row + p * sub_m, sub_m=sub_m, tm=tm, align=align)
+        def multiply(r0, rows, size):
+          # NOTE: one pass: `size` rows of the tile from row r0 times the group's weights; the
+          # row mask keeps the group's rows of the product.
           lhs_blk = lhs_ref[rows, :]
           if lhs_quantized and not narrow_dot:
             lhs_blk = lhs_blk.astype(jnp.float32)
@@ -1116,10 +1126,24 @@ def gmm_rowtile_pallas(
             # NOTE: one scale per row: rows of a ragged last tile may hold garbage scales; the
             # row mask below keeps only the group's rows.
             prod = prod * lhs_scales_ref[rows, :]
-          row_ids = row0 + r0 + lax.broadcasted_iota(jnp.int32, (sub_m, tn), 0)
+          row_ids = row0 + r0 + lax.broadcasted_iota(jnp.int32, (size, tn), 0)
           mine = (row_ids >= start) & (row_ids < end)
           out_ref[rows, :] = jnp.where(mine, prod.astype(out_dtype), out_ref[rows, :])
+
+        def sub_body(p, c):
+          r0, rows = common.pass_block(first_row + p * sub_m, sub_m=sub_m, tm=tm, align=align)
+          multiply(r0, rows, sub_m)
           return c
+
+        # NOTE: the widened pass starts at the second-to-last pass's first row, moved back to end
+        # at the tile's end like a pass that would cross it (rows it recomputes get the same
+        # values).
+        wide_r0 = pl.multiple_of(
+          jnp.minimum(first_row + (passes - 2) * sub_m, tm - sub_m - tail), align
+        )
+
+        def widened():
+          multiply(wide_r0, pl.ds(wide_r0, sub_m + tail), sub_m + tail)
 
         if ramp_chunks:
 
@@ -1135,15 +1159,25 @@ def gmm_rowtile_pallas(
             covered = jnp.maximum(ready, need)
             ready_ref[0] = covered
             fit = (covered * ramp_rows - sub_m - first_row) // sub_m + 1
-            end = jnp.where(covered >= ramp_chunks, passes, jnp.clip(fit, p + 1, passes))
+            end = jnp.where(covered >= ramp_chunks, regular, jnp.clip(fit, p + 1, regular))
             lax.fori_loop(p, end, sub_body, 0)
             return end
 
-          lax.while_loop(lambda p: p < passes, segment, 0)
+          lax.while_loop(lambda p: p < regular, segment, 0)
         else:
-          lax.fori_loop(0, passes, sub_body, 0)
+          lax.fori_loop(0, regular, sub_body, 0)
+        if tail:
+          if ramp_chunks:
+            # NOTE: waits for the chunks holding the widened pass's rows (none once the block is
+            # in), outside its region, which then holds only the dot.
+            need = jnp.where(
+              merged, jnp.minimum(metadata.cdiv(wide_r0 + sub_m + tail, ramp_rows), ramp_chunks), 0
+            )
+            lax.fori_loop(ready_ref[0], need, wait_chunk, 0)
+            ready_ref[0] = jnp.maximum(ready_ref[0], need)
+          pl.when(merged)(widened)
         if counts_ref is not None:
-          counts_ref[n_i, t, 0] += passes * sub_m
+          counts_ref[n_i, t, 0] += passes * sub_m - jnp.where(merged, sub_m - tail, 0)
 
       return carry
 

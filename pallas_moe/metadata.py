@@ -384,6 +384,82 @@ def group_passes(start: Any, end: Any, *, sub_m: int, align: int) -> tuple[Any, 
   return first, (end - first + sub_m - 1) // sub_m
 
 
+def merge_tail_rows(*, sub_m: int, tm: int, align: int, rows_stationary: bool = False) -> int:
+  """Rows the row-tile gmm's widened last pass holds beyond sub_m (0: sub_m-row passes only).
+
+  A group's last pass in a tile usually holds only part of a pass of the group's rows; the rest
+  of its sub_m rows belong to the next group (or to none) and are pushed through the MXU for
+  nothing, as is the weight tile it loads. Where that part is at most `sub_m // 2` rows, the
+  kernel pushes the group's last two passes as one of sub_m + sub_m // 2 rows under the same
+  weight tiles (`group_pass_plan`): a dot's cost is its rows once a pass has at least the MXU's
+  minimum (`generations.min_pass_rows`), so this saves sub_m // 2 rows where it applies and
+  halves the rows a group's end wastes on average (sub_m / 4 instead of sub_m / 2).
+
+  Not with `rows_stationary` (the rows are then the dot's column operand, padded to the MXU, so
+  a wider pass costs two), nor where a tile holds fewer than two passes, nor where sub_m // 2 is
+  not a multiple of the pass alignment (passes on the sub_m grid).
+
+  Args:
+    sub_m: rows per MXU pass (divides tm).
+    tm: m-tile size.
+    align: the passes' alignment (`pass_align`).
+    rows_stationary: the kernel's orientation option.
+
+  Returns:
+    The extra rows (a multiple of align), or 0.
+  """
+  tail = sub_m // 2
+  if rows_stationary or tm < 2 * sub_m or tail == 0 or tail % align:
+    return 0
+  return tail
+
+
+def _min(a: Any, b: Any) -> Any:
+  # NOTE: elementwise min for Python ints, numpy and traced arrays alike.
+  return b + (a - b) * (a < b)
+
+
+def group_pass_plan(
+  start: Any,
+  end: Any,
+  *,
+  sub_m: int,
+  align: int,
+  tail: int,
+  tm: int,
+  cover_end: Any = None,
+) -> tuple[Any, Any, Any]:
+  """`group_passes` with the row-tile gmm's widened last pass (`merge_tail_rows`).
+
+  The passes are those of `group_passes`. Their last two run as one pass of sub_m + tail rows
+  from the second-to-last pass's first row (moved back to end at the tile's end, like a pass
+  that would cross it) where there are at least two and the group's rows the last pass would
+  cover, from its first row to min(cover_end, its end, tm), number at most `tail`: the widened
+  pass then covers every row the two did. Rows pushed: passes * sub_m - merged * (sub_m - tail).
+
+  Args:
+    start: the group's first row in the tile (tile coordinates, >= 0).
+    end: its end in the tile (<= tm), > start for a group with rows there.
+    sub_m: rows per pass.
+    align: `pass_align`.
+    tail: `merge_tail_rows` (0: no widened pass; merged is then always false).
+    tm: m-tile size.
+    cover_end: the group's end in tile coordinates where its last pass also computes rows past
+      `end` (a pass-cut tile's carried rows); None: end.
+
+  Returns:
+    (first, passes, merged): passes of sub_m rows from row `first`, and whether the last two
+    run as one widened pass (bool, or a bool array).
+  """
+  first, passes = group_passes(start, end, sub_m=sub_m, align=align)
+  if not tail:
+    return first, passes, passes < 0
+  last = first + (passes - 1) * sub_m
+  cover = end if cover_end is None else cover_end
+  covered = _min(_min(cover, last + sub_m), tm) - last
+  return first, passes, (passes >= 2) & (covered <= tail)
+
+
 def rowtile_mxu_rows(
   tile_groups: TileGroups,
   *,
@@ -392,12 +468,14 @@ def rowtile_mxu_rows(
   tm: int,
   sub_m: int,
   align: int | None = None,
+  tail: int = 0,
 ) -> jax.Array:
   """Rows the row-tile kernels push through the MXU for one sweep over n (and k), per m-tile.
 
   Each non-empty local group multiplies, in every tile it intersects, the sub_m-row passes that
-  cover its rows there (`group_passes`). This is the count the cost model uses at full size;
-  the kernels' `count_rows` instrumentation measures it by running them.
+  cover its rows there (`group_passes`), its last two as one widened pass where gmm runs them
+  so (`group_pass_plan`). This is the count the cost model uses at full size; the kernels'
+  `count_rows` instrumentation measures it by running them.
 
   Args:
     tile_groups: from `make_tile_groups`.
@@ -406,6 +484,7 @@ def rowtile_mxu_rows(
     tm: m-tile size.
     sub_m: rows per MXU pass (divides tm).
     align: the passes' alignment (`pass_align`); None: sub_m (the sub_m grid, as tgmm).
+    tail: gmm's `merge_tail_rows` (0: sub_m-row passes only, as tgmm).
 
   Returns:
     [tiles_m] int32 rows.
@@ -419,9 +498,11 @@ def rowtile_mxu_rows(
   # empty group, even when its position is inside the tile) multiplies nothing.
   s = jnp.clip(starts[None, :] - row0, 0, tm)
   e = jnp.clip(ends[None, :] - row0, 0, tm)
-  _, passes = group_passes(s, e, sub_m=sub_m, align=sub_m if align is None else align)
-  passes = jnp.where(e > s, passes, 0)
-  return (jnp.sum(passes, axis=1) * sub_m).astype(jnp.int32)
+  _, passes, merged = group_pass_plan(
+    s, e, sub_m=sub_m, align=sub_m if align is None else align, tail=tail, tm=tm
+  )
+  rows = passes * sub_m - jnp.where(merged, sub_m - tail, 0)
+  return jnp.sum(jnp.where(e > s, rows, 0), axis=1).astype(jnp.int32)
 
 
 RAMP_MAX_CHUNKS = 8

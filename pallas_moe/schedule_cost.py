@@ -22,7 +22,8 @@ from pallas_moe.generations import (
   tensorcore_rates,
 )
 from pallas_moe.metadata import (
-  group_passes,
+  group_pass_plan,
+  merge_tail_rows,
   pass_align,
   pass_cut_rows,
   ramp_chunk_rows,
@@ -82,8 +83,9 @@ def _rowtile_pairs(
   sub_m: int,
   align: int | None = None,
   cuts: dict[str, Any] | None = None,
+  tail: int = 0,
 ):
-  """The (group, tile) pairs a row-tile kernel multiplies, and the passes of each.
+  """The (group, tile) pairs a row-tile kernel multiplies, and the MXU rows of each.
 
   Args:
     starts: [groups] first row of each group (int64).
@@ -93,15 +95,17 @@ def _rowtile_pairs(
     align: the passes' alignment (`metadata.pass_align`); None: sub_m (the sub_m grid).
     cuts: gmm's pass-cut tiles (`metadata.pass_cut_rows(xp=np)`, in the coordinates of
       starts / ends); None: fixed m-tiles [t * tm, (t + 1) * tm).
+    tail: gmm's widened last pass (`metadata.merge_tail_rows`; 0: none, as tgmm).
 
   Returns:
-    (pair_g, pair_t, pair_hits), in group order (fixed tiles) or tile order (pass cuts): every
-    non-empty group with each tile it has passes in, and the number of its sub_m-row passes there
-    (`metadata.group_passes`). Tiles are m-tile indices, or pass-cut tile indices with cuts.
+    (pair_g, pair_t, pair_rows), in group order (fixed tiles) or tile order (pass cuts): every
+    non-empty group with each tile it has passes in, and the rows its passes push there
+    (`metadata.group_pass_plan`: sub_m per pass, sub_m + tail for a widened last two). Tiles are
+    m-tile indices, or pass-cut tile indices with cuts.
   """
   align = sub_m if align is None else align
   if cuts is not None:
-    return _pass_cut_pairs(starts, ends, cuts=cuts, sub_m=sub_m, align=align)
+    return _pass_cut_pairs(starts, ends, cuts=cuts, sub_m=sub_m, align=align, tail=tail, tm=tm)
   nonempty = ends > starts
   first_t = np.where(nonempty, starts // tm, 0)
   last_t = np.where(nonempty, (np.maximum(ends, 1) - 1) // tm, -1)
@@ -113,11 +117,20 @@ def _rowtile_pairs(
   lo = pair_t * tm
   s = np.maximum(starts[pair_g], lo) - lo
   e = np.minimum(ends[pair_g], lo + tm) - lo
-  _, hits = group_passes(s, e, sub_m=sub_m, align=align)
-  return pair_g, pair_t, hits
+  return pair_g, pair_t, _pass_rows(s, e, sub_m=sub_m, align=align, tail=tail, tm=tm)
 
 
-def _pass_cut_pairs(starts: np.ndarray, ends: np.ndarray, *, cuts, sub_m: int, align: int):
+def _pass_rows(s, e, *, sub_m: int, align: int, tail: int, tm: int, cover_end=None) -> np.ndarray:
+  # NOTE: rows a group's passes push in one tile, as the kernel runs them.
+  _, passes, merged = group_pass_plan(
+    s, e, sub_m=sub_m, align=align, tail=tail, tm=tm, cover_end=cover_end
+  )
+  return passes * sub_m - np.where(merged, sub_m - tail, 0)
+
+
+def _pass_cut_pairs(
+  starts: np.ndarray, ends: np.ndarray, *, cuts, sub_m: int, align: int, tail: int, tm: int
+):
   """`_rowtile_pairs` on pass-cut tiles: tile t's groups are tile_first_group[t] ..
   tile_last_group[t], and a group's passes there cover its rows in [tile_start[t],
   tile_start[t + 1]) as the kernel counts them (pairs without a pass are dropped)."""
@@ -133,9 +146,10 @@ def _pass_cut_pairs(starts: np.ndarray, ends: np.ndarray, *, cuts, sub_m: int, a
   c0, c1 = c[pair_t], c[pair_t + 1]
   s = np.maximum(starts[pair_g], c0) - c0
   e = np.minimum(ends[pair_g], c1) - c0
-  _, hits = group_passes(s, e, sub_m=sub_m, align=align)
-  keep = (hits > 0) & (ends[pair_g] > starts[pair_g])
-  return pair_g[keep], pair_t[keep], hits[keep]
+  # NOTE: a widened last pass may reach the group's rows past the cut, as the kernel's.
+  rows = _pass_rows(s, e, sub_m=sub_m, align=align, tail=tail, tm=tm, cover_end=ends[pair_g] - c0)
+  keep = (rows > 0) & (ends[pair_g] > starts[pair_g])
+  return pair_g[keep], pair_t[keep], rows[keep]
 
 
 def rowtile_manual_dma(
@@ -151,6 +165,7 @@ def rowtile_manual_dma(
   sequential_sweeps: bool,
   align: int | None = None,
   cuts: dict[str, Any] | None = None,
+  tail: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Per grid step: bytes of the row-tile kernels' manual DMAs, split into overlapped and exposed.
 
@@ -178,6 +193,7 @@ def rowtile_manual_dma(
     cuts: gmm only: the kernel's pass-cut tiles (`metadata.pass_cut_rows(xp=np)`, in the
       coordinates of starts / ends), whose tiles are the grid steps of a sweep; None: fixed
       m-tiles (m and tm give their number).
+    tail: gmm only: its widened last pass (`metadata.merge_tail_rows`).
 
   Returns:
     (overlapped, exposed), each [sweeps * tiles] bytes in grid-step order (tiles: cdiv(m, tm),
@@ -187,6 +203,8 @@ def rowtile_manual_dma(
     raise ValueError(f"kind must be 'gmm' or 'tgmm', got {kind!r}")
   if cuts is not None and kind != "gmm":
     raise ValueError("cuts (pass-cut tiles) are gmm's only; pass cuts=None for kind='tgmm'.")
+  if tail and kind != "gmm":
+    raise ValueError("tail (the widened last pass) is gmm's only; pass tail=0 for kind='tgmm'.")
   starts = np.asarray(starts, np.int64)
   ends = np.asarray(ends, np.int64)
   num_groups = starts.size
@@ -198,10 +216,9 @@ def rowtile_manual_dma(
   # NOTE: the work of one sweep as (tile, group) pairs in kernel order (tiles in order, groups in
   # order within a tile), each with the MXU rows it pushes; tgmm also has a pair without work
   # where an empty group is finalized.
-  pair_g, pair_t, pair_hits = _rowtile_pairs(
-    starts, ends, tm=tm, sub_m=sub_m, align=align, cuts=cuts
+  pair_g, pair_t, pair_rows = _rowtile_pairs(
+    starts, ends, tm=tm, sub_m=sub_m, align=align, cuts=cuts, tail=tail
   )
-  pair_rows = pair_hits * sub_m
   fin = None
   if kind == "tgmm":
     fin = np.clip(np.where(nonempty, (ends - 1) // tm, starts // tm), 0, tiles_m - 1)
@@ -481,9 +498,17 @@ def rowtile_step_costs(
         xp=np,
       )
       tiles_m = int(cuts["num_tiles"][0])
-  _, t, hits = _rowtile_pairs(starts, ends, tm=tm, sub_m=sub, align=align, cuts=cuts)
-  # NOTE: one sub-block dot in the orientation the kernel runs (`rows_stationary_pays`).
+  # NOTE: one sub-block dot in the orientation the kernel runs (`rows_stationary_pays`); gmm's
+  # widened last passes (`metadata.merge_tail_rows`) cost their rows, as a pass of at least the
+  # MXU's minimum rows does.
   swap = rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen)
+  tail = 0
+  if kind == "gmm":
+    tail = merge_tail_rows(sub_m=sub, tm=tm, align=align, rows_stationary=swap)
+  _, t, pair_rows = _rowtile_pairs(
+    starts, ends, tm=tm, sub_m=sub, align=align, cuts=cuts, tail=tail
+  )
+  hits = pair_rows / sub
   if kind == "gmm":
     shape = dict(rows=tn, contract=k, cols=sub) if swap else dict(rows=sub, contract=k, cols=tn)
   else:
@@ -557,6 +582,7 @@ def rowtile_step_costs(
     sequential_sweeps=seq,
     align=align,
     cuts=cuts,
+    tail=tail,
   )
   return np.tile(mxu_s, sweeps), over + row_over, exposed + row_exposed
 

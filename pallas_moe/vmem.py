@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_moe.generations import TpuGeneration, get_generation, pass_granule, rows_per_pass
+from pallas_moe.metadata import merge_tail_rows, pass_align
 
 _MIB = 1024 * 1024
 
@@ -108,7 +109,14 @@ def vmem_estimate_bytes(
     # them too (AOT: (1024, 2048, 1408) with existing_out needs 31 MiB usual, 39 MiB swapped).
     lhs_copy = gen is None or gen.name != "tpu7x" or rows_stationary
     blocks = 2 * tm * tk * li + 2 * tm * tn * oi + 2 * tk * tn * ri
-    temps = sub * tn * 4 + (sub * tk * li if lhs_copy else 0)
+    # NOTE: the lhs copy is of the widest pass's rows: a widened last pass
+    # (`metadata.merge_tail_rows`) has sub + tail (AOT with it: v6e (1024, 7168, 1024) needs
+    # 62.9 MiB, 0.9 more, tail x k of bf16; tpu7x, with no copy, (1536, 4096, 1024) 46.0 and
+    # (1536, 256, 7168) 50.8, as without).
+    granule = max(8 * max(1, 4 // li), 8 * max(1, 4 // oi))
+    align = pass_align(sub_m=sub, tm=tm, row_granule=granule)
+    wide = sub + merge_tail_rows(sub_m=sub, tm=tm, align=align, rows_stationary=rows_stationary)
+    temps = sub * tn * 4 + (wide * tk * li if lhs_copy else 0)
     if ri == 1:
       temps += tk * tn * 2 + 2 * tk * 4 + 2 * tn * 4
     if rows_stationary:

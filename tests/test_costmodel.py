@@ -305,9 +305,11 @@ def test_pallas_moe_default_rowtile_rows_and_bytes(op):
   )
   contract, out_cols = (n, k) if op == "dlhs" else (k, n)
   rep = cm.cost([s], generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=int(_GS.sum()))
-  # NOTE: gmm's passes start at each group's first row (16-row aligned): here that is the floor;
-  # tgmm's stay on the 128-row grid.
-  want_rows = cm.aligned_rows(_GS, 128) if op == "drhs" else cm.floor_rows(_GS, 128)
+  # NOTE: gmm's passes start at each group's first row (16-row aligned), the last two as one of
+  # 192 rows where the last would hold at most 64 (300, 170 and 130 rows: 832 rows, not the 1024
+  # of whole passes): here that is the floor; tgmm's stay on the 128-row grid.
+  want_rows = cm.aligned_rows(_GS, 128) if op == "drhs" else cm.floor_rows(_GS, 128, tail=64)
+  assert cm.floor_rows(_GS, 128, tail=64) == 832 < cm.floor_rows(_GS, 128) == 1024
   assert cm.floor_rows(_GS, 128) < cm.aligned_rows(_GS, 128)
   assert rep.mxu_rows_executed == pytest.approx(want_rows)
   rows = -(-int(_GS.sum()) // 16) * 16  # bf16's 16-row granule
@@ -371,9 +373,12 @@ def test_rows_stationary_saves_the_column_padding_on_v6e(op):
     case.fn, *case.args, step_scale=case.step_scale, step_manual_bytes=case.step_manual_bytes
   )
   rep = cm.cost([s], generation=V6E, row_macs=case.row_macs(256), mxu_rows_useful=int(_GS.sum()))
-  # NOTE: 256-row tiles of 256-row passes stay on their grid; the lhs gradient's 128-row passes
-  # from each group's first row push as many rows here as on the 128-row grid.
-  floor = cm.aligned_rows(_GS, 128 if op == "dlhs" else 256)
+  # NOTE: 256-row tiles of 256-row passes stay on their grid. The lhs gradient's 128-row passes
+  # from each group's first row push as many rows here as on the 128-row grid (1152), less 64
+  # for each of the three groups whose last two passes in a tile run as one widened pass (the
+  # 300-row group's in tiles 0 and 1, the 130-row group's in tile 2): 960.
+  assert cm.aligned_rows(_GS, 128) == 1152
+  floor = 960 if op == "dlhs" else cm.aligned_rows(_GS, 256)
   assert rep.mxu_rows_executed == pytest.approx(floor)
   padded_n = 512  # 384 rounded up to the MXU
   assert rep.calls[0].mxu_macs_padded == pytest.approx(floor * k * (n if swapped else padded_n))

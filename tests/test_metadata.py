@@ -185,3 +185,44 @@ def test_mxu_rows_executed_equal_floor_rows(kernel, data):
   )
   derived = int(metadata.mxu_rows(sched, group_offset=0, tm=tm, sub_m=sub_m))
   assert executed == derived == floor_rows(sizes, mxu=sub_m)
+
+
+def test_group_pass_plan_widens_a_short_last_pass():
+  """sub_m = 128, 16-row alignment, tail 64 (`merge_tail_rows`), tm = 512, by hand:
+
+  - [100, 400): passes from 96, three; the last (from 352) would hold 48 rows: widened, 320 rows.
+  - [100, 420): the last would hold 68: not widened, 384 rows.
+  - [0, 100): one pass: nothing to merge.
+  - [300, 512) of a group that goes on (cover_end 600): passes from 288, two; the last (from
+    416) reaches the tile's end with 96 rows: not widened.
+  - [0, 150) in a cut tile whose group ends at 150 + 8 = 158 (carried rows): the last pass (from
+    128) holds 30 rows up to 158: widened; with the group ending at 200 it would hold 72: not.
+  Works on Python ints, numpy and traced arrays alike."""
+  kw = dict(sub_m=128, align=16, tail=64, tm=512)
+  assert metadata.merge_tail_rows(sub_m=128, tm=512, align=16) == 64
+  assert metadata.merge_tail_rows(sub_m=128, tm=128, align=16) == 0  # one pass per tile
+  assert metadata.merge_tail_rows(sub_m=128, tm=512, align=128) == 0  # the sub_m grid
+  cases = [
+    (100, 400, None, (96, 3, True)),
+    (100, 420, None, (96, 3, False)),
+    (0, 100, None, (0, 1, False)),
+    (300, 512, 600, (288, 2, False)),
+    (0, 150, 158, (0, 2, True)),
+    (0, 150, 200, (0, 2, False)),
+  ]
+  for start, end, cover, want in cases:
+    got = metadata.group_pass_plan(start, end, cover_end=cover, **kw)
+    assert tuple(int(x) for x in got) == (want[0], want[1], int(want[2])), (start, end, cover)
+  starts = np.array([c[0] for c in cases])
+  ends = np.array([c[1] for c in cases])
+  covers = np.array([c[1] if c[2] is None else c[2] for c in cases])
+  want = np.array([c[3][2] for c in cases])
+  _, _, merged = metadata.group_pass_plan(starts, ends, cover_end=covers, **kw)
+  np.testing.assert_array_equal(merged, want)
+  _, _, merged = jax.jit(lambda s, e, c: metadata.group_pass_plan(s, e, cover_end=c, **kw))(
+    jnp.asarray(starts), jnp.asarray(ends), jnp.asarray(covers)
+  )
+  np.testing.assert_array_equal(np.asarray(merged), want)
+  # Without a tail nothing is widened.
+  _, _, merged = metadata.group_pass_plan(starts, ends, sub_m=128, align=16, tail=0, tm=512)
+  assert not np.any(merged)

@@ -178,9 +178,10 @@ def check_gmm(
   )
   granule = max(common.row_granule(in_dtype), common.row_granule(out_dtype))
   align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=granule)
+  tail = metadata.merge_tail_rows(sub_m=sub_m, tm=tm, align=align, rows_stationary=rows_stationary)
   if metadata.uses_pass_cuts(m=m, tm=tm, sub_m=sub_m, align=align):
     want = _pass_cut_counts(
-      sizes, offset, local, m=m, tm=tm, sub_m=sub_m, align=align, in_dtype=in_dtype,
+      sizes, offset, local, m=m, tm=tm, sub_m=sub_m, align=align, tail=tail, in_dtype=in_dtype,
       out_dtype=out_dtype, sequential=sequential, interpret=interpret, sweeps=counts.shape[0],
     )  # fmt: skip
     np.testing.assert_array_equal(counts[..., [0, 2, 3]], want)
@@ -188,7 +189,9 @@ def check_gmm(
     np.testing.assert_array_equal(counts[..., 1].sum(axis=1), nonempty)
     return
   rows = np.asarray(
-    metadata.rowtile_mxu_rows(groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m, align=align)
+    metadata.rowtile_mxu_rows(
+      groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m, align=align, tail=tail
+    )
   )
   np.testing.assert_array_equal(counts[..., 0], np.broadcast_to(rows, counts.shape[:2]))
   nonempty = int(np.sum(np.asarray(sizes)[offset : offset + local] > 0))
@@ -214,6 +217,20 @@ def check_gmm(
   np.testing.assert_array_equal(counts[..., 3], np.broadcast_to(written, counts.shape[:2]))
 
 
+def _pushed_rows(s, e, cover_end, *, sub_m, align, tail, tm):
+  """Rows one group's passes push in one tile, restated from the kernel's rule: sub_m-row passes
+  from its first row rounded down to align; the last two as one of sub_m + tail rows where the
+  last would hold at most tail of the group's rows (up to its end, which may lie past e)."""
+  first = s // align * align
+  passes = max(-(-(e - first) // sub_m), 0)
+  rows = passes * sub_m
+  if tail and passes >= 2:
+    last = first + (passes - 1) * sub_m
+    if min(cover_end, last + sub_m, tm) - last <= tail:
+      rows -= sub_m - tail
+  return rows
+
+
 def _pass_cut_counts(
   sizes,
   offset,
@@ -223,6 +240,7 @@ def _pass_cut_counts(
   tm,
   sub_m,
   align,
+  tail,
   in_dtype,
   out_dtype,
   sequential,
@@ -231,8 +249,8 @@ def _pass_cut_counts(
   whole=True,
 ):
   """[sweeps, tiles, 3] (MXU rows, lhs rows fetched, output rows written) per cut tile, from the
-  numpy cuts (`metadata.pass_cut_rows`) and the passes of `metadata.group_passes`, independent
-  of the kernel's traced metadata."""
+  numpy cuts (`metadata.pass_cut_rows`) and the kernel's passes restated (`_pushed_rows`),
+  independent of the kernel's traced metadata."""
   sizes = np.asarray(sizes, np.int64)
   offsets = np.concatenate([[0], np.minimum(np.cumsum(sizes), m)])
   starts, ends = offsets[offset : offset + local], offsets[offset + 1 : offset + local + 1]
@@ -260,7 +278,7 @@ def _pass_cut_counts(
     for g in range(cuts["tile_first_group"][t], cuts["tile_last_group"][t] + 1):
       if ends[g] > starts[g]:
         s, e = max(starts[g], c[t]) - c[t], min(ends[g], c[t + 1]) - c[t]
-        want[t, 0] += max(metadata.group_passes(s, e, sub_m=sub_m, align=align)[1], 0) * sub_m
+        want[t, 0] += _pushed_rows(s, e, ends[g] - c[t], sub_m=sub_m, align=align, tail=tail, tm=tm)
     lo = max(rows_start - c[t], 0)
     for col, (lo_t, hi_t, granule, rows) in enumerate(
       [(lo, reach[t] - c[t], lhs_granule, -(-m // lhs_granule) * lhs_granule),
@@ -550,9 +568,10 @@ def test_gmm_rowtile_moves_only_local_rows(capfd, sequential, stationary, in_dty
   counts = np.asarray(counts)
   granule = 8 * max(1, 4 // np.dtype(in_dtype).itemsize)
   align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=granule)
+  tail = metadata.merge_tail_rows(sub_m=sub_m, tm=tm, align=align, rows_stationary=stationary)
   if metadata.uses_pass_cuts(m=m, tm=tm, sub_m=sub_m, align=align):
     want = _pass_cut_counts(
-      sizes, offset, local, m=m, tm=tm, sub_m=sub_m, align=align, in_dtype=in_dtype,
+      sizes, offset, local, m=m, tm=tm, sub_m=sub_m, align=align, tail=tail, in_dtype=in_dtype,
       out_dtype=jnp.float32, sequential=sequential, interpret=True, sweeps=counts.shape[0],
       whole=False,
     )  # fmt: skip
@@ -571,7 +590,7 @@ def test_gmm_rowtile_moves_only_local_rows(capfd, sequential, stationary, in_dty
   assert visited.sum() < tm * visited.size
 
 
-def _gmm_rows_per_tile(sizes, *, m, tm, sub_m, align):
+def _gmm_rows_per_tile(sizes, *, m, tm, sub_m, align, tail=0):
   """The schedule-derived MXU rows per m-tile of the row-tile gmm, every group local."""
   groups = metadata.make_tile_groups(
     group_sizes=jnp.asarray(sizes),
@@ -582,7 +601,9 @@ def _gmm_rows_per_tile(sizes, *, m, tm, sub_m, align):
     finalize_empty_groups=False,
   )
   return np.asarray(
-    metadata.rowtile_mxu_rows(groups, group_offset=0, m=m, tm=tm, sub_m=sub_m, align=align)
+    metadata.rowtile_mxu_rows(
+      groups, group_offset=0, m=m, tm=tm, sub_m=sub_m, align=align, tail=tail
+    )
   )
 
 
@@ -591,11 +612,12 @@ def test_gmm_rowtile_passes_start_at_each_group(capfd, stationary):
   """Passes start at a group's first row (8-row aligned for f32), and one that would cross the
   tile's end is moved back over the group's previous rows: the result is still exact, the
   simulator sees no race or out-of-bounds access, and the kernel pushes 6 passes where the
-  32-row grid takes 7.
+  32-row grid takes 7; with the widened last pass (16 more rows), 176 rows.
 
   NOTE: tm = 64, sub_m = 32; groups [0,24) [24,56) [56,64) | [64,104) [104,104) [104,128), 8 rows
   of slack. Tile 0: 1 + 1 (grid: 2) + 1 (from row 56, moved back to 32); tile 1: 2 + 1 (from row
-  40, moved back to 32).
+  40, moved back to 32), where the first group's second pass would hold 8 of its rows, so its
+  two run as one of 48 rows (not with rows_stationary).
   """
   case = (136, 40, 48, 64, 48, 32, 6, 6, jnp.float32, jnp.float32, False, False)
   sizes = np.array([24, 32, 8, 40, 0, 24], np.int32)
@@ -604,6 +626,9 @@ def test_gmm_rowtile_passes_start_at_each_group(capfd, stationary):
   rows = functools.partial(_gmm_rows_per_tile, sizes, m=136, tm=64, sub_m=32)
   np.testing.assert_array_equal(rows(align=8), [96, 96, 0])
   np.testing.assert_array_equal(rows(align=32), [128, 96, 0])
+  assert metadata.merge_tail_rows(sub_m=32, tm=64, align=8) == 16
+  assert metadata.merge_tail_rows(sub_m=32, tm=64, align=8, rows_stationary=True) == 0
+  np.testing.assert_array_equal(rows(align=8, tail=16), [96, 80, 0])
   # NOTE: check_gmm compares the counts with rows(align=8).
   check_gmm(case, sizes, 0, 5, INTERPRET_MODES["hlo"], rows_stationary=stationary)
   with no_races_or_oob(capfd):
@@ -618,7 +643,10 @@ def test_gmm_pass_cuts_split_a_group_between_tiles_whole(capfd):
   NOTE: tm = 64, sub_m = 32, f32 rows (passes 8-row aligned); groups [0,40) [40,100) [100,128).
   Fixed tiles: [0,64) 2 + 1 (g1's rows 40..63), [64,128) 2 (g1's 64..99) + 1 (g2 from 96): 6
   passes. Cuts at 40 (g1's first pass) and 96 (g2's, whose rows 96..99 g1's last pass computes
-  in the middle tile): g0 2, g1 2 ([40,72), [72,104)), g2 1: 5 passes, in 3 tiles.
+  in the middle tile): g0 2, g1 2 ([40,72), [72,104)), g2 1: 5 passes, in 3 tiles. The widened
+  last pass (48 rows) runs a group's last two where the last would hold at most 16 of its rows:
+  fixed tiles g0's [0,40) and g1's [64,100), 160 rows; cut tiles g0's only (g1's second pass
+  holds 28 rows, to 100 past the cut), 144 rows.
   """
   m, k, n, tm, tn, sub_m = 128, 40, 48, 64, 48, 32
   sizes = np.array([40, 60, 28], np.int32)
@@ -637,11 +665,11 @@ def test_gmm_pass_cuts_split_a_group_between_tiles_whole(capfd):
   )
   want = np_gmm(np.asarray(lhs), np.asarray(rhs), sizes)
   tol = tolerance(in_dtype=jnp.float32, out_dtype=jnp.float32, k=k)
-  for cuts, passes, tiles in ((False, 6, 2), (True, 5, 3)):
+  for cuts, rows, tiles in ((False, 160, 2), (True, 144, 3)):
     out, counts = call(pass_cuts=cuts, count_rows=True, interpret=True)
     np.testing.assert_allclose(np.asarray(out), want, **tol)
     counts = np.asarray(counts)[0]
-    assert counts[:, 0].sum() == passes * sub_m
+    assert counts[:, 0].sum() == rows
     assert np.count_nonzero(counts[:, 3]) == tiles
   with no_races_or_oob(capfd):
     out = call(pass_cuts=True, interpret=RACE_PARAMS)
@@ -667,6 +695,12 @@ def test_rowtile_rows_against_the_floor():
   # [512,656) 2; [656,1026) from 656 in tile 1: 3, and [1024,1026) in tile 2: 1.
   assert rows(16) == 13 * 128
   assert floor_rows(sizes, 128) == 11 * 128 <= rows(16)
+  # NOTE: with the widened last pass (128 + 64 rows) where a group's last pass would hold at most
+  # 64 of its rows: [100,400)'s three from row 96 (its last 48 rows) and [512,656)'s two in tile
+  # 1 (16 rows) each push 64 rows fewer; [656,1026)'s last in tile 1 holds 112.
+  assert int(_gmm_rows_per_tile(sizes, m=1100, tm=512, sub_m=128, align=16, tail=64).sum()) == (
+    12 * 128
+  )
 
 
 @pytest.mark.parametrize("sequential", [False, True], ids=["parallel", "sequential"])
@@ -676,7 +710,7 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
   MXU rows per step, and every manual DMA the kernel waits for, exposed only in a step that
   waits for one (n and k are split in two, so DMAs cross sweeps when `sequential`)."""
   from bench import costmodel as cm
-  from bench.impls import rowtile_hooks, rowtile_tgmm_dots
+  from bench.impls import rowtile_gmm_passes, rowtile_hooks, rowtile_tgmm_dots
 
   sizes = np.array([40, 0, 75, 3, 0, 90, 50], np.int32)
   m, k, n, tm, sub_m = 300, 64, 256, 64, 32
@@ -758,7 +792,13 @@ def test_cost_model_hooks_match_kernel_counts(op, sequential):
     np.testing.assert_allclose(sched.step_scale, (first + singles + runs) / 3)
     assert runs.sum() > 0
   else:
-    np.testing.assert_array_equal(sched.step_scale * sub_m, counts[:, 0])
+    # NOTE: f32 passes are 8-row aligned, so the gmm widens a last pass by 16 rows; the model
+    # pads both dots' rows (32 and 48) to the 128-row minimum pass, so its scale is the passes
+    # over the body's two dots.
+    regular, widened = rowtile_gmm_passes(contexts[-1], tm=tm, sub_m=sub_m, align=8, tail=16)
+    np.testing.assert_array_equal(regular * sub_m + widened * (sub_m + 16), counts[:, 0])
+    np.testing.assert_allclose(sched.step_scale, (regular + widened) / 2)
+    assert widened.sum() > 0
   block = tk * tn * 4
   # NOTE: the row blocks the kernel moved per step (count_rows): gmm's lhs rows fetched and
   # output rows written (the whole tile: the unowned rows are zeros here); tgmm's rhs and lhs

@@ -33,14 +33,30 @@ def _passes_per_step(gs, *, tm, fixed_tiles=False, **kw):
     **_kw(gs, tm=tm, **kw), peak_flops=2.0 * macs, fixed_tiles=fixed_tiles
   )
   assert mxu.shape == over.shape == exposed.shape
-  return np.rint(mxu).astype(np.int64), sub
+  return mxu, sub
+
+
+def _pushed_rows(s, e, cover_end, *, sub_m, align, tail, tm):
+  """Rows one group's passes push in one tile, restated from the kernel's rule: sub_m-row passes
+  from its first row rounded down to align, the last two as one of sub_m + tail rows where the
+  last would hold at most tail of the group's rows."""
+  first = s // align * align
+  passes = max(-(-(e - first) // sub_m), 0)
+  rows = passes * sub_m
+  if tail and passes >= 2:
+    last = first + (passes - 1) * sub_m
+    if min(cover_end, last + sub_m, tm) - last <= tail:
+      rows -= sub_m - tail
+  return rows
 
 
 @pytest.mark.parametrize("unowned_rows", ["zero", "undefined"])
 def test_pass_cut_mxu_rows_are_the_pass_floor(unowned_rows):
-  """Per sweep, the MXU rows are Σ_g ceil((e_g - align_down(s_g, 16)) / sub_m) * sub_m (no
-  partial pass where a tile boundary cuts a group), at most the fixed tiles' and, over a few
-  draws, fewer; the per-step arrays hold num_tiles x sweeps steps."""
+  """Per sweep, the MXU rows are at most Σ_g ceil((e_g - align_down(s_g, 16)) / sub_m) * sub_m
+  (no partial pass where a tile boundary cuts a group), exactly the kernel's passes on the cut
+  tiles (a group's last two in a tile as one widened pass of 192 rows where the last would hold
+  at most 64 of its rows), at most the fixed tiles' and, over a few draws, fewer; the per-step
+  arrays hold num_tiles x sweeps steps."""
   tm, align, sweeps = 512, 16, _N // _TN
   saved = 0
   for seed in range(4):
@@ -68,7 +84,25 @@ def test_pass_cut_mxu_rows_are_the_pass_floor(unowned_rows):
     assert fixed_steps.size == -(-rows // tm) * sweeps, seed
     per_sweep = cut_steps.reshape(sweeps, num_tiles)
     assert (per_sweep == per_sweep[0]).all()
-    assert per_sweep[0].sum() * sub == floor, seed
+    c = cuts["tile_start"]
+    want = [
+      sum(
+        _pushed_rows(
+          max(starts[g], c[t]) - c[t],
+          min(ends[g], c[t + 1]) - c[t],
+          ends[g] - c[t],
+          sub_m=sub,
+          align=align,
+          tail=64,
+          tm=tm,
+        )  # fmt: skip
+        for g in range(cuts["tile_first_group"][t], cuts["tile_last_group"][t] + 1)
+        if gs[g] > 0 and min(ends[g], c[t + 1]) > max(starts[g], c[t])
+      )
+      for t in range(num_tiles)
+    ]
+    np.testing.assert_allclose(per_sweep[0] * sub, want, err_msg=str(seed))
+    assert per_sweep[0].sum() * sub <= floor, seed
     fixed = fixed_steps.reshape(sweeps, -1)[0].sum() * sub
     assert per_sweep[0].sum() * sub <= fixed, seed
     saved += fixed - per_sweep[0].sum() * sub
