@@ -583,8 +583,10 @@ def gmm_rowtile_pallas(
     narrow_dot: both operands quantized with the same dtype: the dot runs on the 8-bit values
       (int8 x int8 -> int32, fp8 x fp8 -> f32), the MXU's native mode where the chip has one.
     sub_m: rows per MXU pass (divides tm). A group's passes start at its first row in the tile,
-      rounded down to the lhs / output VMEM tile (`metadata.pass_align`: 16 rows of bf16), so a
-      group boundary inside a tile costs about sub_m / 2 extra rows, not sub_m. None: the whole
+      rounded down to the lhs / output VMEM tile (`metadata.pass_align`: 16 rows of bf16), and
+      where its last pass would hold at most sub_m / 2 of its rows, its last two run as one
+      pass of 1.5 x sub_m rows (`metadata.merge_tail_rows`; not with `rows_stationary`), so a
+      group boundary inside a tile costs about sub_m / 4 extra rows, not sub_m. None: the whole
       tile.
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
     expected_rows: the rows the caller expects sum(group_sizes) to be; the cost estimate XLA
