@@ -146,3 +146,18 @@ def examples(fraction: float = 1.0):
   under plain interpretation, but the TPU simulator pays per grid step: its tests use a fraction.
   """
   return settings(max_examples=max(2, int(settings.default.max_examples * fraction)))
+
+
+def pushed_rows(s, e, cover_end, *, sub_m, align, tail, tm):
+  """Rows one group's passes push in one row-tile gmm tile, restated from the kernel's rule
+  (independent of `metadata.group_pass_plan`): sub_m-row passes from its first row rounded down
+  to align, the last two as one of sub_m + tail rows where the last would hold at most tail of
+  the group's rows (up to its end, which may lie past e in a pass-cut tile)."""
+  first = s // align * align
+  passes = max(-(-(e - first) // sub_m), 0)
+  rows = passes * sub_m
+  if tail and passes >= 2:
+    last = first + (passes - 1) * sub_m
+    if min(cover_end, last + sub_m, tm) - last <= tail:
+      rows -= sub_m - tail
+  return rows

@@ -26,6 +26,7 @@ from kernel_testing import (
   no_races_or_oob,
   np_gmm,
   np_tgmm,
+  pushed_rows,
   random_array,
   rounded,
   tolerance,
@@ -217,20 +218,6 @@ def check_gmm(
   np.testing.assert_array_equal(counts[..., 3], np.broadcast_to(written, counts.shape[:2]))
 
 
-def _pushed_rows(s, e, cover_end, *, sub_m, align, tail, tm):
-  """Rows one group's passes push in one tile, restated from the kernel's rule: sub_m-row passes
-  from its first row rounded down to align; the last two as one of sub_m + tail rows where the
-  last would hold at most tail of the group's rows (up to its end, which may lie past e)."""
-  first = s // align * align
-  passes = max(-(-(e - first) // sub_m), 0)
-  rows = passes * sub_m
-  if tail and passes >= 2:
-    last = first + (passes - 1) * sub_m
-    if min(cover_end, last + sub_m, tm) - last <= tail:
-      rows -= sub_m - tail
-  return rows
-
-
 def _pass_cut_counts(
   sizes,
   offset,
@@ -249,7 +236,7 @@ def _pass_cut_counts(
   whole=True,
 ):
   """[sweeps, tiles, 3] (MXU rows, lhs rows fetched, output rows written) per cut tile, from the
-  numpy cuts (`metadata.pass_cut_rows`) and the kernel's passes restated (`_pushed_rows`),
+  numpy cuts (`metadata.pass_cut_rows`) and the kernel's passes restated (`pushed_rows`),
   independent of the kernel's traced metadata."""
   sizes = np.asarray(sizes, np.int64)
   offsets = np.concatenate([[0], np.minimum(np.cumsum(sizes), m)])
@@ -278,7 +265,7 @@ def _pass_cut_counts(
     for g in range(cuts["tile_first_group"][t], cuts["tile_last_group"][t] + 1):
       if ends[g] > starts[g]:
         s, e = max(starts[g], c[t]) - c[t], min(ends[g], c[t + 1]) - c[t]
-        want[t, 0] += _pushed_rows(s, e, ends[g] - c[t], sub_m=sub_m, align=align, tail=tail, tm=tm)
+        want[t, 0] += pushed_rows(s, e, ends[g] - c[t], sub_m=sub_m, align=align, tail=tail, tm=tm)
     lo = max(rows_start - c[t], 0)
     for col, (lo_t, hi_t, granule, rows) in enumerate(
       [(lo, reach[t] - c[t], lhs_granule, -(-m // lhs_granule) * lhs_granule),

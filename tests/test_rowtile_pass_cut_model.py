@@ -5,6 +5,7 @@ one step per pass-cut tile and sweep, and where the kernel keeps fixed m-tiles
 
 import numpy as np
 import pytest
+from kernel_testing import pushed_rows
 
 from pallas_moe import metadata, schedule_cost, tile_pickers, tiling
 
@@ -34,20 +35,6 @@ def _passes_per_step(gs, *, tm, fixed_tiles=False, **kw):
   )
   assert mxu.shape == over.shape == exposed.shape
   return mxu, sub
-
-
-def _pushed_rows(s, e, cover_end, *, sub_m, align, tail, tm):
-  """Rows one group's passes push in one tile, restated from the kernel's rule: sub_m-row passes
-  from its first row rounded down to align, the last two as one of sub_m + tail rows where the
-  last would hold at most tail of the group's rows."""
-  first = s // align * align
-  passes = max(-(-(e - first) // sub_m), 0)
-  rows = passes * sub_m
-  if tail and passes >= 2:
-    last = first + (passes - 1) * sub_m
-    if min(cover_end, last + sub_m, tm) - last <= tail:
-      rows -= sub_m - tail
-  return rows
 
 
 @pytest.mark.parametrize("unowned_rows", ["zero", "undefined"])
@@ -87,7 +74,7 @@ def test_pass_cut_mxu_rows_are_the_pass_floor(unowned_rows):
     c = cuts["tile_start"]
     want = [
       sum(
-        _pushed_rows(
+        pushed_rows(
           max(starts[g], c[t]) - c[t],
           min(ends[g], c[t + 1]) - c[t],
           ends[g] - c[t],
