@@ -1137,16 +1137,6 @@ def gmm_rowtile_pallas(
           multiply(r0, rows, sub_m)
           return c
 
-        # NOTE: the widened pass starts at the second-to-last pass's first row, moved back to end
-        # at the tile's end like a pass that would cross it (rows it recomputes get the same
-        # values).
-        wide_r0 = pl.multiple_of(
-          jnp.minimum(first_row + (passes - 2) * sub_m, tm - sub_m - tail), align
-        )
-
-        def widened():
-          multiply(wide_r0, pl.ds(wide_r0, sub_m + tail), sub_m + tail)
-
         if ramp_chunks:
 
           def segment(p):
@@ -1169,6 +1159,16 @@ def gmm_rowtile_pallas(
         else:
           lax.fori_loop(0, regular, sub_body, 0)
         if tail:
+          # NOTE: the widened pass starts at the second-to-last pass's first row, moved back to
+          # end at the tile's end like a pass that would cross it (rows it recomputes get the
+          # same values).
+          wide_r0 = pl.multiple_of(
+            jnp.minimum(first_row + (passes - 2) * sub_m, tm - sub_m - tail), align
+          )
+
+          def widened():
+            multiply(wide_r0, pl.ds(wide_r0, sub_m + tail), sub_m + tail)
+
           if ramp_chunks:
             # NOTE: waits for the chunks holding the widened pass's rows (none once the block is
             # in), outside its region, which then holds only the dot.
@@ -1179,7 +1179,7 @@ def gmm_rowtile_pallas(
             ready_ref[0] = jnp.maximum(ready_ref[0], need)
           pl.when(merged)(widened)
         if counts_ref is not None:
-          counts_ref[n_i, t, 0] += passes * sub_m - jnp.where(merged, sub_m - tail, 0)
+          counts_ref[n_i, t, 0] += passes * sub_m - merged * (sub_m - tail)
 
       return carry
 

@@ -460,6 +460,24 @@ def group_pass_plan(
   return first, passes, (passes >= 2) & (covered <= tail)
 
 
+def group_pass_rows(
+  start: Any,
+  end: Any,
+  *,
+  sub_m: int,
+  align: int,
+  tail: int,
+  tm: int,
+  cover_end: Any = None,
+) -> Any:
+  """Rows the passes of `group_pass_plan` push (same arguments): sub_m per pass, the widened
+  last two sub_m + tail together. Works on Python ints, numpy and traced arrays alike."""
+  _, passes, merged = group_pass_plan(
+    start, end, sub_m=sub_m, align=align, tail=tail, tm=tm, cover_end=cover_end
+  )
+  return passes * sub_m - merged * (sub_m - tail)
+
+
 def rowtile_mxu_rows(
   tile_groups: TileGroups,
   *,
@@ -498,10 +516,9 @@ def rowtile_mxu_rows(
   # empty group, even when its position is inside the tile) multiplies nothing.
   s = jnp.clip(starts[None, :] - row0, 0, tm)
   e = jnp.clip(ends[None, :] - row0, 0, tm)
-  _, passes, merged = group_pass_plan(
+  rows = group_pass_rows(
     s, e, sub_m=sub_m, align=sub_m if align is None else align, tail=tail, tm=tm
   )
-  rows = passes * sub_m - jnp.where(merged, sub_m - tail, 0)
   return jnp.sum(jnp.where(e > s, rows, 0), axis=1).astype(jnp.int32)
 
 

@@ -22,7 +22,7 @@ from pallas_moe.generations import (
   tensorcore_rates,
 )
 from pallas_moe.metadata import (
-  group_pass_plan,
+  group_pass_rows,
   merge_tail_rows,
   pass_align,
   pass_cut_rows,
@@ -117,15 +117,7 @@ def _rowtile_pairs(
   lo = pair_t * tm
   s = np.maximum(starts[pair_g], lo) - lo
   e = np.minimum(ends[pair_g], lo + tm) - lo
-  return pair_g, pair_t, _pass_rows(s, e, sub_m=sub_m, align=align, tail=tail, tm=tm)
-
-
-def _pass_rows(s, e, *, sub_m: int, align: int, tail: int, tm: int, cover_end=None) -> np.ndarray:
-  # NOTE: rows a group's passes push in one tile, as the kernel runs them.
-  _, passes, merged = group_pass_plan(
-    s, e, sub_m=sub_m, align=align, tail=tail, tm=tm, cover_end=cover_end
-  )
-  return passes * sub_m - np.where(merged, sub_m - tail, 0)
+  return pair_g, pair_t, group_pass_rows(s, e, sub_m=sub_m, align=align, tail=tail, tm=tm)
 
 
 def _pass_cut_pairs(
@@ -147,7 +139,9 @@ def _pass_cut_pairs(
   s = np.maximum(starts[pair_g], c0) - c0
   e = np.minimum(ends[pair_g], c1) - c0
   # NOTE: a widened last pass may reach the group's rows past the cut, as the kernel's.
-  rows = _pass_rows(s, e, sub_m=sub_m, align=align, tail=tail, tm=tm, cover_end=ends[pair_g] - c0)
+  rows = group_pass_rows(
+    s, e, sub_m=sub_m, align=align, tail=tail, tm=tm, cover_end=ends[pair_g] - c0
+  )
   keep = (rows > 0) & (ends[pair_g] > starts[pair_g])
   return pair_g[keep], pair_t[keep], rows[keep]
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_moe.generations import TpuGeneration, get_generation, pass_granule, rows_per_pass
-from pallas_moe.metadata import merge_tail_rows, pass_align
+from pallas_moe.metadata import merge_tail_rows
+from pallas_moe.schedule_cost import gmm_pass_align
 
 _MIB = 1024 * 1024
 
@@ -113,8 +114,7 @@ def vmem_estimate_bytes(
     # (`metadata.merge_tail_rows`) has sub + tail (AOT with it: v6e (1024, 7168, 1024) needs
     # 62.9 MiB, 0.9 more, tail x k of bf16; tpu7x, with no copy, (1536, 4096, 1024) 46.0 and
     # (1536, 256, 7168) 50.8, as without).
-    granule = max(8 * max(1, 4 // li), 8 * max(1, 4 // oi))
-    align = pass_align(sub_m=sub, tm=tm, row_granule=granule)
+    align = gmm_pass_align(sub_m=sub, tm=tm, lhs_itemsize=li, out_itemsize=oi)
     wide = sub + merge_tail_rows(sub_m=sub, tm=tm, align=align, rows_stationary=rows_stationary)
     temps = sub * tn * 4 + (wide * tk * li if lhs_copy else 0)
     if ri == 1:
