@@ -63,6 +63,7 @@ __all__ = [
   "expert_program",
   "kernel_costs",
   "measure",
+  "metadata_costs",
   "scaled_stock_estimates",
   "table",
   "vmem_copies",
@@ -493,6 +494,84 @@ def scaled_stock_estimates(scale: float):
       jax.clear_caches()
 
 
+def metadata_costs(
+  *, topology: str, m: int, tm: int, num_groups: int, num_local_groups: int
+) -> dict[str, dict[str, float]]:
+  """What the kernels' group metadata costs XLA, compiled alone for one TPU chip.
+
+  The metadata is computed by XLA ops before each Mosaic call (plain jnp: cumsums, a
+  searchsorted), so it is part of a step's XLA-op bytes. Compiles, for one shard's
+  `group_sizes` and traced `group_offset`: stock megablox's `make_group_metadata` for its gmm
+  and its tgmm (MaxText's fork where it is installed, else upstream's), and pallas_moe's
+  `metadata.make_schedule` for its visit gmm and tgmm (the kernels MaxText's tiles run).
+
+  Args:
+    topology: e.g. "v5e:2x4" (one chip of it compiles).
+    m: the receive buffer's rows.
+    tm: the m-tile.
+    num_groups: experts over all shards.
+    num_local_groups: experts on this shard.
+
+  Returns:
+    {"megablox": {...}, "pallas_moe": {...}}: cost_analysis() "bytes accessed" and "flops",
+    and memory_analysis() temp bytes.
+  """
+  from jax.sharding import SingleDeviceSharding
+
+  from pallas_moe import metadata
+
+  try:
+    stock = importlib.import_module("maxtext.kernels.megablox.backend")
+  except ImportError:
+    stock = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+  device = _topology(topology).devices[0]
+
+  def megablox(group_sizes, group_offset):
+    return [
+      stock.make_group_metadata(
+        group_sizes=group_sizes,
+        m=m,
+        tm=tm,
+        start_group=group_offset,
+        num_nonzero_groups=num_local_groups,
+        visit_empty_groups=visit_empty,
+      )
+      for visit_empty in (False, True)
+    ]
+
+  def ours(group_sizes, group_offset):
+    # NOTE: the visit gmm fills uncovered tiles, the visit tgmm visits empty groups.
+    return [
+      metadata.make_schedule(
+        group_sizes=group_sizes,
+        group_offset=group_offset,
+        num_local_groups=num_local_groups,
+        m=m,
+        tm=tm,
+        fill_uncovered_tiles=fill,
+        visit_empty_groups=not fill,
+      )
+      for fill in (True, False)
+    ]
+
+  sharding = SingleDeviceSharding(device)
+  args = (
+    jax.ShapeDtypeStruct((num_groups,), jnp.int32, sharding=sharding),
+    jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding),
+  )
+  out = {}
+  for name, fn in (("megablox", megablox), ("pallas_moe", ours)):
+    compiled = jax.jit(fn).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    out[name] = {
+      "bytes": float(cost.get("bytes accessed", 0.0)),
+      "flops": float(cost.get("flops", 0.0)),
+      "temp": float(compiled.memory_analysis().temp_size_in_bytes),
+    }
+  return out
+
+
 def _stock_gmm():
   """Upstream megablox's differentiable gmm (jax.experimental.pallas.ops.tpu.megablox)."""
   from jax.experimental.pallas.ops.tpu.megablox import gmm
@@ -739,8 +818,33 @@ def main(argv=None) -> None:
     help="compile the megablox variant once per factor on its kernels' declared CostEstimate "
     "bytes (the kernels unchanged); other variants run once, unscaled",
   )
+  parser.add_argument(
+    "--metadata_only",
+    action="store_true",
+    help="only compile the kernels' group metadata (stock megablox's and pallas_moe's) per "
+    "topology and mesh, at MaxText's tm and the dropless buffer, and print its XLA cost",
+  )
   args = parser.parse_args(argv)
   import json
+
+  if args.metadata_only:
+    dims = DEEPSEEK_V2_LITE
+    for topology in args.topologies:
+      for mesh in args.meshes:
+        ep = int(mesh.split("x")[0])
+        costs = metadata_costs(
+          topology=topology,
+          m=dims.buffer_rows(ep),
+          tm=MAXTEXT_TILES[0],
+          num_groups=dims.num_experts,
+          num_local_groups=dims.num_experts // ep,
+        )
+        for name, c in costs.items():
+          print(
+            f"{topology} ep {ep}: {name} metadata (gmm + tgmm): {c['bytes'] / 1e6:.2f} MB "
+            f"accessed, {c['flops']:.0f} flops, temp {c['temp'] / 1e6:.2f} MB"
+          )
+    return
 
   records = []
   for topology in args.topologies:
