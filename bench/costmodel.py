@@ -937,8 +937,9 @@ def floor_rows(group_sizes, mxu: int, *, tail: int = 0) -> int:
   A systolic MXU multiplies a weight tile by at least `mxu` rows at a time (the op's pass
   granule), and a pass holds one group's weights. A kernel pushing passes of `mxu` rows does
   best with ceil(s / mxu) of them for a group of s rows, started at its first row (tokamax's
-  v2 row blocks start there; pallas_moe's row-tile gmm starts within 16 rows of it, and tgmm
-  on the mxu grid); empty groups cost nothing. With `tail`, the group's last two passes count as
+  v2 row blocks start there; pallas_moe's row-tile gmm starts within 16 rows of it, and so
+  does its tgmm where lhs comes as [m, k], as gmm's backward passes it); empty groups cost
+  nothing. With `tail`, the group's last two passes count as
   one of mxu + tail rows where the last would hold at most `tail` rows (the row-tile gmm's
   widened last pass, `metadata.merge_tail_rows`).
 
@@ -963,8 +964,9 @@ def aligned_rows(group_sizes, chunk: int) -> int:
   """Rows a kernel that pushes passes on a fixed `chunk`-row grid pushes: each group's rows
   rounded out to the grid at both ends, ceil(e / chunk)·chunk - floor(s / chunk)·chunk for rows
   [s, e); a chunk shared by two groups counts for each (each needs its own weights in the MXU),
-  empty groups cost nothing. pallas_moe's visit kernels and its row-tile tgmm (rows of a tile
-  that is a multiple of chunk) push this; `floor_rows` is the bound below it."""
+  empty groups cost nothing. pallas_moe's visit kernels and its row-tile tgmm with a [k, m]
+  lhs (rows of a tile that is a multiple of chunk) push this; `floor_rows` is the bound below
+  it."""
   gs = np.asarray(group_sizes, np.int64)
   ends = np.cumsum(gs)
   starts = ends - gs

@@ -986,24 +986,26 @@ def rowtile_gmm_pass_counts(
 
 
 def rowtile_tgmm_dots(
-  ctx: StepContext, *, tm: int, sub_m: int, interior_subs: int
+  ctx: StepContext, *, tm: int, sub_m: int, interior_subs: int, align: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Per step: the dots the row-tile tgmm runs (`tgmm.tgmm_rowtile_pallas`), by kind.
 
-  For each group with rows in the step's tile: one masked sub-block dot written into the
-  accumulator where the group starts in the tile, unmasked runs of `interior_subs` sub-blocks
-  over the whole sub-blocks after it, and masked sub-block dots for the rest (the run's leftover
-  and the group's last sub-block).
+  For each group with rows in the step's tile, its passes of sub_m rows from its first row
+  rounded down to `align` (`metadata.group_passes`): one masked pass dot written into the
+  accumulator where the group starts in the tile, unmasked runs of `interior_subs` passes over
+  the whole passes after it, and masked pass dots for the rest (the run's leftover and the
+  group's last pass).
 
   Args:
     ctx: the tgmm call's `StepContext` (prefetch: offsets, first, last, finalize_tile,
       active_tiles, group_offset).
     tm: m tile.
-    sub_m: rows per sub-block.
-    interior_subs: sub-blocks per run.
+    sub_m: rows per pass.
+    interior_subs: passes per run.
+    align: the passes' alignment (`tiling.tgmm_pass_align`); None: sub_m (the sub_m grid).
 
   Returns:
-    (first, runs, singles): [steps] float arrays of dots of 1, interior_subs and 1 sub-blocks.
+    (first, runs, singles): [steps] float arrays of dots of 1, interior_subs and 1 passes.
   """
   starts, ends = _local_groups(ctx)
   tile = ctx.program_ids[-1] + _first_active_tile(ctx)
@@ -1013,11 +1015,14 @@ def rowtile_tgmm_dots(
   lo = np.maximum(starts[None, :], row0) - row0
   hi = np.minimum(ends[None, :], row0 + tm) - row0
   starts_here = starts[None, :] >= row0
-  first_sub, last_sub = lo // sub_m, (hi - 1) // sub_m
-  rest = first_sub + starts_here
+  first_row, passes = metadata.group_passes(
+    lo, hi, sub_m=sub_m, align=sub_m if align is None else align
+  )
+  rest = starts_here.astype(np.int64)
   run_loop = sub_m < tm and tm // sub_m >= interior_subs
-  runs = np.maximum(hi // sub_m - rest, 0) // interior_subs if run_loop else np.zeros_like(lo)
-  singles = last_sub + 1 - rest - runs * interior_subs
+  whole = (hi - first_row) // sub_m
+  runs = np.maximum(whole - rest, 0) // interior_subs if run_loop else np.zeros_like(lo)
+  singles = passes - rest - runs * interior_subs
   sums = [np.where(live, x, 0).sum(axis=1).astype(np.float64) for x in (starts_here, runs, singles)]
   return sums[0], sums[1], sums[2]
 
@@ -1046,6 +1051,7 @@ def rowtile_hooks(
   rhs_itemsize: int = 2,
   unowned_rows: str = "zero",
   rows_stationary: bool = False,
+  transpose_lhs: bool = False,
 ):
   """Cost-model hooks of the row-tile kernels, from their prefetched schedule.
 
@@ -1087,17 +1093,26 @@ def rowtile_hooks(
     unowned_rows: gmm: "undefined" (`fill_unowned=False`, no existing_out: only a tile's local
       rows are written back) or "zero" / "existing" (visited tiles are written whole).
     rows_stationary: gmm: the kernel's orientation option (no widened pass with it).
+    transpose_lhs: tgmm: its lhs comes as [m, k] (gmm's backward): rows move in sublane
+      granules and the passes start at each group's first row (`tiling.tgmm_pass_align`).
 
   Returns:
     (step_scale, step_manual_bytes). They also cover the gmm's `pallas_moe_zero_fill` call: no
     MXU work, and the bytes of the unvisited tiles' rows written once.
   """
 
-  # NOTE: gmm's passes start at each group's first row in the tile, to the lhs / output VMEM
-  # tile; tgmm's stay on the sub_m grid.
-  align = sub_m
+  # NOTE: the passes start at each group's first row in the tile, to the VMEM tile of the rows
+  # they slice: gmm's lhs and output, tgmm's lhs and rhs (lhs's lanes unless `transpose_lhs`).
   tail = 0
-  if op != "drhs":
+  if op == "drhs":
+    align = tiling_lib.tgmm_pass_align(
+      sub_m=sub_m,
+      tm=tm,
+      lhs_itemsize=lhs_itemsize,
+      rhs_itemsize=rhs_itemsize,
+      transpose_lhs=transpose_lhs,
+    )
+  else:
     align = tiling_lib.gmm_pass_align(
       sub_m=sub_m, tm=tm, lhs_itemsize=lhs_itemsize, out_itemsize=out_itemsize
     )
@@ -1113,7 +1128,9 @@ def rowtile_hooks(
     if is_fill(ctx):
       return np.zeros(1)
     if op == "drhs":
-      first, runs, singles = rowtile_tgmm_dots(ctx, tm=tm, sub_m=sub_m, interior_subs=interior_subs)
+      first, runs, singles = rowtile_tgmm_dots(
+        ctx, tm=tm, sub_m=sub_m, interior_subs=interior_subs, align=align
+      )
       one, run = _padded_rows(sub_m, mxu), _padded_rows(interior_subs * sub_m, mxu)
       # NOTE: the kernel body holds the first and the single dots, and the run's when the tile
       # has room for a run (as the kernel decides statically).
@@ -1189,7 +1206,7 @@ def rowtile_hooks(
 
     if op == "drhs":
       # NOTE: both fetched every step (a single visited tile too: the k, n windows change).
-      lhs_rows = moved(tiling_lib.row_granule_of(lhs_itemsize, lanes=True))
+      lhs_rows = moved(tiling_lib.row_granule_of(lhs_itemsize, lanes=not transpose_lhs))
       rhs_rows = moved(tiling_lib.row_granule_of(rhs_itemsize))
       every = np.arange(tile.size)
       fetches = [
@@ -1265,6 +1282,12 @@ def _pallas_moe_build(
     ops = importlib.import_module("pallas_moe.ops")
     m, k, n, g = shape.m, shape.k, shape.n, shape.num_groups
     args = op_arrays(op=op, shape=shape, group_sizes=group_sizes)
+    # NOTE: the weight gradient as gmm's backward runs it: lhs as the [m, k] array the forward
+    # read (`tgmm(..., transpose_lhs=True)`), not a transposed copy.
+    transposed = op == "drhs" and schedule == "ops"
+    if transposed:
+      args = (jax.ShapeDtypeStruct((m, k), DTYPE), *args[1:])
+    tgmm_kw = dict(transpose_lhs=True) if transposed else {}
     dt = dict(lhs_dtype=DTYPE, rhs_dtype=DTYPE, out_dtype=DTYPE, generation=generation)
     # (kind, m, contraction-or-k, n) as pick_tiling sees the op.
     kind, dk, dn = ("tgmm", k, n) if op == "drhs" else ("gmm", *((k, n) if op == "fwd" else (n, k)))
@@ -1293,6 +1316,7 @@ def _pallas_moe_build(
           # NOTE: as ops runs these calls: no existing_out (tgmm's weight gradient has none;
           # gmm's estimate does not depend on it).
           existing_out=False,
+          **tgmm_kw,
         )
       til = kt.tiles
     else:
@@ -1309,6 +1333,7 @@ def _pallas_moe_build(
           dtypes=(DTYPE, DTYPE, DTYPE),
           interpret=False,
           existing_out=False,
+          **tgmm_kw,
         )
       if kt.rowtile:
         scale, manual = rowtile_hooks(
@@ -1323,11 +1348,12 @@ def _pallas_moe_build(
           out_cols=dn,
           mxu=mxu,
           unowned_rows=unowned_rows,
+          **tgmm_kw,
         )
         # Tiling(fwd=) only: the single-op bench never runs the backward passes.
         tl = ops.Tiling(fwd=til, dlhs=(128, 128, 128), drhs=(128, 128, 128))
         if op == "drhs":
-          fn = functools.partial(ops.tgmm, tiling=til, **kw)
+          fn = functools.partial(ops.tgmm, tiling=til, **kw, **tgmm_kw)
           row_macs = _tgmm_row_macs(k, n, til[1], til[2], rows_stationary=kt.rows_stationary)
         else:
           fn = functools.partial(
@@ -1348,7 +1374,17 @@ def _pallas_moe_build(
           row_macs=row_macs,
           kernel="rowtile-rows-stationary" if kt.rows_stationary else "rowtile",
           tgmm_dots=functools.partial(
-            rowtile_tgmm_dots, tm=til[0], sub_m=sub_m, interior_subs=INTERIOR_SUBS
+            rowtile_tgmm_dots,
+            tm=til[0],
+            sub_m=sub_m,
+            interior_subs=INTERIOR_SUBS,
+            align=tiling_lib.tgmm_pass_align(
+              sub_m=sub_m,
+              tm=til[0],
+              lhs_itemsize=jnp.dtype(DTYPE).itemsize,
+              rhs_itemsize=jnp.dtype(DTYPE).itemsize,
+              transpose_lhs=True,
+            ),
           )
           if op == "drhs"
           else None,

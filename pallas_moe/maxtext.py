@@ -415,11 +415,14 @@ def _weight_grad(static, lhs, dout, group_sizes, group_offset, num_groups, dtype
       t_lhs, t_rhs = values.T, dout
       scales = dict(lhs_scales=row_scales.reshape(1, -1))
   else:
+    # NOTE: the float operands go as the [m, *] arrays they are (`transpose_lhs`): no transposed
+    # copy in HBM.
     dout = dout.astype(lhs.dtype)
     if static.transpose_rhs:
-      t_lhs, t_rhs, spec = dout.T, lhs, _swap_kn(spec)
+      t_lhs, t_rhs, spec = dout, lhs, _swap_kn(spec)
     else:
-      t_lhs, t_rhs = lhs.T, dout
+      t_lhs, t_rhs = lhs, dout
+    scales = dict(transpose_lhs=True)
   return pm.tgmm(
     t_lhs,
     t_rhs,

@@ -501,8 +501,9 @@ def rowtile_mxu_rows(
     m: rows.
     tm: m-tile size.
     sub_m: rows per MXU pass (divides tm).
-    align: the passes' alignment (`pass_align`); None: sub_m (the sub_m grid, as tgmm).
-    tail: gmm's `merge_tail_rows` (0: sub_m-row passes only, as tgmm).
+    align: the passes' alignment (`pass_align`); None: sub_m (the sub_m grid).
+    tail: gmm's `merge_tail_rows` (0: sub_m-row passes only, as tgmm, whose rows are the
+      contraction).
 
   Returns:
     [tiles_m] int32 rows.

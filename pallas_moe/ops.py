@@ -120,6 +120,7 @@ def _resolve_tiles(
   unowned_rows: str = "zero",
   allow_pass_cuts: bool = True,
   existing_out: bool = True,
+  transpose_lhs: bool = False,
 ) -> KernelTiling:
   """Tiles (and the kernel) for one call: the heuristic, a LUT lookup, or the user's, checked.
 
@@ -146,6 +147,7 @@ def _resolve_tiles(
       (False for a quantized lhs: its per-row scales come in m-tile blocks).
     existing_out: the call has an `existing_out` (the row-tile tgmm then holds its block in
       VMEM; without one larger tiles fit).
+    transpose_lhs: tgmm's lhs comes as [m, k] (gmm's backward), for the heuristic.
   """
   m, k, n = dims
   lhs_dtype, rhs_dtype, out_dtype = dtypes
@@ -158,8 +160,9 @@ def _resolve_tiles(
   # NOTE: gmm's passes stream rows (128-row passes on a 256-wide MXU), tgmm's contract them.
   picked = None
   if spec is None and allow_rowtile:
+    extra = dict(transpose_lhs=transpose_lhs) if kind == "tgmm" else {}
     picked = tiling_lib.pick_rowtile_tiling(
-      **model, kind=kind, allow_pass_cuts=allow_pass_cuts, existing_out=existing_out
+      **model, kind=kind, allow_pass_cuts=allow_pass_cuts, existing_out=existing_out, **extra
     )
   if picked is not None:
     spec = picked
@@ -536,7 +539,15 @@ _gmm_jit = jax.jit(_gmm_diff, static_argnums=(0,))
 
 
 @functools.partial(
-  jax.jit, static_argnames=("tiling", "out_dtype", "num_actual_groups", "interpret", "narrow_dot")
+  jax.jit,
+  static_argnames=(
+    "tiling",
+    "out_dtype",
+    "num_actual_groups",
+    "interpret",
+    "narrow_dot",
+    "transpose_lhs",
+  ),
 )
 def _tgmm_jit(
   lhs,
@@ -552,11 +563,14 @@ def _tgmm_jit(
   num_actual_groups,
   interpret,
   narrow_dot=False,
+  transpose_lhs=False,
 ):
   # NOTE: quantization arguments only for quantized operands: float calls keep the plain signature.
   quantized = {}
   if lhs_scales is not None or rhs_scales is not None:
     quantized = dict(lhs_scales=lhs_scales, rhs_scales=rhs_scales, narrow_dot=narrow_dot)
+  if transpose_lhs:
+    quantized["transpose_lhs"] = True
   return _run_tgmm(
     tiling,
     lhs,
@@ -864,6 +878,7 @@ def gmm(
       kind="tgmm",
       dtypes=(lhs.dtype, compute_dtype, rhs_for_tiles.dtype),
       existing_out=False,
+      transpose_lhs=True,
     ),
     transpose_rhs=bool(transpose_rhs),
     interpret=interpret,
@@ -898,6 +913,7 @@ def tgmm(
   lhs_scales: jax.Array | None = None,
   rhs_scales: jax.Array | None = None,
   expected_rows: int | None = None,
+  transpose_lhs: bool = False,
 ) -> jax.Array:
   """Transposed grouped matmul: out[g] = lhs[:, rows of g] @ rhs[rows of g] (+ existing_out[g]).
 
@@ -915,7 +931,7 @@ def tgmm(
   Not differentiable in the quantized operands.
 
   Args:
-    lhs: [k, m] float array.
+    lhs: [k, m] float array ([m, k] with `transpose_lhs`).
     rhs: [m, n] float array.
     group_sizes: [G_total] integer rows per group.
     preferred_element_type: output dtype; None means the promoted dtype of lhs and rhs.
@@ -927,6 +943,10 @@ def tgmm(
     lhs_scales: f32 scales of an int8 / fp8 lhs: [k, 1] or [1, m] (see above).
     rhs_scales: f32 scales of an int8 / fp8 rhs: [1, n] or [m, 1] (see above).
     expected_rows: a hint for the default tiles only, as in `gmm`.
+    transpose_lhs: lhs is given as [m, k] (e.g. gmm's own lhs, for its weight gradient): the
+      kernel contracts its rows in VMEM, so no transposed copy is made in HBM, and the row-tile
+      kernel starts each group's MXU passes at its first row (to the rows' VMEM tile) instead of
+      on the 128-row lane grid. Float operands only.
 
   Returns:
     [num_actual_groups, k, n] array (f32 by default when both operands are quantized, else the
@@ -940,12 +960,27 @@ def tgmm(
       )
   lhs_q = _check_tgmm_array("lhs", lhs)
   rhs_q = _check_tgmm_array("rhs", rhs)
-  k, m = lhs.shape
-  if rhs.shape[0] != m:
+  if not isinstance(transpose_lhs, bool):
+    raise TypeError(f"`transpose_lhs` must be a bool, got {type(transpose_lhs).__name__}.")
+  if transpose_lhs and (lhs_q or rhs_q):
     raise ValueError(
-      f"m mismatch: tgmm's lhs is [k, m] = {tuple(lhs.shape)} and rhs is [m, n] = "
-      f"{tuple(rhs.shape)}; pass lhs transposed (x.T)."
+      "`transpose_lhs=True` takes float operands; pass a quantized lhs as [k, m] with its "
+      "scales (transpose_lhs=False)."
     )
+  if transpose_lhs:
+    m, k = lhs.shape
+    if rhs.shape[0] != m:
+      raise ValueError(
+        f"m mismatch: with transpose_lhs tgmm's lhs is [m, k] = {tuple(lhs.shape)} and rhs is "
+        f"[m, n] = {tuple(rhs.shape)}; their first dims must both be m."
+      )
+  else:
+    k, m = lhs.shape
+    if rhs.shape[0] != m:
+      raise ValueError(
+        f"m mismatch: tgmm's lhs is [k, m] = {tuple(lhs.shape)} and rhs is [m, n] = "
+        f"{tuple(rhs.shape)}; pass lhs transposed (x.T), or x itself with transpose_lhs=True."
+      )
   n = rhs.shape[1]
   _check_tgmm_scales("lhs", lhs, lhs_scales, quantized=lhs_q, channel=(k, 1), token=(1, m))
   _check_tgmm_scales("rhs", rhs, rhs_scales, quantized=rhs_q, channel=(1, n), token=(m, 1))
@@ -983,6 +1018,7 @@ def tgmm(
     allow_rowtile=not (lhs_q or rhs_q),
     expected_rows=_check_expected_rows(expected_rows),
     existing_out=existing_out is not None,
+    transpose_lhs=transpose_lhs,
   )
   # NOTE: the narrow MXU dot needs one narrow dtype on both sides and scales that factor out of
   # the contraction (per channel); per-token scales are applied to upcast values instead.
@@ -1006,4 +1042,5 @@ def tgmm(
     num_actual_groups=num_actual_groups,
     interpret=interpret,
     narrow_dot=bool(narrow_dot),
+    transpose_lhs=transpose_lhs,
   )

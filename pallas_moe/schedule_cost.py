@@ -183,7 +183,7 @@ def rowtile_manual_dma(
     sweeps: grid steps over the other axes (gmm: n-tiles; tgmm: k-tiles x n-tiles).
     block_bytes: bytes of one load / write.
     sequential_sweeps: the kernels' option: DMAs cross sweeps (see the kernels).
-    align: gmm's pass alignment (`metadata.pass_align`); None: sub_m.
+    align: the passes' alignment (`gmm_pass_align`, `tgmm_pass_align`); None: sub_m.
     cuts: gmm only: the kernel's pass-cut tiles (`metadata.pass_cut_rows(xp=np)`, in the
       coordinates of starts / ends), whose tiles are the grid steps of a sweep; None: fixed
       m-tiles (m and tm give their number).
@@ -322,6 +322,16 @@ def gmm_pass_align(*, sub_m: int, tm: int, lhs_itemsize: int, out_itemsize: int)
   return pass_align(sub_m=sub_m, tm=tm, row_granule=granule)
 
 
+def tgmm_pass_align(
+  *, sub_m: int, tm: int, lhs_itemsize: int, rhs_itemsize: int, transpose_lhs: bool
+) -> int:
+  """`metadata.pass_align` of the row-tile tgmm, whose passes slice its lhs and rhs rows: the
+  larger of their row granules (`row_granule_of`), lhs's a lane granule (128) unless it comes as
+  [m, k] (`transpose_lhs`, as gmm's backward passes it)."""
+  granule = max(row_granule_of(lhs_itemsize, lanes=not transpose_lhs), row_granule_of(rhs_itemsize))
+  return pass_align(sub_m=sub_m, tm=tm, row_granule=granule)
+
+
 def _padded(rows: int, granule: int, tm: int) -> int:
   """gmm's row count after padding to the DMA granule (when the granule divides tm)."""
   return -(-rows // granule) * granule if tm % granule == 0 else rows
@@ -415,6 +425,7 @@ def rowtile_step_costs(
   buffer_rows: int | None = None,
   unowned_rows: str = "zero",
   fixed_tiles: bool = False,
+  transpose_lhs: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Per-step MXU seconds and HBM bytes of a row-tile kernel's whole grid.
 
@@ -452,6 +463,8 @@ def rowtile_step_costs(
       every visited tile is written whole (clipped at the buffer's end).
     fixed_tiles: gmm: model fixed m-tiles even where the kernel cuts its tiles on the pass
       grids (the kernel without pass cuts, for comparisons).
+    transpose_lhs: tgmm: lhs comes as [m, k] (gmm's backward): its rows move in sublane
+      granules and the passes start at each group's first row (`tgmm_pass_align`).
 
   Returns:
     (mxu_seconds, overlapped_bytes, exposed_bytes), each [sweeps * tiles] in grid-step order
@@ -473,6 +486,14 @@ def rowtile_step_costs(
   align = None
   end = m if buffer_rows is None else max(m, buffer_rows)
   cuts = None
+  if kind == "tgmm":
+    align = tgmm_pass_align(
+      sub_m=sub,
+      tm=tm,
+      lhs_itemsize=lhs_itemsize,
+      rhs_itemsize=rhs_itemsize,
+      transpose_lhs=transpose_lhs,
+    )
   if kind == "gmm":
     align = gmm_pass_align(sub_m=sub, tm=tm, lhs_itemsize=lhs_itemsize, out_itemsize=out_itemsize)
     if not fixed_tiles and gs.size and uses_pass_cuts(m=end, tm=tm, sub_m=sub, align=align):
@@ -554,7 +575,12 @@ def rowtile_step_costs(
     # change with the sweep).
     every = np.arange(sweeps * tiles_m)
     fetches = [
-      (np.tile(moved(row_granule_of(lhs_itemsize, lanes=True)) * tk * lhs_itemsize, sweeps), every),
+      (
+        np.tile(
+          moved(row_granule_of(lhs_itemsize, lanes=not transpose_lhs)) * tk * lhs_itemsize, sweeps
+        ),
+        every,
+      ),
       (np.tile(moved(row_granule_of(rhs_itemsize)) * tn * rhs_itemsize, sweeps), every),
     ]
     writes = np.zeros(sweeps * tiles_m)

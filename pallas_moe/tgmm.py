@@ -15,15 +15,19 @@ Two schedules compute the same thing:
   so the partial first and last tiles of an expert-parallel receive buffer fetch no slack rows;
   the next step's rows are fetched during the current step. The output stays in HBM (`pl.ANY`):
   the step loops over the local groups of its tile (`metadata.make_tile_groups`), reduces each
-  group's MXU-row sub-blocks into one f32 accumulator (the group's first sub-block's product
-  written into it, the sub-blocks wholly inside the group in runs of `INTERIOR_SUBS` per dot,
-  the others one masked dot each), and when a group is complete (its last row is in this tile;
+  group's MXU passes of sub_m rows into one f32 accumulator (the group's first pass's product
+  written into it, the passes wholly inside the group in runs of `INTERIOR_SUBS` per dot, the
+  others one masked dot each), and when a group is complete (its last row is in this tile;
   empty groups in the tile of their position) casts it into one of two VMEM staging slots and
   DMAs it to out[g] while the next groups compute. Each output block is written once, lhs's
   local rows are read once per n-tile and rhs's once per k-tile. With `rows_stationary` the
   accumulator holds out^T = rhs^T @ lhs^T: the [sub_m, tk] lhs^T rows are the MXU's stationary
   operand and the tn rhs columns stream through it, so a tn that the MXU width does not divide
-  is not padded to it; the sum is transposed once, when the group is written.
+  is not padded to it; the sum is transposed once, when the group is written. Where lhs comes
+  as [m, k] (`transpose_lhs`, as gmm's backward passes it) its rows are sublanes like rhs's, and
+  a group's passes start at its first row in the tile rounded down to the rows' VMEM tile (16
+  bf16 rows) instead of on the sub_m grid: a group boundary inside a tile then costs about half
+  a pass of MXU work instead of a whole one.
 - `tgmm_pallas` (any tiles, quantized operands): grid (tiles_k, tiles_n, visits). The visit axis
   is innermost: it reduces over the m-tiles of each local group into one f32 accumulator and
   writes the group's [tk, tn] block when the group's last visit ends. Every local group is
@@ -395,8 +399,8 @@ def tgmm_rowtile_pallas(
     group_offset: [] int32, the first global group to compute.
     num_actual_groups: number of local groups to compute (static).
     existing_out: optional [num_actual_groups, k, n] of `out_dtype`, added to the result.
-    sub_m: rows per MXU pass (divides tm); sub-blocks without rows of a group are skipped for
-      that group. None: the whole tile.
+    sub_m: rows per MXU pass (divides tm); a group's passes cover only its rows in the tile,
+      from its first row rounded down to `metadata.pass_align`. None: the whole tile.
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
     sequential_sweeps: the grid runs in order on one TensorCore (v5e, v6e, tpu7x): the output
       writes still in flight at the end of a (k, n) sweep complete while the next sweep
@@ -414,7 +418,9 @@ def tgmm_rowtile_pallas(
       own unmasked dot.
     transpose_lhs: lhs is [m, k] (the gmm's own lhs, as the forward read it): its rows move
       like rhs's (sublane granules) into [tm, tk] slots and the dots contract dim 0 of both
-      blocks (`lax.dot_general`), so the caller needs no [k, m] transposed copy in HBM.
+      blocks (`lax.dot_general`), so the caller needs no [k, m] transposed copy in HBM; and the
+      passes start at each group's first row rounded to 16 bf16 rows (8 f32), not on the
+      128-lane grid a [k, m] lhs needs.
     expected_rows: the rows of m the caller expects to be real; the cost estimate XLA gets
       (`tgmm_cost`) counts those, not all m. None: m.
     count_rows: interpret-mode instrumentation: also return [tiles_k, tiles_n, tiles_m, 4] int32,
@@ -441,6 +447,11 @@ def tgmm_rowtile_pallas(
   compute_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
   lhs_granule = common.row_granule(lhs.dtype, lanes=not transpose_lhs)
   rhs_granule = common.row_granule(rhs.dtype)
+  # NOTE: a group's passes start at its first row in the tile rounded down to the row tile of
+  # both operands' m axis (`metadata.pass_align`): 16 rows of bf16 where lhs comes as [m, k]
+  # (`transpose_lhs`, rows on sublanes like rhs), 128 where m is lhs's lane axis (a pass then
+  # stays on the grid unless sub_m is 256).
+  align = metadata.pass_align(sub_m=sub_m, tm=tm, row_granule=max(lhs_granule, rhs_granule))
   # NOTE: m's last m % 128 columns of lhs cannot be DMAed into the lane-tiled [tk, tm] slot: a
   # slice of a VMEM ref along its lane dim must span whole 128-lane tiles (Mosaic rejects a
   # 104-lane window). They go to a [tk, lhs_tail] buffer of their own (a whole-dim window) and
@@ -617,25 +628,29 @@ def tgmm_rowtile_pallas(
           jnp.where(pred, desc.dst_ref.shape[axis], 0) for pred, desc in copies
         )
 
-    def product(*, sub: Any, subs: int, masked: bool, start: Any, end: Any) -> jax.Array:
-      """The f32 product of `subs` consecutive sub-blocks from sub-block `sub` of the tile.
+    def product(*, row: Any, subs: int, masked: bool, start: Any, end: Any) -> jax.Array:
+      """The f32 product of `subs` consecutive passes of sub_m rows from tile row `row`.
 
       Args:
-        sub: index of the first sub-block (traced).
-        subs: sub-blocks in the dot (static): 1 at a group's ends, `interior_subs` inside it.
+        row: the first pass's first row in the tile (traced, a multiple of `align`).
+        subs: passes in the dot (static): 1 at a group's ends, `interior_subs` inside it.
         masked: zero the rows outside [start, end) in both operands.
-        start: the group's first row.
+        start: the first row (absolute) the dot may count: the group's first row, or past the
+          rows the group's previous pass counted (a pass moved back from the tile's end).
         end: one past the group's last row.
 
       Returns:
         [tk, tn] (with `rows_stationary` [tn, tk]) f32.
       """
       if subs == 1:
-        r0, rows = common.sub_block(sub, sub_m, tm)
+        # NOTE: a pass that would cross the tile's end is moved back to its last sub_m rows
+        # (`common.pass_block`); the rows it shares with the group's previous pass are masked
+        # (the caller's `start`), so no row is counted twice.
+        r0, rows = common.pass_block(row, sub_m=sub_m, tm=tm, align=align)
       else:
-        # NOTE: runs are aligned to sub_m only (they start at any sub-block), which is what the
-        # lane (lhs) and sublane (rhs) slices need.
-        r0 = pl.multiple_of(sub * sub_m, sub_m)
+        # NOTE: a run lies wholly inside the group and the tile; its rows are aligned to `align`,
+        # which is what the lane (lhs) and sublane (rhs) slices need.
+        r0 = pl.multiple_of(row, align)
         rows = pl.ds(r0, subs * sub_m)
       lhs_blk = lhs_ref[rows, :] if transpose_lhs else lhs_ref[:, rows]
       rhs_blk = rhs_ref[rows, :]
@@ -678,11 +693,20 @@ def tgmm_rowtile_pallas(
       # NOTE: the group's rows in this tile, local to it: [lo, hi).
       lo = jnp.maximum(start, row0) - row0
       hi = jnp.minimum(end, row0 + tm) - row0
-      first_sub = lo // sub_m
-      last_sub = (hi - 1) // sub_m
+      # NOTE: its passes: sub_m rows each from first_row, lo rounded down to `align`
+      # (`metadata.group_passes`; pass p starts at first_row + p * sub_m).
+      first_row, passes = metadata.group_passes(lo, hi, sub_m=sub_m, align=align)
       # NOTE: a group that started in an earlier tile (start < row0) carries its partial sum in
-      # acc; one starting here writes its first sub-block's product (no zeroing pass).
+      # acc; one starting here writes its first pass's product (no zeroing pass).
       starts_here = start >= row0
+
+      def pass_row(p):
+        return first_row + p * sub_m
+
+      def masked_from(p):
+        # NOTE: rows before pass p's own first row were counted by pass p - 1 (or precede the
+        # group); they matter only where pass p is moved back from the tile's end.
+        return jnp.maximum(start, row0 + pass_row(p))
 
       # NOTE: an empty group computes nothing: its output is exact zeros (plus existing_out).
       @pl.when(jnp.logical_not(nonempty))
@@ -691,19 +715,19 @@ def tgmm_rowtile_pallas(
 
       @pl.when(nonempty & starts_here)
       def _first():
-        acc_ref[...] = product(sub=first_sub, subs=1, masked=True, start=start, end=end)
+        acc_ref[...] = product(row=first_row, subs=1, masked=True, start=start, end=end)
         if counts_ref is not None:
           counts_ref[k_i, n_i, t, 0] += sub_m
 
-      # NOTE: the sub-blocks left are [rest, last_sub]. All but the group's last one lie wholly
-      # inside it: the group's first row is in first_sub, taken above when it starts here, or
-      # the group started in an earlier tile (then rest = first_sub = 0). They go in runs of
-      # `interior_subs` sub-blocks, one unmasked dot and one accumulator update per run; the
-      # rest (fewer than a run, and the last sub-block when the group ends inside it) one
-      # masked sub-block at a time. MXU rows are the same as one dot per sub-block.
-      rest = first_sub + starts_here.astype(jnp.int32)
-      # NOTE: sub-blocks whose rows all precede hi; the last one is whole iff hi is aligned.
-      whole_end = hi // sub_m
+      # NOTE: the passes left are [rest, passes). All but the group's last one lie wholly inside
+      # it: pass 0 holds its first row and is taken above when the group starts here, or the
+      # group started in an earlier tile (then lo = first_row = 0 and rest = 0). They go in runs
+      # of `interior_subs` passes, one unmasked dot and one accumulator update per run; the rest
+      # (fewer than a run, and the last pass when the group ends inside it) one masked pass at a
+      # time. MXU rows are the same as one dot per pass.
+      rest = starts_here.astype(jnp.int32)
+      # NOTE: passes whose rows all precede hi; the last one is whole iff it ends at hi.
+      whole_end = (hi - first_row) // sub_m
       if run_loop:
         runs = jnp.where(nonempty, jnp.maximum(whole_end - rest, 0) // interior_subs, 0)
       else:
@@ -714,19 +738,23 @@ def tgmm_rowtile_pallas(
 
         def run_body(i, c):
           acc_ref[...] += product(
-            sub=rest + i * interior_subs, subs=interior_subs, masked=False, start=start, end=end
+            row=pass_row(rest + i * interior_subs),
+            subs=interior_subs,
+            masked=False,
+            start=start,
+            end=end,
           )
           return c
 
         lax.fori_loop(0, runs, run_body, 0)
 
-      def edge_body(sub, c):
-        acc_ref[...] += product(sub=sub, subs=1, masked=True, start=start, end=end)
+      def edge_body(p, c):
+        acc_ref[...] += product(row=pass_row(p), subs=1, masked=True, start=masked_from(p), end=end)
         return c
 
-      # NOTE: an empty group has no rows here (hi <= lo, last_sub is meaningless): its range is
-      # made empty explicitly, like its run count above.
-      edges_end = jnp.where(nonempty, last_sub + 1, edge0)
+      # NOTE: an empty group has no rows here (hi <= lo, its pass count is meaningless): its
+      # range is made empty explicitly, like its run count above.
+      edges_end = jnp.where(nonempty, passes, edge0)
       lax.fori_loop(edge0, edges_end, edge_body, 0)
       if counts_ref is not None:
         counts_ref[k_i, n_i, t, 0] += (runs * interior_subs + edges_end - edge0) * sub_m

@@ -286,6 +286,7 @@ def pick_rowtile_tiling(
   unowned_rows: str = "zero",
   allow_pass_cuts: bool = True,
   existing_out: bool = True,
+  transpose_lhs: bool = False,
 ) -> tuple[int, int, int] | None:
   """Chooses (tm, tk, tn) for a row-tile kernel, or None (see Returns).
 
@@ -324,6 +325,8 @@ def pick_rowtile_tiling(
       better of fixed and cut tiles (`rowtile_pass_cuts_pay`).
     existing_out: the call has an `existing_out` (tgmm then needs VMEM for its block; False
       admits larger tgmm tiles).
+    transpose_lhs: tgmm: lhs comes as [m, k] (gmm's backward), whose passes start at each
+      group's first row (`rowtile_step_costs`).
 
   Returns:
     (tm, tk, tn), or None: when no tiling fits VMEM, or when on a megacore device (v5p) the best
@@ -384,6 +387,7 @@ def pick_rowtile_tiling(
             buffer_rows=m,
             unowned_rows=unowned_rows,
             fixed_tiles=fixed,
+            **({"transpose_lhs": transpose_lhs} if kind == "tgmm" else {}),
           )
           for fixed in ((True, False) if kind == "gmm" and allow_pass_cuts else (True,))
         )

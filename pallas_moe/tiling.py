@@ -8,7 +8,7 @@
 - `pallas_moe.schedule_cost`: the row-tile kernels' analytic schedule cost
   (`rows_stationary_pays`, `rowtile_manual_dma`, `rowtile_row_dma`, `rowtile_step_costs`,
   `rowtile_modeled_seconds`, `rowtile_fill_bytes`, `tile_rows_moved`, `row_granule_of`,
-  `gmm_pass_align`).
+  `gmm_pass_align`, `tgmm_pass_align`).
 - `pallas_moe.tile_pickers`: the default tiles (`pick_tiling`, `pick_rowtile_tiling`).
 
 Every name stays importable from here (`pallas_moe.tiling.use_generation`, ...), where users and
@@ -38,6 +38,7 @@ from pallas_moe.schedule_cost import (
   rowtile_modeled_seconds,
   rowtile_row_dma,
   rowtile_step_costs,
+  tgmm_pass_align,
   tile_rows_moved,
 )
 from pallas_moe.tile_pickers import pick_rowtile_tiling, pick_tiling, rowtile_pass_cuts_pay
@@ -63,6 +64,7 @@ __all__ = [
   "tile_rows_moved",
   "row_granule_of",
   "gmm_pass_align",
+  "tgmm_pass_align",
   "gmm_ramp_bytes",
   "narrow_peak",
   "min_pass_rows",

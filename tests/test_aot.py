@@ -449,18 +449,27 @@ def test_rowtile_estimate_counts_both_weight_slots():
 # sublanes), the DMA chain across (k, n) sweeps with `sequential_sweeps`, f32 rhs rows (8-row
 # granule), and a tile of all m rows (whole-tile fallback). (generation, m, tiles, sequential,
 # rows_stationary, dtype)
+# NOTE: the last column: lhs given as [m, k] (`transpose_lhs`): passes start at each group's
+# first row rounded to the rows' sublane tile (16 bf16 rows, 8 f32), and a pass crossing the
+# tile's end moves back (dynamic sublane offsets into the slots, both sweep modes, both MXU
+# orientations, f32 and bf16).
 _TGMM_ROWTILE_DMA = [
-  ("v5e", 1000, (256, 256, 128), True, False, BF16),
-  ("v6e", 1000, (512, 256, 256), True, True, BF16),
-  ("tpu7x", 1000, (256, 256, 128), True, False, jnp.float32),
-  ("tpu7x", 200, (200, 256, 128), False, True, BF16),
+  ("v5e", 1000, (256, 256, 128), True, False, BF16, False),
+  ("v6e", 1000, (512, 256, 256), True, True, BF16, False),
+  ("tpu7x", 1000, (256, 256, 128), True, False, jnp.float32, False),
+  ("tpu7x", 200, (200, 256, 128), False, True, BF16, False),
+  ("v5e", 1000, (512, 256, 128), False, False, BF16, True),
+  ("v6e", 1000, (1024, 256, 256), True, True, BF16, True),
+  ("tpu7x", 1000, (512, 256, 256), True, False, jnp.float32, True),
 ]
 
 
 @pytest.mark.parametrize(
-  "gen, m, tiles, sequential, rows_stationary, dtype", _TGMM_ROWTILE_DMA, ids=str
+  "gen, m, tiles, sequential, rows_stationary, dtype, transpose_lhs", _TGMM_ROWTILE_DMA, ids=str
 )
-def test_tgmm_rowtile_row_dmas_compile(gen, m, tiles, sequential, rows_stationary, dtype):
+def test_tgmm_rowtile_row_dmas_compile(
+  gen, m, tiles, sequential, rows_stationary, dtype, transpose_lhs
+):
   from pallas_moe.tgmm import tgmm_rowtile_pallas
 
   tm, tk, tn = tiles
@@ -476,12 +485,13 @@ def test_tgmm_rowtile_row_dmas_compile(gen, m, tiles, sequential, rows_stationar
     sub_m=min(tm, tiling.get_generation(gen).mxu_size),
     sequential_sweeps=sequential,
     rows_stationary=rows_stationary,
+    transpose_lhs=transpose_lhs,
     interpret=False,
   )
   _compile(
     gen,
     fn,
-    _sds(gen, k, m, dtype=dtype),
+    _sds(gen, *((m, k) if transpose_lhs else (k, m)), dtype=dtype),
     _sds(gen, m, n, dtype=dtype),
     _sds(gen, g, dtype=jnp.int32),
   )

@@ -291,10 +291,10 @@ def test_pallas_moe_visit_rows_equal_aligned_rows(op):
 @pytest.mark.parametrize("op", ["fwd", "dlhs", "drhs"])
 def test_pallas_moe_default_rowtile_rows_and_bytes(op):
   """The default impl runs the row-tile kernels: one step per (k, n) tile and m-tile, rows
-  executed = floor_rows (gmm), and with the manual-DMA hook the bytes moved are the minimum: the row
-  operands' real rows read once (rounded to the DMA granule: 700 -> 704 rows, tgmm's lhs^T 768
-  along lanes), weights once per n-tile, the output written once (gmm: whole visited tiles, the
-  unowned rows are zeros)."""
+  executed = floor_rows, and with the manual-DMA hook the bytes moved are the minimum: the row
+  operands' real rows read once (rounded to the DMA granule: 700 -> 704 rows; tgmm's lhs comes as
+  [m, k], as gmm's backward passes it), weights once per n-tile, the output written once (gmm:
+  whole visited tiles, the unowned rows are zeros)."""
   m, k, n = 1024, 256, 384
   shape = _tiny_shape(m=m, k=k, n=n, g=len(_GS))
   case = IMPLS["pallas_moe"].build(op=op, shape=shape, group_sizes=_GS, generation=V5E)
@@ -307,16 +307,16 @@ def test_pallas_moe_default_rowtile_rows_and_bytes(op):
   rep = cm.cost([s], generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=int(_GS.sum()))
   # NOTE: gmm's passes start at each group's first row (16-row aligned), the last two as one of
   # 192 rows where the last would hold at most 64 (300, 170 and 130 rows: 832 rows, not the 1024
-  # of whole passes): here that is the floor; tgmm's stay on the 128-row grid.
-  want_rows = cm.aligned_rows(_GS, 128) if op == "drhs" else cm.floor_rows(_GS, 128, tail=64)
+  # of whole passes): here that is the floor. tgmm's start there too (its rows are the
+  # contraction: no widened pass), 1024 rows where the 128-row grid would push 1152.
+  want_rows = cm.floor_rows(_GS, 128) if op == "drhs" else cm.floor_rows(_GS, 128, tail=64)
   assert cm.floor_rows(_GS, 128, tail=64) == 832 < cm.floor_rows(_GS, 128) == 1024
   assert cm.floor_rows(_GS, 128) < cm.aligned_rows(_GS, 128)
   assert rep.mxu_rows_executed == pytest.approx(want_rows)
   rows = -(-int(_GS.sum()) // 16) * 16  # bf16's 16-row granule
   if op == "drhs":
     assert s.grid == (k // tk, n // tn, -(-m // tm))
-    lanes = -(-int(_GS.sum()) // 128) * 128
-    want = lanes * k * 2 * (n // tn) + rows * n * 2 * (k // tk) + len(_GS) * k * n * 2
+    want = rows * k * 2 * (n // tn) + rows * n * 2 * (k // tk) + len(_GS) * k * n * 2
   else:
     assert s.grid == (out_cols // tn, -(-m // tm))
     nonempty = int(np.sum(_GS > 0))

@@ -68,12 +68,19 @@ TGMM_CASES = [
   (200, 96, 256, 128, 32, 128, 128, 16, 16, jnp.bfloat16, jnp.float32, False),
   (300, 64, 128, 256, 64, 128, 128, 9, 6, jnp.bfloat16, jnp.bfloat16, True),
   (67, 32, 48, 16, 16, 16, 8, 3, 1, jnp.float32, jnp.float32, False),
+  (101, 32, 48, 64, 16, 48, 16, 6, 4, jnp.float32, jnp.float32, False),
 ]
 TGMM_SEQUENTIAL = {1, 2, 4}
 TGMM_ROWS_STATIONARY = {1, 3}
+# NOTE: lhs given as [m, k] (`transpose_lhs`, as gmm's backward passes it): its rows are sublanes,
+# so a group's passes start at its first row rounded to 8 rows (f32) or 16 (bf16) rather than on
+# the sub_m grid. Case 5: four 16-row passes per 64-row tile, 8-row aligned; case 3: two
+# 128-row passes per 256-row bf16 tile, 16-row aligned, rows stationary.
+TGMM_TRANSPOSED = {3, 5}
 TGMM_IDS = [
   f"m{c[0]}k{c[1]}n{c[2]}tm{c[3]}g{c[7]}l{c[8]}"
   f"{'-seq' if i in TGMM_SEQUENTIAL else ''}{'-rs' if i in TGMM_ROWS_STATIONARY else ''}"
+  f"{'-tl' if i in TGMM_TRANSPOSED else ''}"
   for i, c in enumerate(TGMM_CASES)
 ]
 
@@ -106,6 +113,7 @@ def _check_drawn(check, case, data, interpret, *, kind):
   offset = _draw_shard(data, case[total], case[local])
   seed = data.draw(st.integers(0, 2**16))
   index = cases.index(case)
+  extra = dict(transpose_lhs=index in TGMM_TRANSPOSED) if kind == "tgmm" else {}
   check(
     case,
     sizes,
@@ -114,6 +122,7 @@ def _check_drawn(check, case, data, interpret, *, kind):
     interpret,
     sequential=index in sequential,
     rows_stationary=index in stationary,
+    **extra,
   )
 
 
@@ -330,12 +339,16 @@ def check_tgmm(
   sequential=False,
   rows_stationary=False,
   interior_subs=None,
+  transpose_lhs=False,
 ):
   m, k, n, tm, tk, tn, sub_m, _, local, in_dtype, out_dtype, has_existing = case
+  # NOTE: with transpose_lhs the kernel gets lhs^T as the [m, k] array; references take [k, m].
   lhs = random_array(seed, (k, m), in_dtype)
   rhs = random_array(seed + 1, (m, n), in_dtype)
   existing = random_array(seed + 2, (local, k, n), out_dtype) if has_existing else None
   extra = {} if interior_subs is None else dict(interior_subs=interior_subs)
+  if transpose_lhs:
+    extra["transpose_lhs"] = True
   fn = _jitted(
     tgmm_rowtile_pallas,
     tiling=(tm, tk, tn),
@@ -348,7 +361,7 @@ def check_tgmm(
     interpret=interpret,
     **extra,
   )
-  out = fn(lhs, rhs, jnp.asarray(sizes), jnp.int32(offset), existing)
+  out = fn(lhs.T if transpose_lhs else lhs, rhs, jnp.asarray(sizes), jnp.int32(offset), existing)
   out, counts = out if count else (out, None)
   assert out.shape == (local, k, n) and out.dtype == out_dtype
   got = np.asarray(out.astype(jnp.float32))
@@ -386,10 +399,35 @@ def check_tgmm(
     tm=tm,
     finalize_empty_groups=True,
   )
-  rows = np.asarray(metadata.rowtile_mxu_rows(groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m))
+  align = _tgmm_align(case, transpose_lhs)
+  rows = metadata.rowtile_mxu_rows(
+    groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m, align=align
+  )
+  rows = np.asarray(rows)
   np.testing.assert_array_equal(counts[..., 0], np.broadcast_to(rows, counts.shape[:3]))
+  # NOTE: the same count restated from the rule (`pushed_rows`: passes from each group's first row
+  # in the tile rounded down to align; no widened pass).
+  cum = np.cumsum(sizes)
+  starts = np.minimum(cum - sizes, m)[offset : offset + local]
+  ends = np.minimum(cum, m)[offset : offset + local]
+  want = np.zeros_like(rows)
+  for t in range(rows.size):
+    for s0, e0 in zip(starts, ends, strict=True):
+      s_t, e_t = max(s0 - t * tm, 0), min(e0 - t * tm, tm)
+      if e0 > s0 and e_t > s_t:
+        want[t] += pushed_rows(s_t, e_t, e_t, sub_m=sub_m, align=align, tail=0, tm=tm)
+  np.testing.assert_array_equal(rows, want)
   # Every local group's output block is written exactly once per (k, n) sweep.
   np.testing.assert_array_equal(counts[..., 1].sum(axis=2), local)
+
+
+def _tgmm_align(case, transpose_lhs: bool) -> int:
+  """The row-tile tgmm's pass alignment for a TGMM_CASES case (the model's `tgmm_pass_align`)."""
+  _, _, _, tm, _, _, sub_m, _, _, in_dtype, _, _ = case
+  size = jnp.dtype(in_dtype).itemsize
+  return tiling.tgmm_pass_align(
+    sub_m=sub_m, tm=tm, lhs_itemsize=size, rhs_itemsize=size, transpose_lhs=transpose_lhs
+  )
 
 
 @pytest.mark.parametrize("case", TGMM_CASES, ids=TGMM_IDS)
@@ -418,18 +456,28 @@ INTERIOR_SIZES = [
 ]
 
 
-@pytest.mark.parametrize("rows_stationary", [False, True], ids=["", "rs"])
+# NOTE: the same with lhs given as [m, k] (`transpose_lhs`) and 16-row passes (four per tile)
+# that start at each group's first row rounded to 8 rows: runs and moved-back last passes.
+INTERIOR_TGMM_TL = INTERIOR_TGMM[:6] + (16,) + INTERIOR_TGMM[7:]
+
+
+@pytest.mark.parametrize(
+  "rows_stationary, transpose_lhs",
+  [(False, False), (True, False), (False, True), (True, True)],
+  ids=["", "rs", "tl", "rs-tl"],
+)
 @pytest.mark.parametrize("interior_subs", [1, 2, 3])
 @pytest.mark.parametrize("sizes, offset", INTERIOR_SIZES, ids=["odd", "whole-tiles"])
-def test_tgmm_rowtile_interior_runs(sizes, offset, interior_subs, rows_stationary):
-  """Groups long enough for interior runs (an unmasked dot over `interior_subs` sub-blocks),
-  with odd counts of whole sub-blocks and leftovers: same results, exact zeros for the empty
-  groups, MXU rows still one sub-block per sub-block touched, and the bench's per-dot counts."""
+def test_tgmm_rowtile_interior_runs(sizes, offset, interior_subs, rows_stationary, transpose_lhs):
+  """Groups long enough for interior runs (an unmasked dot over `interior_subs` passes), with odd
+  counts of whole passes and leftovers: same results, exact zeros for the empty groups, MXU rows
+  one pass per pass pushed, and the bench's per-dot counts."""
   from bench.costmodel import StepContext
   from bench.impls import rowtile_tgmm_dots
 
   sizes = np.asarray(sizes, np.int32)
-  case = INTERIOR_TGMM[:-1] + (interior_subs == 2,)
+  base = INTERIOR_TGMM_TL if transpose_lhs else INTERIOR_TGMM
+  case = base[:-1] + (interior_subs == 2,)
   check_tgmm(
     case,
     sizes,
@@ -438,8 +486,11 @@ def test_tgmm_rowtile_interior_runs(sizes, offset, interior_subs, rows_stationar
     INTERPRET_MODES["hlo"],
     rows_stationary=rows_stationary,
     interior_subs=interior_subs,
+    transpose_lhs=transpose_lhs,
   )
   m, tm, sub_m, local = case[0], case[3], case[6], case[8]
+  align = _tgmm_align(case, transpose_lhs)
+  assert align == (8 if transpose_lhs else sub_m)
   groups = metadata.make_tile_groups(
     group_sizes=jnp.asarray(sizes),
     group_offset=offset,
@@ -462,8 +513,12 @@ def test_tgmm_rowtile_interior_runs(sizes, offset, interior_subs, rows_stationar
       np.int32(offset),
     ),
   )
-  first, runs, singles = rowtile_tgmm_dots(ctx, tm=tm, sub_m=sub_m, interior_subs=interior_subs)
-  rows = metadata.rowtile_mxu_rows(groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m)
+  first, runs, singles = rowtile_tgmm_dots(
+    ctx, tm=tm, sub_m=sub_m, interior_subs=interior_subs, align=align
+  )
+  rows = metadata.rowtile_mxu_rows(
+    groups, group_offset=offset, m=m, tm=tm, sub_m=sub_m, align=align
+  )
   first_tile = int(groups.active_tiles[0])
   np.testing.assert_array_equal(
     (first + singles + runs * interior_subs) * sub_m,
@@ -473,14 +528,17 @@ def test_tgmm_rowtile_interior_runs(sizes, offset, interior_subs, rows_stationar
   assert runs.sum() > 0  # the run path ran
 
 
-@pytest.mark.parametrize("rows_stationary", [False, True], ids=["", "rs"])
-def test_tgmm_rowtile_interior_runs_simulator_no_races(capfd, rows_stationary):
+@pytest.mark.parametrize(
+  "rows_stationary, transpose_lhs", [(False, False), (True, True)], ids=["", "rs-tl"]
+)
+def test_tgmm_rowtile_interior_runs_simulator_no_races(capfd, rows_stationary, transpose_lhs):
   """The interior-run path under the TPU simulator (out-of-bounds reads raise) with its race
-  detector on 2 simulated cores, with and without `rows_stationary`."""
+  detector on 2 simulated cores: on the pass grid, and with `rows_stationary` and passes from each
+  group's first row (`transpose_lhs`)."""
   sizes = np.asarray(INTERIOR_SIZES[0][0], np.int32)
   with no_races_or_oob(capfd):
     check_tgmm(
-      INTERIOR_TGMM,
+      INTERIOR_TGMM_TL if transpose_lhs else INTERIOR_TGMM,
       sizes,
       INTERIOR_SIZES[0][1],
       3,
@@ -488,6 +546,7 @@ def test_tgmm_rowtile_interior_runs_simulator_no_races(capfd, rows_stationary):
       count=False,
       rows_stationary=rows_stationary,
       interior_subs=2,
+      transpose_lhs=transpose_lhs,
     )
 
 

@@ -4,6 +4,7 @@ receive buffer with slack costs what the same rows cost in a buffer of exactly t
 
 import numpy as np
 import pytest
+from kernel_testing import pushed_rows
 
 from bench import costmodel as cm
 from bench.shapes import Shape
@@ -156,7 +157,9 @@ def test_bench_model_slack_costs_the_slack1_bytes(op):
   assert s.grid == s1.grid
   sweeps = s.steps // 3
   width = 512 if op != "dlhs" else 256  # gmm's contraction, tgmm's tk (an lhs row)
-  per_sweep = 0 if op != "drhs" else (68 * width + 4 * 128) * 2  # NOTE: see above
+  # NOTE: as above, but the bench's tgmm takes its lhs as [m, k] (gmm's backward): its rows round
+  # 188 up to 192 like rhs's (sublanes), not to 256 lanes.
+  per_sweep = 0 if op != "drhs" else (4 * width + 4 * 128) * 2
   assert s.hbm_bytes - s1.hbm_bytes == sweeps * per_sweep
   # The closed form (the picker's) step by step.
   kind = "tgmm" if op == "drhs" else "gmm"
@@ -164,7 +167,39 @@ def test_bench_model_slack_costs_the_slack1_bytes(op):
   mxu, over, exposed = tiling.rowtile_step_costs(
     group_sizes=_GS, k=k, n=n, tm=256, tk=k if kind == "gmm" else 512, tn=128, kind=kind,
     lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2, generation=gen, buffer_rows=_BUFFER,
-    unowned_rows=unowned,
+    unowned_rows=unowned, **({"transpose_lhs": True} if kind == "tgmm" else {}),
   )  # fmt: skip
   np.testing.assert_allclose(s.step_bytes, over)
   np.testing.assert_allclose(s.step_exposed_bytes, exposed)
+
+
+def test_closed_form_tgmm_passes_from_each_groups_first_row():
+  """The picker's closed form for the weight gradient as gmm's backward runs it (lhs as [m, k]):
+  a group's 128-row passes start at its first row rounded to 16 bf16 rows, not on the 128-row
+  grid, so it scores fewer MXU rows: here 1,024 (8 passes: 100, 300, 112 + 58 and 130 rows in
+  512-row tiles) against the grid's 1,152 (300 rows from row 100 touch four 128-row chunks)."""
+  kw = dict(
+    group_sizes=_GS, k=512, n=256, tm=512, tk=256, tn=128, kind="tgmm", lhs_itemsize=2,
+    rhs_itemsize=2, out_itemsize=2, generation="v5e",
+  )  # fmt: skip
+  grid_mxu = tiling.rowtile_step_costs(**kw)[0].sum()
+  first_row_mxu = tiling.rowtile_step_costs(**kw, transpose_lhs=True)[0].sum()
+  assert (
+    tiling.tgmm_pass_align(sub_m=128, tm=512, lhs_itemsize=2, rhs_itemsize=2, transpose_lhs=True)
+    == 16
+  )
+  ends = np.cumsum(_GS)
+  starts = ends - _GS
+  rows = {}
+  for align in (16, 128):
+    rows[align] = sum(
+      pushed_rows(
+        max(s - t * 512, 0), min(e - t * 512, 512), min(e - t * 512, 512), sub_m=128,
+        align=align, tail=0, tm=512,
+      )
+      for s, e in zip(starts, ends, strict=True)
+      for t in range(2)
+      if e > s and min(e - t * 512, 512) > max(s - t * 512, 0)
+    )  # fmt: skip
+  assert (rows[16], rows[128]) == (1024, 1152)
+  assert first_row_mxu / grid_mxu == pytest.approx(rows[16] / rows[128])

@@ -146,3 +146,41 @@ def test_no_race_no_oob_two_cores(capfd):
     existing_out=existing,
   )
   np.testing.assert_allclose(out, expected, rtol=2e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("tiling", [None, (256, 128, 128)], ids=["heuristic", "tiles"])
+def test_public_tgmm_transpose_lhs(tiling):
+  """`tgmm(x, dy, ..., transpose_lhs=True)` with x as the [m, k] array gmm's lhs is: the same
+  weight gradient as tgmm(x.T, dy) and the references (an empty group's block exact zeros), on a
+  shard of the groups; bad calls are refused with errors that say what to pass."""
+  m, k, n = 300, 128, 256
+  x = random_array(1, (m, k), jnp.bfloat16)
+  dy = random_array(2, (m, n), jnp.bfloat16)
+  sizes = jnp.asarray([40, 0, 77, 90, 60], jnp.int32)
+  kw = dict(group_offset=1, num_actual_groups=4, interpret=INTERPRET_MODES["hlo"])
+  out = pallas_moe.tgmm(x, dy, sizes, jnp.float32, tiling, transpose_lhs=True, **kw)
+  plain = pallas_moe.tgmm(x.T, dy, sizes, jnp.float32, tiling, **kw)
+  want = np_tgmm(
+    rounded(x.T, jnp.bfloat16),
+    rounded(dy, jnp.bfloat16),
+    np.asarray(sizes),
+    group_offset=1,
+    num_actual_groups=4,
+  )
+  tol = tolerance(in_dtype=jnp.bfloat16, out_dtype=jnp.float32, k=m)
+  np.testing.assert_allclose(np.asarray(out), want, **tol)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(plain), **tol)
+  assert not np.any(np.asarray(out)[0])  # group 1 is empty
+  with pytest.raises(ValueError, match="first dims must both be m"):
+    pallas_moe.tgmm(x.T, dy, sizes, transpose_lhs=True, **kw)
+  with pytest.raises(ValueError, match="transpose_lhs=True` takes float operands"):
+    pallas_moe.tgmm(
+      x.astype(jnp.int8),
+      dy,
+      sizes,
+      transpose_lhs=True,
+      lhs_scales=jnp.ones((1, m), jnp.float32),
+      **kw,
+    )
+  with pytest.raises(TypeError, match="transpose_lhs"):
+    pallas_moe.tgmm(x, dy, sizes, transpose_lhs=1, **kw)
