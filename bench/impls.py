@@ -1408,7 +1408,13 @@ def _pallas_moe_build(
     zero = jnp.int32(0)
     if op == "drhs":
       fn = functools.partial(
-        _visits_tgmm, tiling=til, sub_m=sub_m, vmem_limit_bytes=limit, num_groups=g, zero=zero
+        _visits_tgmm,
+        tiling=til,
+        sub_m=sub_m,
+        vmem_limit_bytes=limit,
+        num_groups=g,
+        zero=zero,
+        **tgmm_kw,
       )
       row_macs = _tgmm_row_macs(k, n, til[1], til[2])
       dots = 1

@@ -566,3 +566,19 @@ def test_step_tensorcores_follows_mosaic_split():
   with cm.use_tensorcores("chip"):
     assert cm._TENSORCORES.get() == "chip"
   assert cm._TENSORCORES.get() == "kernel"
+
+
+def test_weight_gradient_falls_back_to_the_visit_kernel_with_the_same_layout():
+  """Where ops would run the visit tgmm (tiles the row-tile kernel cannot run: tk not dividing
+  k), the bench's drhs case runs it as gmm's backward does, on the [m, k] lhs with
+  `transpose_lhs`: the grid walks cdiv(k, tk) k-tiles of the real k (not m)."""
+  from bench.impls import _pallas_moe_build
+
+  m, k, n = 1024, 384, 256
+  shape = _tiny_shape(m=m, k=k, n=n, g=len(_GS))
+  case = _pallas_moe_build((256, 256, 128))(op="drhs", shape=shape, group_sizes=_GS, generation=V5E)
+  assert case.kernel != "rowtile" and case.args[0].shape == (m, k)
+  *_, s = cm.analyze(case.fn, *case.args, step_scale=case.step_scale)
+  assert s.grid[:2] == (-(-k // 256), n // 128)
+  rep = cm.cost([s], generation=V5E, row_macs=case.row_macs(128), mxu_rows_useful=int(_GS.sum()))
+  assert rep.mxu_rows_executed == pytest.approx(cm.aligned_rows(_GS, 128))
