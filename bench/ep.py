@@ -874,10 +874,10 @@ def topology_aware_placement(
 # more chunks only add per-collective latency and smaller, relatively costlier gmms; where a
 # larger c wins, its margin over c = 4 is a few percent.
 DEFAULT_BATCH_SPLIT: dict[tuple[str, int, int, str], int] = {
-  ("deepseek-v3", 8, 4096, "v5e"): 2,
+  ("deepseek-v3", 8, 4096, "v5e"): 4,
   ("deepseek-v3", 8, 4096, "v5p"): 2,
   ("deepseek-v3", 8, 4096, "v6e"): 2,
-  ("deepseek-v3", 8, 16384, "v5e"): 4,
+  ("deepseek-v3", 8, 16384, "v5e"): 8,
   ("deepseek-v3", 8, 16384, "v5p"): 4,
   ("deepseek-v3", 8, 16384, "v6e"): 4,
   ("deepseek-v3", 32, 4096, "v5e"): 8,
@@ -907,8 +907,8 @@ DEFAULT_BATCH_SPLIT: dict[tuple[str, int, int, str], int] = {
   ("deepseek-v2-lite", 4, 4096, "v5e"): 4,
   ("deepseek-v2-lite", 4, 4096, "v5p"): 4,
   ("deepseek-v2-lite", 4, 4096, "v6e"): 2,
-  ("deepseek-v2-lite", 4, 16384, "v5e"): 4,
-  ("deepseek-v2-lite", 4, 16384, "v5p"): 4,
+  ("deepseek-v2-lite", 4, 16384, "v5e"): 8,
+  ("deepseek-v2-lite", 4, 16384, "v5p"): 8,
   ("deepseek-v2-lite", 4, 16384, "v6e"): 4,
 }
 
@@ -926,6 +926,7 @@ DEFAULT_BATCH_SPLIT_DEDUP: dict[tuple[str, int, int, str], int] = {
     for chip in ("v5e", "v5p", "v6e")
   },
   ("qwen3-30b-a3b", 8, 4096, "v6e"): 2,
+  ("deepseek-v2-lite", 8, 4096, "v5e"): 8,
 }
 
 

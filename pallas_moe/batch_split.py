@@ -58,8 +58,8 @@ _DIMS = {
 _CHOICES = {
   # model: {(ep, tokens): (v5e, v5p, v6e)}
   "deepseek-v3": {
-    (8, 4096): (2, 2, 2),
-    (8, 16384): (4, 4, 4),
+    (8, 4096): (4, 2, 2),
+    (8, 16384): (8, 4, 4),
     (32, 4096): (8, 4, 2),
     (32, 16384): (8, 8, 2),
     (64, 4096): (8, 4, 2),
@@ -70,7 +70,7 @@ _CHOICES = {
     (8, 4096): (4, 4, 2),
     (8, 16384): (8, 8, 2),
     (4, 4096): (4, 4, 2),
-    (4, 16384): (4, 4, 4),
+    (4, 16384): (8, 8, 4),
   },
 }
 MODELED_BATCH_SPLIT: dict[tuple[int, int, int, int, int, int, str], int] = {
@@ -87,7 +87,7 @@ MODELED_BATCH_SPLIT: dict[tuple[int, int, int, int, int, int, str], int] = {
 _CHOICES_DEDUP = {
   "deepseek-v3": {(32, 16384): (None, None, 2)},
   "qwen3-30b-a3b": {(8, 4096): (4, 4, 2), (8, 16384): (8, 8, 8)},
-  "deepseek-v2-lite": {(8, 4096): (4, 4, 4), (8, 16384): (8, 8, 8)},
+  "deepseek-v2-lite": {(8, 4096): (8, 4, 4), (8, 16384): (8, 8, 8)},
 }
 MODELED_BATCH_SPLIT_DEDUP: dict[tuple[int, int, int, int, int, int, str], int] = {
   (*_DIMS[model], ep, tokens, chip): c
