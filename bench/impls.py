@@ -1383,7 +1383,7 @@ def _pallas_moe_build(
               tm=til[0],
               lhs_itemsize=jnp.dtype(DTYPE).itemsize,
               rhs_itemsize=jnp.dtype(DTYPE).itemsize,
-              transpose_lhs=True,
+              transpose_lhs=transposed,
             ),
           )
           if op == "drhs"

@@ -161,3 +161,15 @@ def pushed_rows(s, e, cover_end, *, sub_m, align, tail, tm):
     if min(cover_end, last + sub_m, tm) - last <= tail:
       rows -= sub_m - tail
   return rows
+
+
+def pushed_rows_per_tile(starts, ends, *, tiles, tm, sub_m, align):
+  """[tiles] rows fixed m-tiles push for groups [starts[g], ends[g]) (`pushed_rows` per group and
+  tile it intersects; no widened pass, as the row-tile tgmm)."""
+  rows = np.zeros(tiles, np.int64)
+  for t in range(tiles):
+    for s, e in zip(starts, ends, strict=True):
+      s_t, e_t = max(s - t * tm, 0), min(e - t * tm, tm)
+      if e > s and e_t > s_t:
+        rows[t] += pushed_rows(s_t, e_t, e_t, sub_m=sub_m, align=align, tail=0, tm=tm)
+  return rows

@@ -27,6 +27,7 @@ from kernel_testing import (
   np_gmm,
   np_tgmm,
   pushed_rows,
+  pushed_rows_per_tile,
   random_array,
   rounded,
   tolerance,
@@ -410,12 +411,7 @@ def check_tgmm(
   cum = np.cumsum(sizes)
   starts = np.minimum(cum - sizes, m)[offset : offset + local]
   ends = np.minimum(cum, m)[offset : offset + local]
-  want = np.zeros_like(rows)
-  for t in range(rows.size):
-    for s0, e0 in zip(starts, ends, strict=True):
-      s_t, e_t = max(s0 - t * tm, 0), min(e0 - t * tm, tm)
-      if e0 > s0 and e_t > s_t:
-        want[t] += pushed_rows(s_t, e_t, e_t, sub_m=sub_m, align=align, tail=0, tm=tm)
+  want = pushed_rows_per_tile(starts, ends, tiles=rows.size, tm=tm, sub_m=sub_m, align=align)
   np.testing.assert_array_equal(rows, want)
   # Every local group's output block is written exactly once per (k, n) sweep.
   np.testing.assert_array_equal(counts[..., 1].sum(axis=2), local)

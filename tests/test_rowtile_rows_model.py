@@ -4,7 +4,7 @@ receive buffer with slack costs what the same rows cost in a buffer of exactly t
 
 import numpy as np
 import pytest
-from kernel_testing import pushed_rows
+from kernel_testing import pushed_rows_per_tile
 
 from bench import costmodel as cm
 from bench.shapes import Shape
@@ -190,16 +190,9 @@ def test_closed_form_tgmm_passes_from_each_groups_first_row():
   )
   ends = np.cumsum(_GS)
   starts = ends - _GS
-  rows = {}
-  for align in (16, 128):
-    rows[align] = sum(
-      pushed_rows(
-        max(s - t * 512, 0), min(e - t * 512, 512), min(e - t * 512, 512), sub_m=128,
-        align=align, tail=0, tm=512,
-      )
-      for s, e in zip(starts, ends, strict=True)
-      for t in range(2)
-      if e > s and min(e - t * 512, 512) > max(s - t * 512, 0)
-    )  # fmt: skip
+  rows = {
+    align: pushed_rows_per_tile(starts, ends, tiles=2, tm=512, sub_m=128, align=align).sum()
+    for align in (16, 128)
+  }
   assert (rows[16], rows[128]) == (1024, 1152)
   assert first_row_mxu / grid_mxu == pytest.approx(rows[16] / rows[128])
