@@ -19,11 +19,12 @@ from pallas_moe.moe import (
   moe_layer,
   place_experts,
 )
-from pallas_moe.ops import Tiling, gmm, tgmm
+from pallas_moe.ops import GmmPlan, Tiling, gmm, gmm_plan, record_plans, tgmm
 from pallas_moe.quant import QuantizedWeights, dequantize, quantize
 
 __all__ = [
   "BufferPolicy",
+  "GmmPlan",
   "MoEConfig",
   "QuantizedWeights",
   "RaggedPlan",
@@ -35,6 +36,7 @@ __all__ = [
   "exact_buffer_rows",
   "from_hf",
   "gmm",
+  "gmm_plan",
   "init_params",
   "moe_block",
   "moe_layer",
@@ -42,6 +44,7 @@ __all__ = [
   "plan_from_group_sizes",
   "plan_from_send_counts",
   "quantize",
+  "record_plans",
   "ragged_all_to_all",
   "tgmm",
   "to_hf",

@@ -15,12 +15,24 @@ the same without `use_gmm_v2_heuristic_tiling`, `partial_sum` at position 20, re
 a TypeError saying to pass it by keyword) and of earlier versions. Any other keyword raises a
 TypeError naming it and these versions: a newer MaxText's new argument must fail loudly.
 
-- `tiling`: MaxText's 9 ints (fwd tm, tk, tn, dlhs tm, tk, tn, drhs tm, tk, tn). MaxText hands
-  tiling[3:6] to a gmm with the transposed weights (tiles over m, n, k) and tiling[6:9] to tgmm
-  (tiles over m, k, n), which are exactly `pallas_moe.Tiling`'s per-pass coordinates, so the
-  triples map one to one: Tiling(fwd=t[0:3], dlhs=t[3:6], drhs=t[6:9]). Tiles larger than a
-  dimension are clamped to it. None picks pallas_moe's heuristic; a `Tiling`, one (tm, tk, tn) or
-  a callable is passed through.
+- `tiling`: MaxText's 9 ints (fwd tm, tk, tn, dlhs tm, tk, tn, drhs tm, tk, tn, from its 18
+  `wi_tile_*` / `wo_tile_*` keys, or their `eval_*` twins) are checked and then NOT used by
+  default: pallas_moe picks the kernel and tiles for the chip and the call, per pass (fwd, dlhs,
+  drhs), as `pallas_moe.gmm(..., tiling=None)` does. MaxText's tiles were chosen for megablox's
+  kernel (base.yml's 512, 1024, 1024, or a recipe's tuned values): at tk < k they force
+  pallas_moe's visit-schedule kernels, which model at up to 2.4x the time of its own choice.
+  Tiles that differ from base.yml's defaults do not count as asking for them either: MaxText's
+  own recipes set such values for megablox, so a value tells nothing of what the user wants from
+  this backend, and the same config should give the same kernels whatever its numbers.
+  To honour them, ask: `swap_into(moe, honour_tiling=True)`, or import `with_maxtext_tiles`
+  (`from pallas_moe.maxtext import with_maxtext_tiles as mblx`), or pass `honour_tiling=True`.
+  Honoured, the triples map one to one onto `pallas_moe.Tiling`'s per-pass coordinates (MaxText
+  hands tiling[3:6] to a gmm with the transposed weights, tiles over m, n, k, and tiling[6:9] to
+  tgmm, tiles over m, k, n): Tiling(fwd=t[0:3], dlhs=t[3:6], drhs=t[6:9]); tiles larger than a
+  dimension are clamped to it. pallas_moe's own tilings (a `Tiling`, one (tm, tk, tn), a
+  callable) are always honoured: only a caller who chose them passes them. Each call logs what
+  it runs at INFO on the "pallas_moe.maxtext" logger (`pallas_moe.record_plans` collects the
+  same plans).
 - `lhs_quantize_dtype` / `rhs_quantize_dtype` (jnp.int8, jnp.int4 or jnp.float8_e4m3fn, dtypes
   or names; MaxText's quantization='int8' / int4 AQT configs / 'fp8' with
   use_qwix_quantization=false): MaxText's rule, a qwix.QtRule with "absmax" calibration, as
@@ -80,6 +92,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import sys
 import types
 from typing import Any
@@ -98,7 +111,10 @@ __all__ = [
   "quantize_absmax",
   "ragged_all_to_all",
   "swap_into",
+  "with_maxtext_tiles",
 ]
+
+_LOG = logging.getLogger("pallas_moe.maxtext")
 
 # The MaxText release (PyPI `maxtext`) whose `kernels/megablox/ops.py` and `layers/moe.py` this
 # module follows, and the development commit it also follows (whose gmm lacks
@@ -480,6 +496,7 @@ def gmm(
   *,
   input_buffer_count: Any = (2, 2, 2),
   combine_scopes: bool = False,
+  honour_tiling: bool = False,
   **unknown: Any,
 ) -> jax.Array:
   """MaxText's `kernels.megablox.ops.gmm`, run by pallas_moe's kernels. Differentiable.
@@ -494,7 +511,8 @@ def gmm(
     rhs: [G, k, n] float weights ([G, n, k] with `transpose_rhs`).
     group_sizes: [G_total] int32 rows per group.
     preferred_element_type: output dtype (MaxText's default: float32).
-    tiling: MaxText's 9 ints, or None (heuristic), a `Tiling`, (tm, tk, tn) or a callable.
+    tiling: MaxText's 9 ints (checked; used only with `honour_tiling`), or None (pallas_moe's
+      choice), a `Tiling`, (tm, tk, tn) or a callable (pallas_moe's own tilings: used).
     group_offset: first group of `group_sizes` held by `rhs`.
     existing_out: [m, n] output kept in rows outside the local groups.
     transpose_rhs: rhs is [G, n, k].
@@ -516,6 +534,8 @@ def gmm(
     partial_sum: optional [m, n] added to the output.
     input_buffer_count: ignored.
     combine_scopes: ignored.
+    honour_tiling: run MaxText's 9-int `tiling` as given instead of pallas_moe's choice (see
+      the module docstring; `with_maxtext_tiles` and `swap_into(..., honour_tiling=True)` set it).
     **unknown: any other keyword raises a TypeError naming it (a MaxText version this adapter
       does not follow).
 
@@ -566,8 +586,71 @@ def gmm(
   lhs_vma_axes = _check_axis_names(lhs_vma_axes, argument="lhs_vma_axes")
   _check_axis_names(rhs_vma_axes, argument="rhs_vma_axes")
   gather_axes = _check_gather_axes(weight_gather_axes)
-  tiling = maxtext_tiling(tiling)
+  tiling, tile_note = _tiling_to_run(tiling, honour_tiling=honour_tiling)
+  with pm.record_plans() as plans:
+    out = _run(
+      lhs,
+      rhs,
+      group_sizes,
+      preferred_element_type,
+      tiling,
+      group_offset,
+      existing_out,
+      transpose_rhs,
+      interpret,
+      lhs_q=lhs_q,
+      rhs_q=rhs_q,
+      gather_axes=gather_axes,
+    )
+  if _LOG.isEnabledFor(logging.INFO):
+    for plan in plans:
+      _LOG.info("pallas_moe.maxtext.gmm (%s):\n%s", tile_note, plan.describe())
+  if partial_sum is not None:
+    if tuple(partial_sum.shape) != tuple(out.shape):
+      raise ValueError(
+        f"`partial_sum` has shape {tuple(partial_sum.shape)}; it must be the output's "
+        f"[m, n] = {tuple(out.shape)}."
+      )
+    out = out + partial_sum.astype(out.dtype)
+  return _vary_over(out, lhs_vma_axes)
 
+
+def _tiling_to_run(tiling: Any, *, honour_tiling: bool) -> tuple[Any, str]:
+  """The tiling the kernels get, and a note saying where it comes from.
+
+  MaxText's 9 ints are checked in any case, and run only with `honour_tiling` (see the module
+  docstring); pallas_moe's own tilings and None pass through.
+  """
+  if not isinstance(honour_tiling, bool):
+    raise TypeError(f"`honour_tiling` must be a bool, got {honour_tiling!r}.")
+  is_maxtext = isinstance(tiling, (tuple, list)) and len(tiling) == 9
+  resolved = maxtext_tiling(tiling)
+  if not is_maxtext:
+    return resolved, "tiling as given" if tiling is not None else "pallas_moe's tiles"
+  if honour_tiling:
+    return resolved, f"MaxText's tiling {tuple(tiling)} honoured"
+  return None, (
+    f"MaxText's tiling {tuple(tiling)} not used: pallas_moe's tiles for the chip and call; "
+    "honour it with swap_into(..., honour_tiling=True) or pallas_moe.maxtext.with_maxtext_tiles"
+  )
+
+
+def _run(
+  lhs,
+  rhs,
+  group_sizes,
+  preferred_element_type,
+  tiling,
+  group_offset,
+  existing_out,
+  transpose_rhs,
+  interpret,
+  *,
+  lhs_q,
+  rhs_q,
+  gather_axes,
+):
+  """The gmm on checked arguments: weight gathers, then the float or quantized path."""
   for name, dim in gather_axes:
     # NOTE: gathered in float before any quantization, so the calibration sees every shard.
     rhs = jax.lax.all_gather(rhs, name, axis=dim, tiled=True)
@@ -603,14 +686,7 @@ def gmm(
     group_sizes = jnp.asarray(group_sizes)
     operands = _vary_together(lhs, rhs, group_sizes, group_offset, existing_out)
     out = _quantized_gmm(static, *operands)
-  if partial_sum is not None:
-    if tuple(partial_sum.shape) != tuple(out.shape):
-      raise ValueError(
-        f"`partial_sum` has shape {tuple(partial_sum.shape)}; it must be the output's "
-        f"[m, n] = {tuple(out.shape)}."
-      )
-    out = out + partial_sum.astype(out.dtype)
-  return _vary_over(out, lhs_vma_axes)
+  return out
 
 
 class _Delegate(types.ModuleType):
@@ -625,7 +701,7 @@ class _Delegate(types.ModuleType):
     return getattr(self._target, name)
 
 
-def swap_into(moe_module: types.ModuleType) -> dict[str, Any]:
+def swap_into(moe_module: types.ModuleType, *, honour_tiling: bool = False) -> dict[str, Any]:
   """Switches MaxText's MoE layer module to pallas_moe, as the README's two-line edit does.
 
   Replaces the module's `mblx` (MaxText's megablox) by this module and makes its
@@ -635,10 +711,14 @@ def swap_into(moe_module: types.ModuleType) -> dict[str, Any]:
 
   Args:
     moe_module: `maxtext.layers.moe` (imported).
+    honour_tiling: run MaxText's `wi_tile_*` / `wo_tile_*` tiles as given (`with_maxtext_tiles`)
+      instead of pallas_moe's choice per chip and call (the default; see the module docstring).
 
   Returns:
     The replaced globals {name: original}, to restore them (`setattr(moe_module, name, value)`).
   """
+  if not isinstance(honour_tiling, bool):
+    raise TypeError(f"`honour_tiling` must be a bool, got {honour_tiling!r}.")
   for name in ("mblx", "jax"):
     if not hasattr(moe_module, name):
       raise ValueError(
@@ -648,6 +728,15 @@ def swap_into(moe_module: types.ModuleType) -> dict[str, Any]:
   originals = {"mblx": moe_module.mblx, "jax": moe_module.jax}
   real_jax = originals["jax"]
   lax = _Delegate("jax.lax", real_jax.lax, ragged_all_to_all=ragged_all_to_all)
-  moe_module.mblx = sys.modules[__name__]
+  moe_module.mblx = with_maxtext_tiles if honour_tiling else sys.modules[__name__]
   moe_module.jax = _Delegate("jax", real_jax, lax=lax)
   return originals
+
+
+# This module with MaxText's tiles honoured, for the edited-source route:
+#   from pallas_moe.maxtext import with_maxtext_tiles as mblx
+with_maxtext_tiles = _Delegate(
+  f"{__name__}.with_maxtext_tiles",
+  sys.modules[__name__],
+  gmm=functools.wraps(gmm)(functools.partial(gmm, honour_tiling=True)),
+)

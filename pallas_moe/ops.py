@@ -14,9 +14,12 @@ Its VJP runs three kernels, each with its own tiles (`Tiling(fwd=, dlhs=, drhs=)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -87,6 +90,9 @@ class KernelTiling:
       tiles (False: `gmm(..., unowned_rows="undefined")`).
     pass_cuts: row-tile gmm only: cut the m-tiles on the groups' pass grids
       (`tiling.rowtile_pass_cuts_pay`).
+    kind: "gmm" or "tgmm": the kernel family (tiles are in that kernel's coordinates).
+    reason: why these tiles and this kernel, in words (`GmmPlan.describe`); not part of the
+      kernel's identity.
   """
 
   tiles: Tiles
@@ -97,6 +103,19 @@ class KernelTiling:
   rows_stationary: bool = False
   fill_unowned: bool = True
   pass_cuts: bool = False
+  kind: str = "gmm"
+  reason: str = dataclasses.field(default="", compare=False)
+
+  @property
+  def kernel(self) -> str:
+    """The Pallas kernel's name, as compiled programs show it (e.g. "pallas_moe_gmm_rowtile")."""
+    return f"pallas_moe_{self.kind}" + ("_rowtile" if self.rowtile else "")
+
+  @property
+  def scope(self) -> str:
+    """The name scope the kernel is launched under: its tiles, readable in a compiled program's
+    op_name metadata (e.g. "pallas_moe_tiles_512x2048x1024")."""
+    return "pallas_moe_tiles_" + "x".join(str(t) for t in self.tiles)
 
   def kwargs(self) -> dict[str, Any]:
     kw = dict(tiling=self.tiles, sub_m=self.sub_m, vmem_limit_bytes=self.vmem_limit_bytes)
@@ -159,6 +178,12 @@ def _resolve_tiles(
   model.update(expected_rows=expected_rows, unowned_rows=unowned_rows)
   # NOTE: gmm's passes stream rows (128-row passes on a 256-wide MXU), tgmm's contract them.
   picked = None
+  if spec is None:
+    source = f"picked for {generation.name} by pallas_moe's row-tile model"
+  elif callable(spec):
+    source = "looked up by the caller's tiling function"
+  else:
+    source = "given by the caller"
   if spec is None and allow_rowtile:
     extra = dict(transpose_lhs=transpose_lhs) if kind == "tgmm" else {}
     picked = tiling_lib.pick_rowtile_tiling(
@@ -167,6 +192,11 @@ def _resolve_tiles(
   if picked is not None:
     spec = picked
   elif spec is None:
+    source = (
+      f"picked for {generation.name} by the visit kernel's heuristic (no row-tile tiling fits)"
+      if allow_rowtile
+      else f"picked for {generation.name} by the visit kernel's heuristic"
+    )
     spec = tiling_lib.pick_tiling(
       m=m,
       k=k,
@@ -190,6 +220,9 @@ def _resolve_tiles(
   # must divide n (and tgmm's tk divide k); gmm keeps the whole contraction in VMEM (tk == k).
   fits_rowtile = (tk == k if kind == "gmm" else k % tk == 0) and n % tn == 0
   sub_m = tiling_lib.pass_rows(tm, generation, kind=kind, tn=tn)
+  why_visits = _why_not_rowtile(
+    kind=kind, dims=dims, tiles=(tm, tk, tn), allow_rowtile=allow_rowtile
+  )
   if allow_rowtile and fits_rowtile:
     swap = tiling_lib.rows_stationary_pays(
       kind=kind, sub_m=sub_m, tk=tk, tn=tn, generation=generation
@@ -215,7 +248,13 @@ def _resolve_tiles(
         sequential_sweeps=tiling_lib.sequential_sweeps(generation),
         rows_stationary=swap,
         pass_cuts=pass_cuts,
+        kind=kind,
+        reason=f"tiles {source}; row-tile kernel (one grid step per m-tile)",
       )
+    why_visits = (
+      f"the row-tile blocks need {estimate / 2**20:.1f} MiB of VMEM, over {generation.name}'s "
+      f"{budget / 2**20:.1f} MiB"
+    )
   estimate = tiling_lib.vmem_estimate_bytes(**vmem, kind=kind)
   if interpret is None or interpret is False:
     tiling_lib.check_fits_vmem(
@@ -228,7 +267,89 @@ def _resolve_tiles(
     tiles=(tm, tk, tn),
     sub_m=sub_m,
     vmem_limit_bytes=tiling_lib.vmem_limit_for(estimate, generation),
+    kind=kind,
+    reason=f"tiles {source}; visit-schedule kernel: {why_visits}",
   )
+
+
+def _why_not_rowtile(*, kind: str, dims, tiles, allow_rowtile: bool) -> str:
+  """Why the row-tile kernel cannot run these tiles ("" when it can), in words."""
+  (_, k, n), (_, tk, tn) = dims, tiles
+  if not allow_rowtile:
+    return "quantized tgmm operands (the row-tile tgmm takes no scales)"
+  if kind == "gmm" and tk != k:
+    return f"tk = {tk} < k = {k} (the row-tile gmm holds the whole contraction in one tile)"
+  if kind == "tgmm" and k % tk:
+    return f"tk = {tk} does not divide k = {k} (its per-group blocks move by manual DMA)"
+  if n % tn:
+    return f"tn = {tn} does not divide n = {n} (its per-group blocks move by manual DMA)"
+  return ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GmmPlan:
+  """What one `gmm` or `tgmm` call runs, decided at trace time before any data moves.
+
+  Attributes:
+    op: "gmm" or "tgmm".
+    dims: the call's (m, k, n): lhs [m, k], output [m, n] (gmm) or [G, k, n] (tgmm).
+    num_groups: groups the call computes (rhs's G for gmm, num_actual_groups for tgmm).
+    generation: the TPU generation the tiles and VMEM limits are for.
+    kernels: (pass, KernelTiling) pairs: ("fwd", "dlhs", "drhs") for gmm, whose backward
+      kernels run only when it is differentiated; ("tgmm",) for tgmm.
+  """
+
+  op: str
+  dims: tuple[int, int, int]
+  num_groups: int
+  generation: str
+  kernels: tuple[tuple[str, KernelTiling], ...]
+
+  def describe(self) -> str:
+    """One line per kernel: pass, kernel, tiles and why."""
+    m, k, n = self.dims
+    head = f"{self.op} m={m} k={k} n={n} groups={self.num_groups} on {self.generation}:"
+    lines = [head]
+    for name, kt in self.kernels:
+      lines.append(f"  {name:<4} {kt.kernel} tiles {kt.tiles}: {kt.reason}")
+    return "\n".join(lines)
+
+
+_LOG = logging.getLogger("pallas_moe")
+_RECORDERS: contextvars.ContextVar[tuple[list[GmmPlan], ...]] = contextvars.ContextVar(
+  "pallas_moe_plan_recorders", default=()
+)
+
+
+@contextlib.contextmanager
+def record_plans() -> Iterator[list[GmmPlan]]:
+  """Collects the `GmmPlan` of every gmm / tgmm call traced inside the block.
+
+  Plans are made when a call is traced (jit, grad, lower, eval_shape), so recording around
+  `jax.jit(step).lower(...)` lists what the compiled program runs, with no data moved:
+
+    with pallas_moe.record_plans() as plans:
+      jax.jit(step).lower(*args)
+    for plan in plans:
+      print(plan.describe())
+
+  Yields:
+    The list the plans are appended to, in trace order.
+  """
+  plans: list[GmmPlan] = []
+  token = _RECORDERS.set((*_RECORDERS.get(), plans))
+  try:
+    yield plans
+  finally:
+    _RECORDERS.reset(token)
+
+
+def _announce(plan: GmmPlan) -> None:
+  """Hands a call's plan to the active recorders and to the "pallas_moe" logger (DEBUG)."""
+  for plans in _RECORDERS.get():
+    plans.append(plan)
+  if _LOG.isEnabledFor(logging.DEBUG):
+    _LOG.debug("%s", plan.describe())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -283,7 +404,12 @@ def _local_rows_mask(group_sizes, group_offset, num_local_groups: int, m: int) -
 
 
 def _run_gmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
-  """The gmm kernel `kt` selects (row-tile or visit schedule)."""
+  """The gmm kernel `kt` selects (row-tile or visit schedule), under its tiles' name scope."""
+  with jax.named_scope(kt.scope):
+    return _launch_gmm(kt, lhs, rhs, group_sizes, **kwargs)
+
+
+def _launch_gmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
   if kt.rowtile:
     tm, _, tn = kt.tiles
     return gmm_rowtile_pallas(
@@ -305,9 +431,10 @@ def _run_gmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
 
 
 def _run_tgmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
-  """The tgmm kernel `kt` selects (row-tile or visit schedule)."""
+  """The tgmm kernel `kt` selects (row-tile or visit schedule), under its tiles' name scope."""
   kernel = tgmm_rowtile_pallas if kt.rowtile else tgmm_pallas
-  return kernel(lhs, rhs, group_sizes, **kt.kwargs(), **kwargs)
+  with jax.named_scope(kt.scope):
+    return kernel(lhs, rhs, group_sizes, **kt.kwargs(), **kwargs)
 
 
 def _gmm_fwd_impl(static: _GmmStatic, lhs, rhs, group_sizes, group_offset, existing_out):
@@ -887,6 +1014,15 @@ def gmm(
     narrow_dot=narrow_dot,
     expected_rows=expected_rows,
   )
+  _announce(
+    GmmPlan(
+      op="gmm",
+      dims=(m, k, n),
+      num_groups=num_local_groups,
+      generation=tiling_lib.current_generation().name,
+      kernels=(("fwd", static.fwd), ("dlhs", static.dlhs), ("drhs", static.drhs)),
+    )
+  )
   if qweights is not None:
     lhs, values, scales, group_sizes, group_offset, existing_out = (
       None if x is None else common.pvary_like(x, lhs, qweights.values, existing_out)
@@ -1020,6 +1156,15 @@ def tgmm(
     existing_out=existing_out is not None,
     transpose_lhs=transpose_lhs,
   )
+  _announce(
+    GmmPlan(
+      op="tgmm",
+      dims=(m, k, n),
+      num_groups=num_actual_groups,
+      generation=tiling_lib.current_generation().name,
+      kernels=(("tgmm", tiles),),
+    )
+  )
   # NOTE: the narrow MXU dot needs one narrow dtype on both sides and scales that factor out of
   # the contraction (per channel); per-token scales are applied to upcast values instead.
   narrow_dot = (
@@ -1044,3 +1189,20 @@ def tgmm(
     narrow_dot=bool(narrow_dot),
     transpose_lhs=transpose_lhs,
   )
+
+
+def gmm_plan(lhs: Any, rhs: Any, group_sizes: Any, *args: Any, **kwargs: Any) -> GmmPlan:
+  """The `GmmPlan` of `gmm(lhs, rhs, group_sizes, *args, **kwargs)`, without running it.
+
+  Takes gmm's arguments; lhs, rhs and group_sizes may be `jax.ShapeDtypeStruct`s. The plan is
+  for the current generation (`tiling.use_generation` picks another):
+
+    with pallas_moe.tiling.use_generation("v6e"):
+      print(pallas_moe.gmm_plan(x, w, group_sizes).describe())
+
+  Returns:
+    The plan `gmm` would trace with these arguments.
+  """
+  with record_plans() as plans:
+    jax.eval_shape(lambda *a: gmm(*a, *args, **kwargs), lhs, rhs, group_sizes)
+  return plans[-1]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +166,78 @@ def test_tiling_nine_ints_map_to_passes():
   # NOTE: test_quantized_forward_and_grads_follow_maxtext runs these tiles, with gradients.
 
 
+MAXTEXT_BASE_TILES = (512, 1024, 1024) * 3  # base.yml's 18 wi_tile_* / wo_tile_* keys
+
+
+def _kernels(plans):
+  return [(p.op, name, kt.kernel, kt.tiles) for p in plans for name, kt in p.kernels]
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+def test_maxtext_tiling_is_not_used_unless_asked(chip):
+  """MaxText's 9 ints give pallas_moe's own plan; honoured only with honour_tiling (or the
+  module `with_maxtext_tiles`), then the triples map to the passes. Checked per chip on the
+  plans the calls trace (what a compiled program runs), at dims where MaxText's tk < k."""
+  x = jax.ShapeDtypeStruct((4096, 2048), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((8, 2048, 1408), jnp.bfloat16)
+  gs = jax.ShapeDtypeStruct((8,), jnp.int32)
+  tuned = (1024, 512, 1024, 512, 1024, 512, 1024, 512, 512)  # a recipe's non-default values
+
+  def traced(fn, tiling, **kw):
+    with pallas_moe.record_plans() as plans:
+      jax.eval_shape(
+        lambda a, b, c: jax.grad(
+          lambda a, b: fn(a, b, c, tiling=tiling, **kw).astype(F32).sum(), (0, 1)
+        )(a, b),
+        x,
+        w,
+        gs,
+      )
+    return _kernels(plans)
+
+  with pallas_moe.tiling.use_generation(chip):
+    own = _kernels([pallas_moe.gmm_plan(x, w, gs)])
+    honoured = _kernels([pallas_moe.gmm_plan(x, w, gs, None, mblx.maxtext_tiling(tuned))])
+    assert traced(mblx.gmm, MAXTEXT_BASE_TILES) == own
+    assert traced(mblx.gmm, tuned) == own  # non-default values are not a request either
+    assert traced(mblx.gmm, tuned, honour_tiling=True) == honoured
+    assert traced(mblx.with_maxtext_tiles.gmm, tuned) == honoured
+  # pallas_moe's own picks run the row-tile kernels here; MaxText's tiles (tk < k) do not.
+  assert {k for _, _, k, _ in own} == {"pallas_moe_gmm_rowtile", "pallas_moe_tgmm_rowtile"}
+  assert [t for *_, t in honoured] == [(1024, 512, 1024), (512, 1024, 512), (1024, 512, 512)]
+  assert {k for _, _, k, _ in honoured} == {"pallas_moe_gmm", "pallas_moe_tgmm"}
+
+
+def test_maxtext_tiling_choice_is_logged_and_checked(caplog):
+  """Each call logs its kernels, tiles and why at INFO; a malformed tiling is refused even when
+  it would not be used; honour_tiling must be a bool; swap_into's switch picks the module."""
+  x, w, gs = _operands()
+  with caplog.at_level("INFO", logger="pallas_moe.maxtext"):
+    jax.eval_shape(lambda a, b: mblx.gmm(a, b, gs, F32, MAXTEXT_BASE_TILES), x, w)
+  text = caplog.text
+  assert "MaxText's tiling (512, 1024, 1024, 512," in text and "not used" in text
+  assert "fwd  pallas_moe_gmm_rowtile" in text and "row-tile model" in text
+  caplog.clear()
+  with caplog.at_level("INFO", logger="pallas_moe.maxtext"):
+    jax.eval_shape(
+      lambda a, b: mblx.with_maxtext_tiles.gmm(
+        a, b, gs, F32, (16, 64, 128, 16, 128, 64, 128, 64, 128)
+      ),
+      x,
+      w,
+    )
+  assert "honoured" in caplog.text and "tk = 128 < k = 256" in caplog.text
+  with pytest.raises(ValueError, match="9 ints"):
+    mblx.gmm(x, w, gs, F32, (512, 1024, 1024, 512))
+  with pytest.raises(TypeError, match="honour_tiling"):
+    mblx.gmm(x, w, gs, F32, MAXTEXT_BASE_TILES, honour_tiling="yes")
+  module = types.SimpleNamespace(mblx="stock", jax=jax)
+  mblx.swap_into(module)
+  assert module.mblx is mblx
+  mblx.swap_into(module, honour_tiling=True)
+  assert module.mblx is mblx.with_maxtext_tiles and module.mblx.ragged_all_to_all is not None
+
+
 def _qwix_dequantized(x, bits: int, channel_axes) -> jax.Array:
   """qwix absmax (MaxText's AQT-style rule) written out: quantized, then dequantized, in f32.
 
@@ -204,7 +277,10 @@ def _grads_against_reference(
   cot = jnp.cos(jnp.arange(M * N, dtype=F32)).reshape(M, N)
 
   def got(x, w, existing):
-    out = mblx.gmm(x, w, gs, F32, tiling, offset, existing, transpose_rhs, **quantize)
+    # NOTE: MaxText's tiles honoured, so that their pass order is exercised with gradients.
+    out = mblx.gmm(
+      x, w, gs, F32, tiling, offset, existing, transpose_rhs, honour_tiling=True, **quantize
+    )
     return jnp.sum(out * cot)
 
   def want(x, w, existing):
