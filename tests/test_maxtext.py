@@ -202,6 +202,14 @@ def test_maxtext_tiling_is_not_used_unless_asked(chip):
     assert traced(mblx.gmm, tuned) == own  # non-default values are not a request either
     assert traced(mblx.gmm, tuned, honour_tiling=True) == honoured
     assert traced(mblx.with_maxtext_tiles.gmm, tuned) == honoured
+    # The quantized configs (int8 weights and activations: MaxText's quantization="int8") too.
+    quantized = dict(lhs_quantize_dtype=jnp.int8, rhs_quantize_dtype=jnp.int8)
+    own_q = traced(mblx.gmm, tuned, **quantized)
+    honoured_q = traced(mblx.gmm, tuned, honour_tiling=True, **quantized)
+  assert {t for *_, t in own_q}.isdisjoint({tuned[0:3], tuned[3:6], tuned[6:9]})
+  # NOTE: the quantized VJP traces its frozen-weights gmm again for dlhs: two gmm plans.
+  assert {k for _, name, k, _ in own_q if name == "fwd"} == {"pallas_moe_gmm_rowtile"}
+  assert {t for _, name, _, t in honoured_q if name == "fwd"} == {tuned[0:3]}
   # pallas_moe's own picks run the row-tile kernels here; MaxText's tiles (tk < k) do not.
   assert {k for _, _, k, _ in own} == {"pallas_moe_gmm_rowtile", "pallas_moe_tgmm_rowtile"}
   assert [t for *_, t in honoured] == [(1024, 512, 1024), (512, 1024, 512), (1024, 512, 512)]
