@@ -7,15 +7,26 @@ Builds MaxText's `RoutedMoE` from its own `configs/base.yml` with the deepseek2-
 `jax.lax.ragged_all_to_all`), and checks forward and `jax.grad` against a float32 dense MoE built
 from the same weights. The stock layer (no swap) does not run on CPU: asserted too.
 
+Which kernels the compiled layer runs (`-m aot`, libtpu): the same layer (bf16, wider dims, tile
+keys set) is compiled ahead of time for a v5e topology, value_and_grad included, and every Mosaic
+call of the compiled program is read back as (kernel, tiles): the kernel is the call's name, the
+tiles are the name scope `pallas_moe_tiles_<tm>x<tk>x<tn>` pallas_moe launches it under, both in
+the call's op_name metadata. By default they are exactly the kernels `pallas_moe.record_plans`
+planned (row-tile kernels at pallas_moe's tiles for v5e); with `swap_into(moe,
+honour_tiling=True)`, visit-schedule kernels at MaxText's wi_tile_* / wo_tile_* triples.
+
 maxtext 0.2.5 needs Python >= 3.12 (the `maxtext` extra, pulled by `test` there); on Python 3.11
 this module is skipped with the reason printed.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
+import re
 import sys
+import time
 import types
 
 import numpy as np
@@ -226,3 +237,245 @@ def test_stock_maxtext_routed_moe_fails_on_cpu(layer):
   with jax.set_mesh(mesh), _mt().partitioning.axis_rules(cfg.logical_axis_rules):
     with pytest.raises(Exception, match="ragged-all-to-all"):
       jax.block_until_ready(jax.jit(forward)(params, x))
+
+
+# --------------------------------------------------------------------------------------------
+# The compiled layer, ahead of time for a TPU: which Mosaic kernels it calls, at which tiles.
+# --------------------------------------------------------------------------------------------
+
+AOT_TOPOLOGY, AOT_GENERATION = "v5e:2x2", "v5e"  # 4 chips: expert parallelism 4
+AOT_EMB, AOT_MLP, AOT_TOKENS = 256, 384, 128  # tokens per device
+# A device's receive buffer: tokens x top-6 x min(ep, 64 / 6) rows (MaxText's dropless bound),
+# already a multiple of wi_tile_fwd_batch_seq (256), MaxText's row padding.
+AOT_ROWS = AOT_TOKENS * 6 * 4
+# MaxText's 18 tile keys (base.yml: 512, 1024, 1024 everywhere), set so that each of the six
+# (weight, pass) pairs has its own triple and each honoured pass runs a visit-schedule kernel
+# (gmm: tk < k; tgmm: tk not dividing k or tn not dividing n); wo_tile_fwd_embed_dim is over
+# n = emb, to be clamped.
+AOT_TILE_KEYS = dict(
+  wi_tile_fwd_batch_seq=256,
+  wi_tile_fwd_embed_dim=128,
+  wi_tile_fwd_mlp_dim=128,
+  wi_tile_dlhs_batch_seq=128,
+  wi_tile_dlhs_mlp_dim=128,
+  wi_tile_dlhs_embed_dim=256,
+  wi_tile_drhs_batch_seq=512,
+  wi_tile_drhs_embed_dim=128,
+  wi_tile_drhs_mlp_dim=256,
+  wo_tile_fwd_batch_seq=256,
+  wo_tile_fwd_mlp_dim=128,
+  wo_tile_fwd_embed_dim=512,
+  wo_tile_dlhs_batch_seq=512,
+  wo_tile_dlhs_embed_dim=128,
+  wo_tile_dlhs_mlp_dim=128,
+  wo_tile_drhs_batch_seq=128,
+  wo_tile_drhs_mlp_dim=256,
+  wo_tile_drhs_embed_dim=128,
+)
+_WI, _WO = (AOT_ROWS, AOT_EMB, AOT_MLP), (AOT_ROWS, AOT_MLP, AOT_EMB)  # a gmm's (m, k, n)
+# MaxText's triples in kernel coordinates (its get_wi_gmm_params / get_wo_gmm_params: fwd gmm
+# (m, k, n), dlhs gmm over the transposed weights (m, n, k), drhs tgmm (m, k, n)), clamped.
+MAXTEXT_TRIPLES = {
+  (_WI, "fwd"): (256, 128, 128),
+  (_WI, "dlhs"): (128, 128, 256),
+  (_WI, "drhs"): (512, 128, 256),
+  (_WO, "fwd"): (256, 128, 256),  # wo_tile_fwd_embed_dim 512 clamped to n = emb = 256
+  (_WO, "dlhs"): (512, 128, 128),
+  (_WO, "drhs"): (128, 256, 128),
+}
+AOT_OVERRIDES = dict(
+  OVERRIDES,
+  base_emb_dim=AOT_EMB,
+  base_moe_mlp_dim=AOT_MLP,
+  base_mlp_dim=AOT_EMB,
+  ici_expert_parallelism=4,
+  ici_data_parallelism=1,
+  max_target_length=AOT_TOKENS,
+  dtype="bfloat16",
+  weight_dtype="bfloat16",
+  matmul_precision="default",
+  hardware="tpu",
+  compile_topology_num_slices=1,
+  run_name="pallas_moe_aot_test",
+  **AOT_TILE_KEYS,
+)
+
+# A Mosaic call's op_name: <name stack>/pallas_moe_tiles_<tm>x<tk>x<tn>/<kernel>/pallas_call.
+_MOSAIC_OP = re.compile(
+  r'op_name="(?P<stack>[^"]*)/pallas_moe_tiles_(?P<tiles>\d+x\d+x\d+)/(?P<kernel>\w+)/pallas_call"'
+)
+# The start of an HLO instruction (a custom call's text may span several lines).
+_INSTRUCTION = re.compile(r"\n(?=\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s)")
+
+
+def _mosaic_calls(text: str) -> list[tuple[str, str, tuple[int, int, int]]]:
+  """(phase, kernel, tiles) of every Mosaic call (tpu_custom_call) in compiled HLO text.
+
+  phase: "bwd" for calls under the name stack's `transpose(...)` (the VJP), else "fwd". kernel:
+  the kernel's name, which is also the instruction's name (checked). tiles: the scope's triple.
+  """
+  calls = []
+  for instr in _INSTRUCTION.split(text):
+    if 'custom_call_target="tpu_custom_call"' not in instr:
+      continue
+    op = _MOSAIC_OP.search(instr)
+    assert op, f"a Mosaic call without pallas_moe's tiles scope: {instr[:400]}"
+    name = instr.split("=", 1)[0].strip().removeprefix("ROOT").strip().lstrip("%")
+    assert name.split(".")[0] == op["kernel"], (name, op["kernel"])
+    phase = "bwd" if "transpose(" in op["stack"] else "fwd"
+    tiles = tuple(int(t) for t in op["tiles"].split("x"))
+    calls.append((phase, op["kernel"], tiles))
+  return calls
+
+
+def _planned(plans) -> list[tuple[str, str, tuple[int, int, int]]]:
+  """(phase, kernel, tiles) of every kernel the recorded plans launch."""
+  return [
+    ("fwd" if name == "fwd" else "bwd", kt.kernel, tuple(kt.tiles))
+    for plan in plans
+    for name, kt in plan.kernels
+  ]
+
+
+def _aot_compile(out_dir: str, *, honour_tiling: bool):
+  """value_and_grad of MaxText's swapped RoutedMoE, compiled for AOT_TOPOLOGY.
+
+  Returns:
+    (plans recorded while lowering, compiled HLO text, seconds to lower and compile).
+  """
+  mt = _mt()
+  from jax.experimental import topologies
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from pallas_moe import record_plans, tiling
+
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  topo = topologies.get_topology_desc(topology_name=AOT_TOPOLOGY, platform="tpu")
+  base_yml = os.path.join(os.path.dirname(mt.maxtext.__file__), "configs", "base.yml")
+  cfg = mt.pyconfig.initialize([None, base_yml], base_output_directory=out_dir, **AOT_OVERRIDES)
+  assert (cfg.emb_dim, cfg.moe_mlp_dim, cfg.num_experts) == (AOT_EMB, AOT_MLP, 64)
+  mesh = Mesh(mt.maxtext_utils.create_device_mesh(cfg, devices=topo.devices), cfg.mesh_axes)
+  assert dict(mesh.shape)["expert"] == 4 and mesh.size == 4
+  rules = cfg.logical_axis_rules
+
+  def abstract(tree):
+    specs = mt.nnx.get_partition_spec(tree)
+    return jax.tree.map(
+      lambda v, s: jax.ShapeDtypeStruct(
+        v.shape,
+        v.dtype,
+        sharding=NamedSharding(mesh, mt.partitioning.logical_to_mesh_axes(s, rules)),
+      ),
+      tree,
+      specs,
+    )
+
+  moe = mt.moe
+  originals = mblx.swap_into(moe, honour_tiling=honour_tiling)
+  try:
+    with jax.set_mesh(mesh), mt.partitioning.axis_rules(rules):
+      model = mt.nnx.eval_shape(
+        lambda: moe.RoutedMoE(
+          config=cfg,
+          num_experts=cfg.num_experts,
+          num_experts_per_tok=cfg.num_experts_per_tok,
+          mesh=mesh,
+          kernel_init=mt.initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
+          kernel_axes=("embed", None),
+          intermediate_dim=cfg.moe_mlp_dim,
+          dtype=cfg.dtype,
+          weight_dtype=cfg.weight_dtype,
+          rngs=mt.nnx.Rngs(0),
+        )
+      )
+      graphdef, params, rest = mt.nnx.split(model, mt.nnx.Param, ...)
+      params, rest = abstract(params), abstract(rest)
+      x = jax.ShapeDtypeStruct(
+        (mesh.size, AOT_TOKENS, AOT_EMB),
+        jnp.bfloat16,
+        sharding=NamedSharding(mesh, P(("data", "expert"), None, None)),
+      )
+
+      def loss(params, x, rest):
+        out, _, _ = mt.nnx.merge(graphdef, params, rest)(x)
+        return jnp.sum(jnp.square(out.astype(F32)))
+
+      step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+      start = time.perf_counter()
+      with tiling.use_generation(AOT_GENERATION), jax.default_device(topo.devices[0]):
+        with record_plans() as plans:
+          lowered = step.lower(params, x, rest)
+        text = lowered.compile().as_text()
+      seconds = time.perf_counter() - start
+  finally:
+    for name, value in originals.items():
+      setattr(moe, name, value)
+  assert moe.jax is jax and moe.mblx is not mblx  # restored
+  return plans, text, seconds
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("honour_tiling", [False, True], ids=["pallas_moe_tiles", "maxtext_tiles"])
+def test_compiled_layer_runs_the_planned_kernels(tmp_path, honour_tiling):
+  """The compiled training step calls exactly the planned Mosaic kernels at the planned tiles.
+
+  Default swap: the three gmms (wi_0, wi_1, wo) each run pallas_moe's row-tile kernels (fwd,
+  dlhs, drhs) at pallas_moe's tiles for v5e, none of them MaxText's; honour_tiling: the
+  visit-schedule kernels at MaxText's triples, each pass its own. The HLO side is read from the
+  compiled program alone (the kernel's name and its tiles scope in each Mosaic call's op_name);
+  forward calls are outside the VJP's `transpose(...)`, backward ones inside.
+  """
+  plans, text, seconds = _aot_compile(str(tmp_path), honour_tiling=honour_tiling)
+  print(f"{AOT_TOPOLOGY} honour_tiling={honour_tiling}: lowered and compiled in {seconds:.1f} s")
+  assert [(p.op, p.dims, p.num_groups, p.generation) for p in plans] == [
+    ("gmm", _WI, 16, AOT_GENERATION),
+    ("gmm", _WI, 16, AOT_GENERATION),
+    ("gmm", _WO, 16, AOT_GENERATION),
+  ]
+  compiled = _mosaic_calls(text)
+  # NOTE: exactly: no zero fills either (MaxText's rows outside the local groups stay undefined).
+  assert collections.Counter(compiled) == collections.Counter(_planned(plans))
+  assert len(compiled) == 9
+
+  for plan in plans:
+    for name, kt in plan.kernels:
+      maxtext_triple = MAXTEXT_TRIPLES[(plan.dims, name)]
+      if honour_tiling:
+        assert kt.kernel == ("pallas_moe_tgmm" if name == "drhs" else "pallas_moe_gmm"), (name, kt)
+        assert tuple(kt.tiles) == maxtext_triple, (plan.dims, name, kt)
+      else:
+        assert kt.kernel == (
+          "pallas_moe_tgmm_rowtile" if name == "drhs" else "pallas_moe_gmm_rowtile"
+        )
+        assert tuple(kt.tiles) != maxtext_triple, (plan.dims, name, kt)
+        if name != "drhs":  # the row-tile gmm holds the whole contraction: tk = k
+          m, k, n = plan.dims
+          assert kt.tiles[1] == (k if name == "fwd" else n), (plan.dims, name, kt)
+
+
+def test_bench_maxtext_layer_captures_the_layers_calls():
+  """`bench.maxtext_layer` captures MaxText's own calls (three gmms over the padded dropless
+  buffer, base.yml's 9 tiles, every device's group sizes summing to the tokens' choices) and
+  models the switch's plan against stock megablox at MaxText's tiles on the same calls."""
+  from bench import maxtext_layer as ml
+
+  tokens, ep = 64, 4
+  calls, info = ml.layer_calls("deepseek2-16b", ep=ep, tokens=tokens)
+  assert [c["lhs"][1] for c in info["calls"]] == [ml.CAPTURE_EMB] * 2 + [ml.CAPTURE_MLP]
+  assert sum(info["rows_per_device"]) == ep * tokens * 6  # every (token, choice) lands once
+  assert info["rows"] == max(info["rows_per_device"])
+  # MaxText's dropless buffer (T * k * min(ep, E / k)) padded to wi_tile_fwd_batch_seq.
+  assert info["buffer_rows"] == -(-tokens * 6 * ep // 512) * 512
+  (wi, wi_gs), (wo, wo_gs) = calls
+  assert (wi.call, wi.count, wi.k, wi.n, wi.num_groups) == ("wi_0+wi_1", 2, 2048, 1408, 16)
+  assert (wo.call, wo.count, wo.k, wo.n) == ("wo", 1, 1408, 2048)
+  assert wi.tiling == (512, 1024, 1024) * 3 and int(wi_gs.sum()) == info["rows"]
+  np.testing.assert_array_equal(wi_gs, wo_gs)
+  (rec,) = ml.model_cases([([(wo, wo_gs)], info)], chips=["v5e"])
+  kernels = {k["op"]: k for k in rec["kernels"]}
+  assert kernels["fwd"]["kernel"] == "pallas_moe_gmm_rowtile"
+  assert kernels["drhs"]["kernel"] == "pallas_moe_tgmm_rowtile"
+  assert [k["stock_tiles"] for k in rec["kernels"]] == [[512, 1024, 1024]] * 3
+  assert rec["ours_us"] == pytest.approx(sum(k["ours_us"] for k in rec["kernels"]))
+  assert 0 < rec["ours_us"] < rec["stock_us"]
