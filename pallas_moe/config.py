@@ -367,7 +367,9 @@ class MoEConfig:
     return jnp.dtype(self.weight_dtype)
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any], *, ignore_unknown: bool = False) -> MoEConfig:
+  def from_dict(
+    cls, d: Mapping[str, Any], *, ignore_unknown: bool = False, honour_tiling: bool = False
+  ) -> MoEConfig:
     """Builds a config from our field names, MaxText names or Hugging Face names.
 
     A Hugging Face `config.json` is read by its `model_type` (see `HF_MODEL_TYPES`): each
@@ -382,6 +384,10 @@ class MoEConfig:
       d: the mapping, e.g. a MaxText model yaml plus flags, or a HF `config.json`.
       ignore_unknown: skip keys that are neither fields, aliases nor `IGNORED_KEYS` (nor the
         keys of the dict's `model_type`) (default: raise, naming the closest valid key).
+      honour_tiling: set `wi_tiling` / `wo_tiling` from MaxText's 18 `wi_tile_*` / `wo_tile_*`
+        keys. By default they are checked and not used: they are megablox's tiles (base.yml
+        sets all 18), and at tk < k they force the visit-schedule kernels where pallas_moe's
+        own choice per chip and call runs the row-tile kernels (`pallas_moe.maxtext`).
 
     Returns:
       The `MoEConfig`.
@@ -417,6 +423,10 @@ class MoEConfig:
           check(raw)
         continue
       if key in _TILE_KEYS:
+        if isinstance(raw, bool) or not isinstance(raw, (int, np.integer)) or raw <= 0:
+          raise ValueError(
+            f"MoEConfig.from_dict: {key!r}={raw!r} must be a positive int (a MaxText tile size)."
+          )
         tiles[key] = int(raw)
         continue
       if family is not None and key in family.aliases:
@@ -480,7 +490,11 @@ class MoEConfig:
     # base.yml default) sets nothing.
     for key, definition in _aux_loss_definitions(d).items():
       put("aux_loss_definition", definition, key)
-    for proj in ("wi", "wo"):
+    if not isinstance(honour_tiling, bool):
+      raise TypeError(
+        f"MoEConfig.from_dict: `honour_tiling` must be a bool, got {honour_tiling!r}."
+      )
+    for proj in ("wi", "wo") if honour_tiling else ():
       tiling = _tiling_from_maxtext(tiles, proj=proj)
       if tiling is not None:
         field = f"{proj}_tiling"

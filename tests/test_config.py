@@ -133,11 +133,18 @@ def test_maxtext_tiles_map_to_pass_coordinates():
     for dim, v0 in (("batch_seq", 1), ("embed_dim", 2), ("mlp_dim", 3))
     for v in [base + pb + v0]
   }
-  c = MoEConfig.from_dict({**MAXTEXT_DEEPSEEK2_16B, **tiles})
+  # NOTE: MaxText's tiles are megablox's: read only when asked for.
+  default = MoEConfig.from_dict({**MAXTEXT_DEEPSEEK2_16B, **tiles})
+  assert default.wi_tiling is None and default.wo_tiling is None
+  with pytest.raises(ValueError, match="'wi_tile_fwd_mlp_dim'='wide' must be a positive int"):
+    MoEConfig.from_dict({**MAXTEXT_DEEPSEEK2_16B, "wi_tile_fwd_mlp_dim": "wide"})
+  c = MoEConfig.from_dict({**MAXTEXT_DEEPSEEK2_16B, **tiles}, honour_tiling=True)
   # NOTE: (rows, contraction, out cols) of each pass: wi fwd contracts embed, dlhs contracts mlp.
   assert c.wi_tiling == Tiling(fwd=(1, 2, 3), dlhs=(11, 13, 12), drhs=(21, 22, 23))
   assert c.wo_tiling == Tiling(fwd=(101, 103, 102), dlhs=(111, 112, 113), drhs=(121, 123, 122))
-  partial = MoEConfig.from_dict({**MAXTEXT_DEEPSEEK2_16B, "wi_tile_fwd_batch_seq": 256})
+  partial = MoEConfig.from_dict(
+    {**MAXTEXT_DEEPSEEK2_16B, "wi_tile_fwd_batch_seq": 256}, honour_tiling=True
+  )
   assert partial.wi_tiling == Tiling(fwd=(256, 1024, 1024)) and partial.wo_tiling is None
 
 
