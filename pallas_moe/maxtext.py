@@ -78,14 +78,22 @@ TypeError naming it and these versions: a newer MaxText's new argument must fail
 - Refused with a ValueError saying what to use: a qwix rule (above), quantize dtypes other than
   int8 / int4 / float8_e4m3fn, `use_manual_quantization=True` with quantization (MaxText's
   batch-split scheme), and pre-quantized qwix QArray operands (moe_quantize_token_all_gather).
-- Rows outside the local groups (a receive buffer's slack past sum(group_sizes), other shards'
-  rows with `group_offset`) are left undefined without `existing_out`, in the output and in the
-  lhs gradient, as megablox leaves them (`pallas_moe.gmm(..., unowned_rows="undefined")`):
-  MaxText never reads them, and writing zeros there would cost a zero-fill kernel and HBM copies
-  of its buffer. With `existing_out` they keep its values.
-- `interpret`: None means compiled on TPU and interpret mode elsewhere (MaxText's None means
-  compiled; its layer passes True off TPU); True, False or `pltpu.InterpretParams` are passed
-  through.
+- Rows outside the local groups, without `existing_out`, follow megablox's rule
+  (`_unowned_rows`): when `rhs` holds fewer groups than `group_sizes` lists (ring of experts:
+  every expert's rows, this shard's experts' weights) they are exact zeros in the output and in
+  the lhs gradient, since MaxText reads them (weighted by the tokens' routing weights and summed
+  over the shards; their gradient flows into the input's); pallas_moe writes exactly their
+  bytes, where megablox selects over the whole output. When `rhs` holds every group (ragged
+  all-to-all EP, no EP, a truncated ring buffer) the only unowned rows are past
+  sum(group_sizes) (receive-buffer slack, MaxText's padding to a tile multiple): left undefined
+  in the output and the lhs gradient (`pallas_moe.gmm(..., unowned_rows="undefined")`), as
+  megablox leaves them: MaxText never reads them, and zeros there would cost a fill per call.
+  With `existing_out` they keep its values.
+- `interpret`: MaxText passes True wherever its mesh is not a TPU's (CPU tests, GPU boxes) and
+  False on TPU. True is read as that: the backend of the lowering platform (Pallas interpret
+  mode on CPU, XLA's ragged_dot on a GPU: `pallas_moe.gmm(..., implementation=None)`), so a
+  GPU user runs no interpret-mode kernel. None means the same; False compiled Mosaic; a
+  `pltpu.InterpretParams` interpret mode with its checks.
 """
 
 from __future__ import annotations
@@ -317,19 +325,55 @@ def _frozen_gmm(static: _QuantStatic, lhs, q, group_sizes, group_offset, existin
     existing_out,
     static.transpose_rhs,
     static.interpret,
-    unowned_rows=_unowned_rows(existing_out),
+    unowned_rows=_unowned_rows(q.values.shape[0], group_sizes, existing_out),
     **kw,
   )
 
 
-def _unowned_rows(existing_out: Any) -> str:
-  """gmm's `unowned_rows` for MaxText's calls: "undefined" without existing_out, as megablox.
+def _unowned_rows(num_local_groups: int, group_sizes: Any, existing_out: Any) -> str:
+  """gmm's `unowned_rows` for MaxText's calls: exact zeros where MaxText reads them, as megablox.
 
-  NOTE: megablox never writes the rows outside the local groups (a receive buffer's slack past
-  sum(group_sizes), other shards' rows) and MaxText never reads them, so pallas_moe does not
-  write zeros there either: no zero-fill kernel, no buffer for it, no copy of it per call.
+  MaxText's megablox (`kernels/megablox/backend.py`, `gmm`) zeroes every row outside the local
+  groups (`_zero_uninitialized_memory`: a select over the whole [m, n] output) exactly when `rhs`
+  holds fewer groups than `group_sizes` lists and there is no `existing_out`; its lhs gradient is
+  the same gmm, so the same rule holds there. Otherwise it never writes the rows past
+  sum(group_sizes) (garbage on a TPU). MaxText 0.2.5's layer reads unowned rows only in the
+  first case, so pallas_moe follows the same rule:
+
+  - Ring of experts (`use_ring_of_experts`, with or without tensor parallelism or embedding
+    chunks): `group_sizes` lists all E experts of the tokens all-gathered over the expert axis
+    (rolled so that the shard's experts come first, `group_offset` 0; with `use_ragged_sort`
+    in global order, `group_offset` the shard's first expert), `rhs` the E / ep local ones. The
+    other shards' experts' rows are read. Forward: `unpermute` multiplies them by the tokens'
+    (nonzero) routing weights and adds them into each token's output, which `psum_scatter` sums
+    over the shards (`ring_ragged_unsort` masks them with `where`). Backward: their lhs gradient
+    flows through the sort and the all-gather's transpose into the input gradient;
+    `ring_ragged_unsort`'s backward multiplies them by masked zeros for the router gradient, and
+    with `mlp_bias` the bias gradients sum over them (0 x NaN = NaN). So "zero": exact zeros in
+    the output and the lhs gradient. Cost: a DMA-only fill of exactly those rows' bytes per
+    output and per lhs gradient (megablox pays a select over all [m, n] there).
+  - Ragged all-to-all EP (`ra2a_and_route`), no EP, and ring of experts with a truncated
+    ragged buffer (`local_group_sizes`, `group_offset` 0): `rhs` holds every group of
+    `group_sizes`, so the unowned rows are those past sum(group_sizes): a receive buffer's slack
+    (sorted back to its end by `local_permute` / `unsort_output_and_ra2a`), with a batch
+    replicated over the expert axis (batch-1 inference) the tokens of other shards' experts, and
+    the padding to a multiple of `wi_tile_fwd_batch_seq`. MaxText never reads them: the padding
+    is sliced off, the return `ragged_all_to_all` sends only the received chunks,
+    `ring_ragged_unsort` and the `mlp_bias` mask drop them (`where`, a dropped scatter); so
+    their cotangent is 0, and their lhs gradient lands where the transposes drop it (the
+    padding's slice, the dispatch's transpose, which reads only the received chunks,
+    `ring_ragged_sort`'s masked backward). So "undefined": no zero writes, as megablox.
+
+  With `existing_out` the rows keep its values ("zero" then only zero-fills their lhs gradient).
+
+  Args:
+    num_local_groups: groups held by `rhs` (after any weight all-gather).
+    group_sizes: MaxText's [G_total] group sizes.
+    existing_out: gmm's `existing_out`, or None.
   """
-  return "zero" if existing_out is not None else "undefined"
+  if existing_out is not None or num_local_groups < jnp.size(group_sizes):
+    return "zero"
+  return "undefined"
 
 
 def _native_fp8(static: _QuantStatic) -> bool:
@@ -516,7 +560,8 @@ def gmm(
     group_offset: first group of `group_sizes` held by `rhs`.
     existing_out: [m, n] output kept in rows outside the local groups.
     transpose_rhs: rhs is [G, n, k].
-    interpret: None (compiled on TPU, interpret mode elsewhere), True, False or InterpretParams.
+    interpret: None or True (the lowering platform's backend: Mosaic for TPU, XLA for GPU,
+      interpret mode elsewhere), False (Mosaic) or a `pltpu.InterpretParams`.
     lhs_quantize_dtype: None, jnp.int8, jnp.int4 or jnp.float8_e4m3fn: quantize activations per
       row (qwix absmax).
     rhs_quantize_dtype: None, jnp.int8, jnp.int4 or jnp.float8_e4m3fn: quantize weights per
@@ -587,6 +632,8 @@ def gmm(
   _check_axis_names(rhs_vma_axes, argument="rhs_vma_axes")
   gather_axes = _check_gather_axes(weight_gather_axes)
   tiling, tile_note = _tiling_to_run(tiling, honour_tiling=honour_tiling)
+  # NOTE: MaxText's True says "not a TPU mesh" (see the module docstring), not "interpret mode".
+  interpret = None if interpret is True else interpret
   with pm.record_plans() as plans:
     out = _run(
       lhs,
@@ -667,7 +714,7 @@ def _run(
       existing_out,
       transpose_rhs,
       interpret,
-      unowned_rows=_unowned_rows(existing_out),
+      unowned_rows=_unowned_rows(rhs.shape[0], group_sizes, existing_out),
     )
   else:
     for argument, x, ndim in (("lhs", lhs, 2), ("rhs", rhs, 3)):
