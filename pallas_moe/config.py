@@ -46,7 +46,7 @@ _ACTIVATIONS = ("swiglu",)
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # NOTE: the score function each DeepSeek method is defined with (their code raises otherwise).
 _METHOD_SCORE_FUNC = {"group_limited_greedy": "softmax", "noaux_tc": "sigmoid"}
-_GMM_IMPLS = ("pallas", "ragged_dot")
+_GMM_IMPLS = ("pallas", "mosaic", "interpret", "xla", "ragged_dot")
 # The load-balancing losses `moe.load_balance_loss` computes (see MoEConfig.aux_loss_definition).
 AUX_LOSS_DEFINITIONS = ("switch", "hf", "sequence", "maxtext_scored")
 _WEIGHT_QUANTIZATIONS = (None, "int8", "fp8")
@@ -90,7 +90,10 @@ class MoEConfig:
     buffer_factor: None (default): dropless, see `moe.buffer_rows_for`. A float `f`: each
       device's receive buffer has `ceil(f * tokens_per_device * top_k)` rows; overflowing rows
       are dropped and counted.
-    gmm_impl: "pallas" (our kernels) or "ragged_dot" (`jax.lax.ragged_dot`).
+    gmm_impl: "pallas": `pallas_moe.gmm` on the lowering platform's backend (Mosaic kernels for
+      TPU, XLA's ragged_dot for GPU, interpret mode elsewhere); "mosaic", "interpret" or "xla":
+      `pallas_moe.gmm` on that backend everywhere (its `implementation`); "ragged_dot": plain
+      `jax.lax.ragged_dot` (MaxText's `megablox: false`), no quantized weights.
     wi_tiling: gmm tiles for the gate/up projection (`Tiling` or None for the heuristic).
     wo_tiling: gmm tiles for the down projection.
     data_axis: mesh axis the batch is split over (besides the expert axis).
@@ -120,7 +123,7 @@ class MoEConfig:
       sequence length).
     weight_quantization: None, "int8" or "fp8": the routed experts' gmms quantize their float
       weights on the fly (per-expert, per-output-channel scales; straight-through gradients; see
-      `pallas_moe.gmm`). Weights only: activations stay in `dtype`. Needs gmm_impl="pallas".
+      `pallas_moe.gmm`). Weights only: activations stay in `dtype`. Not with gmm_impl="ragged_dot".
       MaxText's `quantization` maps here ("" means None; "int8" and "fp8" also set
       activation_quantization, "int8w" is weight-only); its other modes are refused.
     activation_quantization: None, or the weight_quantization dtype: the routed experts' gmms
@@ -228,10 +231,11 @@ class MoEConfig:
     self._check_routing()
     _check_choice("gmm_impl", self.gmm_impl, _GMM_IMPLS)
     _check_choice("weight_quantization", self.weight_quantization, _WEIGHT_QUANTIZATIONS)
-    if self.weight_quantization is not None and self.gmm_impl != "pallas":
+    if self.weight_quantization is not None and self.gmm_impl == "ragged_dot":
       raise ValueError(
         f"MoEConfig.weight_quantization={self.weight_quantization!r} needs gmm_impl='pallas' "
-        f"(got {self.gmm_impl!r}): ragged_dot has no quantized-weight path here."
+        "(or 'mosaic', 'interpret', 'xla'), not 'ragged_dot': plain ragged_dot has no "
+        "quantized-weight path."
       )
     _check_choice("activation_quantization", self.activation_quantization, _WEIGHT_QUANTIZATIONS)
     if self.activation_quantization not in (None, self.weight_quantization):

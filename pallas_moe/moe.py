@@ -290,6 +290,7 @@ def swiglu(h: jax.Array) -> jax.Array:
 def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig, expected_rows=None):
   if config.gmm_impl == "ragged_dot":
     return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=rows.dtype)
+  implementation = None if config.gmm_impl == "pallas" else config.gmm_impl
   return gmm(
     rows,
     w,
@@ -302,6 +303,7 @@ def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig, expected
     # the received rows back; their gradients stay in those rows): no zero writes for them.
     unowned_rows="undefined",
     expected_rows=expected_rows,
+    implementation=implementation,
   )
 
 

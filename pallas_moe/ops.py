@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_moe import common, quant
+from pallas_moe import common, quant, xla_gmm
 from pallas_moe import tiling as tiling_lib
 from pallas_moe.gmm import gmm_pallas, gmm_rowtile_pallas
 from pallas_moe.tgmm import tgmm_pallas, tgmm_rowtile_pallas
@@ -297,6 +297,8 @@ class GmmPlan:
     generation: the TPU generation the tiles and VMEM limits are for.
     kernels: (pass, KernelTiling) pairs: ("fwd", "dlhs", "drhs") for gmm, whose backward
       kernels run only when it is differentiated; ("tgmm",) for tgmm.
+    implementation: "mosaic", "interpret", "xla" (no kernel: `kernels` are not used), or None
+      (per lowering platform: Mosaic for TPU, XLA for GPU, interpret mode elsewhere).
   """
 
   op: str
@@ -304,12 +306,20 @@ class GmmPlan:
   num_groups: int
   generation: str
   kernels: tuple[tuple[str, KernelTiling], ...]
+  implementation: str | None = None
 
   def describe(self) -> str:
     """One line per kernel: pass, kernel, tiles and why."""
     m, k, n = self.dims
-    head = f"{self.op} m={m} k={k} n={n} groups={self.num_groups} on {self.generation}:"
-    lines = [head]
+    head = f"{self.op} m={m} k={k} n={n} groups={self.num_groups} on {self.generation}"
+    if self.implementation == "xla":
+      return f"{head}: XLA's ragged_dot (implementation='xla'), no Pallas kernel"
+    where = {
+      None: "Mosaic when lowered for TPU (XLA's ragged_dot for GPU, interpret mode elsewhere)",
+      "mosaic": "Mosaic",
+      "interpret": "Pallas interpret mode",
+    }[self.implementation]
+    lines = [f"{head}, {where}:"]
     for name, kt in self.kernels:
       lines.append(f"  {name:<4} {kt.kernel} tiles {kt.tiles}: {kt.reason}")
     return "\n".join(lines)
@@ -815,6 +825,51 @@ def _check_expected_rows(expected_rows) -> int | None:
   return int(expected_rows)
 
 
+IMPLEMENTATIONS = ("mosaic", "interpret", "xla")
+
+
+def _check_implementation(implementation: str | None, interpret: common.Interpret):
+  """(implementation, interpret) for a call: None picks per lowering platform.
+
+  None: Mosaic when lowering for TPU, XLA's `ragged_dot` when lowering for a GPU (cuda, rocm),
+  Pallas interpret mode elsewhere (CPU: the test path). `interpret` True / InterpretParams or
+  False name interpret mode or Mosaic as before; "mosaic" / "interpret" set `interpret`.
+  """
+  if implementation is not None and implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+      f"`implementation`={implementation!r} must be one of {IMPLEMENTATIONS} or None (Mosaic "
+      "on TPU, XLA's ragged_dot on GPU, interpret mode on CPU)."
+    )
+  if implementation is None:
+    if interpret is None:
+      return None, None
+    return ("mosaic" if interpret is False else "interpret"), interpret
+  forced = {"mosaic": False, "interpret": True}
+  if implementation == "xla" or interpret is None:
+    if implementation == "xla" and interpret is not None:
+      raise ValueError(
+        f"`interpret`={interpret!r} runs a Pallas kernel; implementation='xla' runs none: pass "
+        "one of them."
+      )
+    return implementation, forced.get(implementation)
+  if (interpret is False) != (implementation == "mosaic"):
+    raise ValueError(
+      f"`implementation`={implementation!r} and `interpret`={interpret!r} disagree; pass one."
+    )
+  return implementation, interpret
+
+
+def _per_platform(kernels: Callable[[], Any], xla: Callable[[], Any], implementation):
+  """The kernels' result, XLA's, or (None) whichever the lowering platform takes."""
+  if implementation == "xla":
+    return xla()
+  if implementation is not None:
+    return kernels()
+  # NOTE: only the branch of the platform being lowered for is lowered: a GPU program holds no
+  # Pallas kernel and a TPU program no ragged_dot.
+  return jax.lax.platform_dependent(cuda=xla, rocm=xla, default=kernels)
+
+
 def gmm(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -830,6 +885,7 @@ def gmm(
   activation_quantization: str | None = None,
   unowned_rows: str = "zero",
   expected_rows: int | None = None,
+  implementation: str | None = None,
 ) -> jax.Array:
   """Grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g - group_offset]. Differentiable.
 
@@ -886,11 +942,16 @@ def gmm(
       expect sum(group_sizes) to be when m is a receive buffer with slack (e.g. tokens x top_k
       per device under expert parallelism). The kernels visit only the m-tiles holding rows and
       move only those rows; tiles are picked for that many rows. Default: m.
+    implementation: "mosaic" (the Pallas kernels compiled for TPU), "interpret" (the same in
+      Pallas interpret mode) or "xla" (`jax.lax.ragged_dot`, with the same contract and
+      gradients; quantized operands dequantized, straight-through); None: Mosaic when lowering
+      for TPU, XLA for a GPU, interpret mode elsewhere (CPU).
 
   Returns:
     [m, n] array of `preferred_element_type`.
   """
   _refuse_quantized_lhs(lhs)
+  implementation, interpret = _check_implementation(implementation, interpret)
   common.check_float_array("lhs", lhs, ndim=2)
   qweights = None
   if isinstance(rhs, quant.QuantizedWeights):
@@ -1021,18 +1082,48 @@ def gmm(
       num_groups=num_local_groups,
       generation=tiling_lib.current_generation().name,
       kernels=(("fwd", static.fwd), ("dlhs", static.dlhs), ("drhs", static.drhs)),
+      implementation=implementation,
     )
   )
-  if qweights is not None:
-    lhs, values, scales, group_sizes, group_offset, existing_out = (
-      None if x is None else common.pvary_like(x, lhs, qweights.values, existing_out)
-      for x in (lhs, qweights.values, qweights.scales, group_sizes, group_offset, existing_out)
+
+  def kernels():
+    if qweights is not None:
+      operands = (
+        None if x is None else common.pvary_like(x, lhs, qweights.values, existing_out)
+        for x in (lhs, qweights.values, qweights.scales, group_sizes, group_offset, existing_out)
+      )
+      return _qgmm_frozen_jit(static, *operands)
+    operands = _vary_together(lhs, rhs, group_sizes, group_offset, existing_out)
+    if weight_dtype is not None:
+      return _qgmm_master_jit(static, *operands)
+    return _gmm_jit(static, *operands)
+
+  def xla():
+    x, w = lhs, rhs if qweights is None else jax.lax.stop_gradient(quant.dequantize(qweights))
+    if weight_dtype is not None and qweights is None:
+      w = _straight_through(w, quant.dequantize(_quantize_master(static, w), dtype=w.dtype))
+    if activation_dtype is not None:
+      values, scales = quant.quantize_rows(x, dtype=activation_dtype)
+      x = _straight_through(x, (values.astype(jnp.float32) * scales).astype(x.dtype))
+    if qweights is not None:
+      w = w.astype(lhs.dtype)
+    out = xla_gmm.gmm_xla(
+      x,
+      w,
+      group_sizes,
+      group_offset,
+      existing_out,
+      transpose_rhs=bool(transpose_rhs),
+      out_dtype=out_dtype,
     )
-    return _qgmm_frozen_jit(static, lhs, values, scales, group_sizes, group_offset, existing_out)
-  operands = _vary_together(lhs, rhs, group_sizes, group_offset, existing_out)
-  if weight_dtype is not None:
-    return _qgmm_master_jit(static, *operands)
-  return _gmm_jit(static, *operands)
+    return common.pvary_like(out, lhs, rhs if qweights is None else qweights.values, existing_out)
+
+  return _per_platform(kernels, xla, implementation)
+
+
+def _straight_through(x: jax.Array, quantized: jax.Array) -> jax.Array:
+  """`quantized` in the forward, the identity in the backward (d quantized / dx taken as 1)."""
+  return x + jax.lax.stop_gradient(quantized - x)
 
 
 def tgmm(
@@ -1050,6 +1141,7 @@ def tgmm(
   rhs_scales: jax.Array | None = None,
   expected_rows: int | None = None,
   transpose_lhs: bool = False,
+  implementation: str | None = None,
 ) -> jax.Array:
   """Transposed grouped matmul: out[g] = lhs[:, rows of g] @ rhs[rows of g] (+ existing_out[g]).
 
@@ -1083,6 +1175,8 @@ def tgmm(
       kernel contracts its rows in VMEM, so no transposed copy is made in HBM, and the row-tile
       kernel starts each group's MXU passes at its first row (to the rows' VMEM tile) instead of
       on the 128-row lane grid. Float operands only.
+    implementation: as in `gmm` ("xla": `jax.lax.ragged_dot_general`, quantized operands
+      dequantized in f32).
 
   Returns:
     [num_actual_groups, k, n] array (f32 by default when both operands are quantized, else the
@@ -1094,6 +1188,7 @@ def tgmm(
         f"`{name}` is a QuantizedWeights: QuantizedWeights is gmm's rhs; for tgmm pass the "
         f"int8 / fp8 values as `{name}` and their f32 scales as `{name}_scales`."
       )
+  implementation, interpret = _check_implementation(implementation, interpret)
   lhs_q = _check_tgmm_array("lhs", lhs)
   rhs_q = _check_tgmm_array("rhs", rhs)
   if not isinstance(transpose_lhs, bool):
@@ -1163,6 +1258,7 @@ def tgmm(
       num_groups=num_actual_groups,
       generation=tiling_lib.current_generation().name,
       kernels=(("tgmm", tiles),),
+      implementation=implementation,
     )
   )
   # NOTE: the narrow MXU dot needs one narrow dtype on both sides and scales that factor out of
@@ -1179,16 +1275,31 @@ def tgmm(
   scales = [
     None if x is None else common.pvary_like(x, *operands) for x in (lhs_scales, rhs_scales)
   ]
-  return _tgmm_jit(
-    *operands,
-    *scales,
-    tiling=tiles,
-    out_dtype=out_dtype,
-    num_actual_groups=num_actual_groups,
-    interpret=interpret,
-    narrow_dot=bool(narrow_dot),
-    transpose_lhs=transpose_lhs,
-  )
+
+  def kernels():
+    return _tgmm_jit(
+      *operands,
+      *scales,
+      tiling=tiles,
+      out_dtype=out_dtype,
+      num_actual_groups=num_actual_groups,
+      interpret=interpret,
+      narrow_dot=bool(narrow_dot),
+      transpose_lhs=transpose_lhs,
+    )
+
+  def xla():
+    out = xla_gmm.tgmm_xla(
+      *operands,
+      num_actual_groups=num_actual_groups,
+      transpose_lhs=transpose_lhs,
+      out_dtype=out_dtype,
+      lhs_scales=scales[0],
+      rhs_scales=scales[1],
+    )
+    return common.pvary_like(out, *operands)
+
+  return _per_platform(kernels, xla, implementation)
 
 
 def gmm_plan(lhs: Any, rhs: Any, group_sizes: Any, *args: Any, **kwargs: Any) -> GmmPlan:
