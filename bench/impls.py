@@ -1426,6 +1426,8 @@ def _pallas_moe_build(
         vmem_limit_bytes=limit,
         transpose_rhs=op == "dlhs",
         zero=zero,
+        # NOTE: as ops runs it: "undefined" rows' tiles get no fill visit.
+        fill_unowned=unowned_rows != "undefined",
       )
       row_macs = _gmm_row_macs(dk, dn, til[1], til[2])
       dots = 2 if dk % til[1] else 1

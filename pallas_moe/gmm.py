@@ -290,6 +290,7 @@ def gmm_pallas(
   sub_m: int | None = None,
   vmem_limit_bytes: int | None = None,
   expected_rows: int | None = None,
+  fill_unowned: bool = True,
   count_rows: bool = False,
   interpret: common.Interpret = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -323,6 +324,9 @@ def gmm_pallas(
     vmem_limit_bytes: Mosaic's scoped VMEM limit for the call (None: Mosaic's default).
     expected_rows: the rows the caller expects sum(group_sizes) to be; the cost estimate XLA
       gets counts the work on those rows, not on all m. None: m.
+    fill_unowned: visit every m-tile holding no local row to write its output block (zeros,
+      or existing_out's rows). False (`gmm(..., unowned_rows="undefined")` without existing_out):
+      those tiles cost no grid step and are left unwritten, e.g. a receive buffer's slack.
     count_rows: instrumentation for interpret mode: also return [tiles_n, max_visits] int32 rows
       pushed through the MXU per (n-tile, visit) for one sweep over k.
     interpret: see `common.run_kernel`.
@@ -353,7 +357,7 @@ def gmm_pallas(
     num_local_groups=num_local_groups,
     m=m,
     tm=tm,
-    fill_uncovered_tiles=True,
+    fill_uncovered_tiles=fill_unowned or existing_out is not None,
     visit_empty_groups=False,
   )
   prefetch = (
@@ -516,7 +520,7 @@ def gmm_pallas(
       out_dtype=out_dtype,
       tiles_n=tiles_n,
       rows=expected_rows,
-      whole_output=True,
+      whole_output=fill_unowned,
       visit_tiles=(tm, tk),
     ),
     counts_shape=(tiles_n, schedule.max_visits) if count_rows else None,

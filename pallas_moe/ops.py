@@ -86,8 +86,8 @@ class KernelTiling:
       the generation has one TensorCore per JAX device, so nothing is gained by splitting sweeps).
     rows_stationary: row-tile kernels only: the sub-block rows are the MXU's stationary operand
       (`tiling.rows_stationary_pays`: tn is not a multiple of the MXU width, e.g. 1408 on v6e).
-    fill_unowned: row-tile gmm only: write exact zeros to the rows outside the local groups'
-      tiles (False: `gmm(..., unowned_rows="undefined")`).
+    fill_unowned: gmm only: write exact zeros to the rows outside the local groups' tiles
+      (False: `gmm(..., unowned_rows="undefined")`: no grid step for those tiles).
     pass_cuts: row-tile gmm only: cut the m-tiles on the groups' pass grids
       (`tiling.rowtile_pass_cuts_pay`).
     kind: "gmm" or "tgmm": the kernel family (tiles are in that kernel's coordinates).
@@ -437,7 +437,7 @@ def _launch_gmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
       pass_cuts=kt.pass_cuts and kwargs.get("lhs_scales") is None,
       **kwargs,
     )
-  return gmm_pallas(lhs, rhs, group_sizes, **kt.kwargs(), **kwargs)
+  return gmm_pallas(lhs, rhs, group_sizes, fill_unowned=kt.fill_unowned, **kt.kwargs(), **kwargs)
 
 
 def _run_tgmm(kt: KernelTiling, lhs, rhs, group_sizes, **kwargs):
