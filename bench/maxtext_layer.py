@@ -99,6 +99,7 @@ class LayerCall(Shape):
     count: identical calls folded into this one (MaxText's wi_0 and wi_1 are the same problem).
     ep: expert-parallel degree.
     buffer_rows: the gmm's m: MaxText's receive buffer padded to `wi_tile_fwd_batch_seq`.
+    rows: the rows the device's groups hold (sum(group_sizes)): the bounds' minimum bytes.
     tiling: the 9 ints MaxText passes.
     honour_tiling: model the switch with MaxText's tiles honoured.
   """
@@ -107,6 +108,7 @@ class LayerCall(Shape):
   count: int
   ep: int
   buffer_rows: int
+  rows: int
   tiling: tuple[int, ...]
   honour_tiling: bool = False
 
@@ -182,15 +184,17 @@ def _no_data_ragged_all_to_all(operand, output, *args, **kwargs):
 
 
 def _maxtext_config(model: str, *, ep: int, tokens: int, out_dir: str, dims=None):
+  """MaxText's config of `model` for the capture mesh; `dims` (emb, expert width, dense MLP
+  width) scale its hidden dims down."""
   import maxtext
   from maxtext.configs import pyconfig
 
   base_yml = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
   extra = {}
   if dims is not None:
-    emb, mlp = dims
+    emb, mlp, dense = dims
     extra = dict(override_model_config=True, base_emb_dim=emb, base_moe_mlp_dim=mlp)
-    extra.update(base_mlp_dim=4 * emb, base_num_decoder_layers=1)
+    extra.update(base_mlp_dim=dense, base_num_decoder_layers=1)
   return pyconfig.initialize(
     [None, base_yml],
     base_output_directory=out_dir,
@@ -236,8 +240,10 @@ def capture(model: str, *, ep: int, tokens: int, out_dir: str = "/tmp/pallas_moe
 
   real = _maxtext_config(model, ep=ep, tokens=tokens, out_dir=out_dir)
   real_dims = (real.emb_dim, real.moe_mlp_dim, real.num_experts, real.num_experts_per_tok)
+  # NOTE: MaxText requires a fully-MoE model's (Mixtral's) dense width to equal the experts'.
+  dense = CAPTURE_MLP if real.mlp_dim == real.moe_mlp_dim else 4 * CAPTURE_EMB
   cfg = _maxtext_config(
-    model, ep=ep, tokens=tokens, out_dir=out_dir, dims=(CAPTURE_EMB, CAPTURE_MLP)
+    model, ep=ep, tokens=tokens, out_dir=out_dir, dims=(CAPTURE_EMB, CAPTURE_MLP, dense)
   )
   if len(jax.devices()) < ep:
     raise RuntimeError(
@@ -334,6 +340,7 @@ def layer_calls(
       count=count,
       ep=ep,
       buffer_rows=m,
+      rows=int(gs.sum()),
       tiling=calls[i]["tiling"],
       honour_tiling=honour_tiling,
     )
@@ -452,6 +459,7 @@ def model_cases(cases, *, chips) -> list[dict]:
               tiles=o["tiling"],
               why=o["plan_reason"],
               ours_us=o["modeled_us"],
+              bound_us=o["achievable_us"],
               stock_tiles=s["tiling"],
               stock_us=s["modeled_us"],
             )
@@ -468,6 +476,8 @@ def model_cases(cases, *, chips) -> list[dict]:
           ratio=ours / stock,
           rows=info["rows"],
           buffer_rows=info["buffer_rows"],
+          bound_us=sum(k["count"] * k["bound_us"] for k in kernels),
+          group_sizes=[int(g) for g in calls[0][1]],
           maxtext_tiling=list(first.tiling),
           kernels=kernels,
         )
@@ -508,6 +518,21 @@ def table(records: list[dict], *, markdown: bool) -> str:
   return "\n".join(lines) + "\n"
 
 
+def chip_table(records: list[dict]) -> str:
+  """Markdown: one row per (model, ep), ours/stock per chip as "4096 tokens / 16384 tokens"."""
+  chips = [c for c in CHIPS if any(r["chip"] == c for r in records)]
+  keys = sorted({(r["model"], r["ep"]) for r in records}, key=lambda k: (k[0], k[1]))
+  by = {(r["model"], r["ep"], r["tokens"], r["chip"]): r for r in records}
+  lines = ["| model | ep | " + " | ".join(chips) + " |", "|---|---|" + "---|" * len(chips)]
+  for model, ep in keys:
+    cells = []
+    for chip in chips:
+      got = [by.get((model, ep, t, chip)) for t in TOKENS]
+      cells.append(" / ".join("-" if r is None else f"{r['ratio']:.2f}" for r in got))
+    lines.append(f"| {model} | {ep} | " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", default=sorted({m for m, _ in CASES}))
@@ -517,7 +542,16 @@ def main(argv=None) -> None:
   parser.add_argument("--honour_tiling", action="store_true", help="ours at MaxText's tiles")
   parser.add_argument("--json", default=None)
   parser.add_argument("--markdown", action="store_true")
+  parser.add_argument(
+    "--from_json", nargs="+", default=None, help="only print the tables of saved records"
+  )
   args = parser.parse_args(argv)
+  if args.from_json:
+    records = [r for path in args.from_json for r in json.load(open(path))]
+    print(table(records, markdown=args.markdown), end="")
+    print("\nours / stock per chip, 4096 / 16384 tokens per device:\n")
+    print(chip_table(records), end="")
+    return
   todo = [(m, ep) for m, ep in CASES if m in args.models and (args.eps is None or ep in args.eps)]
   if not todo:
     raise SystemExit(f"no case selected; CASES = {CASES}")
