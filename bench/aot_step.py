@@ -9,24 +9,32 @@ receive buffer), compiled for a TPU topology from this host (libtpu; no TPU need
 parallelism `ep` x data `data`. Variants:
 
 - `megablox`: MaxText's stock layer (its megablox fork, `jax.lax.ragged_all_to_all`).
-- `pm_mt_tiles`: `pallas_moe.maxtext.swap_into` (pallas_moe's kernels at MaxText's tiles).
-- `pm_own_tiles`: the same with `tiling=None` (pallas_moe's heuristic tiles).
+- `pallas_moe`: `pallas_moe.maxtext.swap_into(moe)`, the default switch: pallas_moe's kernels,
+  which pick their kernels and tiles per chip and call (MaxText's 9-int tiling checked, not
+  run).
+- `pm_mt_tiles`: `swap_into(moe, honour_tiling=True)`: pallas_moe's kernels at MaxText's tiles
+  (base.yml's 512, 1024, 1024: the visit kernels).
 - `pm_moe_layer`: pallas_moe's own block (`pallas_moe.moe.moe_layer`) at the same dims and
   receive-buffer rows (the loss adds its aux loss).
 
 Where maxtext is not installed (Python < 3.12), the first three run on a MaxText-shaped
 `sparse_matmul` program of ours instead (`expert_program`: the receive buffer through the three
-gmms of MaxText's experts, wi_0, wi_1, silu x linear, wo, inside `shard_map`), with upstream
-megablox (`jax.experimental.pallas.ops.tpu.megablox`) as the stock kernels.
+gmms of MaxText's experts, wi_0, wi_1, silu x linear, wo, inside `shard_map`, each handed
+MaxText's 9-int tiling), with upstream megablox (`jax.experimental.pallas.ops.tpu.megablox`) as
+the stock kernels.
 
-Reported per compiled program (`analyze`): memory_analysis() temp / peak / argument bytes;
-cost_analysis() bytes accessed split into the Pallas kernels' own CostEstimates (read from the
-Mosaic custom calls' backend config) and the rest (XLA's ops); the number of Mosaic calls; and
-every copy or transpose whose shape has a receive-buffer-sized dimension (the HLO instruction, or
-the fusion whose root it is), which is what an extra layout change or a copy of an aliased
-buffer looks like in the compiled program; and the bytes XLA's memory-space assignment copies
-between HBM and VMEM (`vmem_copies`: on v5e / v6e it may prefetch a kernel's whole weight
-operand into VMEM), which XLA-op bytes include.
+Reported per compiled program (`analyze`): memory_analysis() temp / peak / argument bytes; the
+live bytes at the program's peak (`live_peak`: XLA's dumped live ranges, the values live at the
+instruction where their sum is largest, arguments included, unpadded: what the program holds,
+before heap packing; `--no_live_peak` skips the dump); cost_analysis() bytes accessed split
+into the Pallas kernels' own CostEstimates (read from the Mosaic custom calls' backend config)
+and the rest (XLA's ops); the number of Mosaic calls; and every copy or transpose whose shape
+has a receive-buffer-sized dimension (the HLO instruction, or the fusion whose root it is),
+which is what an extra layout change or a copy of an aliased buffer looks like in the compiled
+program; and the bytes XLA's memory-space assignment copies between HBM and VMEM
+(`vmem_copies`: on v5e / v6e it may prefetch a kernel's whole weight operand into VMEM), which
+XLA-op bytes include (about 4x a whole-array copy's bytes, 3x a sliced prefetch's), and the
+XLA-op bytes net of that charge (`bytes_xla_net`).
 
 `--stock_bytes_scale S [S ...]` compiles the stock variant with its kernels' declared
 CostEstimate bytes scaled by each S (the kernels themselves unchanged): how much of the temp and
@@ -62,6 +70,7 @@ __all__ = [
   "big_copies",
   "expert_program",
   "kernel_costs",
+  "live_peak",
   "measure",
   "metadata_costs",
   "scaled_stock_estimates",
@@ -69,7 +78,7 @@ __all__ = [
   "vmem_copies",
 ]
 
-VARIANTS = ("megablox", "pm_mt_tiles", "pm_own_tiles", "pm_moe_layer")
+VARIANTS = ("megablox", "pallas_moe", "pm_mt_tiles", "pm_moe_layer")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -196,8 +205,10 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
 _DTYPE_BYTES.update({"s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8})
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\](\{[^}]*\})?")
 _COPY_START = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*\((.*)\)\s+copy-start\(")
+# NOTE: the dumped HLO spells an async slice `async-start(...), calls=...`, `as_text()` its sugared
+# form `slice-start(...), slice={...}`.
 _SLICE_START = re.compile(
-  r"^\s*(?:ROOT\s+)?%?[\w.\-]*slice-start[\w.\-]*\s*=\s*\((.*)\)\s+async-start\("
+  r"^\s*(?:ROOT\s+)?%?[\w.\-]*slice-start[\w.\-]*\s*=\s*\((.*)\)\s+(?:async|slice)-start\("
 )
 
 
@@ -243,6 +254,60 @@ def vmem_copies(text: str) -> list[tuple[str, str, int]]:
   return out
 
 
+# cost_analysis charges a whole-array HBM <-> VMEM copy about 4x its bytes (copy-start and
+# copy-done each a read and a write): on the MaxText step at v5e EP 4 x 2 the XLA-op bytes of
+# programs that differ only in which weights XLA prefetches differ by 4.0x the prefetched bytes;
+# and a sliced prefetch about 3x: a small v5e program whose 8 MB weight XLA prefetches in four
+# slices is charged 8.39 MB less than with the slicing off (`xla_tpu_sliced_prefetch_max_slices`
+# 1: one whole prefetch), everything else the same (RESULTS.md).
+VMEM_COPY_CHARGE = 4
+VMEM_SLICE_CHARGE = 3
+
+_PEAK_HEADER = re.compile(r"^\s*Live ranges at \d+ \(peak\):")
+_CUMULATIVE = re.compile(r"\(cumulative: (\d+) bytes\)")
+
+
+def live_peak(live_range_text: str) -> int | None:
+  """The bytes live at the program's peak, from XLA's dumped live ranges.
+
+  Reads a `*after_optimizations-live-range.txt` dump (`--xla_dump_to`): its "Live ranges at N
+  (peak):" block lists the values live at instruction N, the one where their sum is largest
+  (arguments and outputs included, each at its unpadded size), with a running total; returns
+  that total. This is what the program holds at its peak, before the heap packing that
+  memory_analysis() temp adds (a value's slot, alignment, fragmentation).
+
+  Returns:
+    Bytes, or None where the text has no peak block.
+  """
+  lines = live_range_text.splitlines()
+  for i, line in enumerate(lines):
+    if not _PEAK_HEADER.match(line):
+      continue
+    total = None
+    for nxt in lines[i + 1 :]:
+      m = _CUMULATIVE.search(nxt)
+      if not m:
+        break
+      total = max(total or 0, int(m.group(1)))
+    return total
+  return None
+
+
+def _live_peak_from_dump(dump_dir: str, text: str) -> int | None:
+  """`live_peak` of the compiled module's live-range file in `dump_dir` (None if absent)."""
+  import glob
+
+  head = re.match(r"\s*HloModule\s+([\w.\-]+)", text)
+  files = sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations-live-range.txt")))
+  if head:
+    named = [f for f in files if f".{head.group(1)}." in os.path.basename(f)]
+    files = named or files
+  if len(files) != 1:
+    return None
+  with open(files[0]) as f:
+    return live_peak(f.read())
+
+
 def kernel_costs(text: str) -> list[dict]:
   """The CostEstimate of every Mosaic call (tpu_custom_call) in compiled HLO text: name (the
   instruction's, i.e. the kernel's name), flops and bytes_accessed (0 where it has none)."""
@@ -264,18 +329,25 @@ def cost_estimate(line: str) -> tuple[float, float]:
   return float(fields.get("flops", 0.0)), float(fields.get("bytes_accessed", 0.0))
 
 
-def analyze(compiled, *, rows: int) -> dict[str, Any]:
+def analyze(compiled, *, rows: int, dump_dir: str | None = None) -> dict[str, Any]:
   """Memory, cost, Mosaic calls and buffer-sized copies of a compiled program.
 
   Args:
     compiled: a `jax.stages.Compiled`.
     rows: the receive buffer's rows (copies of arrays with a dimension this large are listed).
+    dump_dir: where it was compiled with `xla_dump_to` (`compiler_options`): the live bytes at
+      its peak are read from there (`live_peak`); None: live_peak is None.
 
   Returns:
-    dict(temp, peak, args, out, bytes_total, bytes_kernels, bytes_xla, flops_total,
-    flops_kernels, mosaic_calls, kernels, copies, bytes_vmem_copies, bytes_vmem_slices,
-    vmem_copies): vmem_copies lists `vmem_copies` of at least 1 MB; bytes_vmem_copies counts
-    all the whole-array prefetches and evictions, bytes_vmem_slices the sliced prefetches.
+    dict(temp, peak, peak_unpadded, live_peak, args, out, bytes_total, bytes_kernels,
+    bytes_xla, bytes_xla_net, flops_total, flops_kernels, mosaic_calls, kernels, copies,
+    bytes_vmem_copies, bytes_vmem_slices, vmem_copies): peak and peak_unpadded are
+    memory_analysis()'s peak_memory_in_bytes and peak_unpadded_heap_bytes (None where it has
+    none); live_peak the live bytes at the program's peak (`live_peak`); vmem_copies lists
+    `vmem_copies` of at least 1 MB; bytes_vmem_copies counts all the whole-array prefetches
+    and evictions, bytes_vmem_slices the sliced prefetches; bytes_xla_net is bytes_xla less
+    cost_analysis's charge for all of them (VMEM_COPY_CHARGE x bytes_vmem_copies +
+    VMEM_SLICE_CHARGE x bytes_vmem_slices): XLA's own ops net of its VMEM prefetches.
   """
   ma = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -286,22 +358,28 @@ def analyze(compiled, *, rows: int) -> dict[str, Any]:
   total = float(cost.get("bytes accessed", 0.0))
   kbytes = sum(k["bytes_accessed"] for k in kernels)
   peak = getattr(ma, "peak_memory_in_bytes", None)
+  unpadded = getattr(ma, "peak_unpadded_heap_bytes", None)
   moves = vmem_copies(text)
+  whole = sum(size for kind, _, size in moves if kind != "prefetch slice")
+  sliced = sum(size for kind, _, size in moves if kind == "prefetch slice")
   return dict(
     temp=int(ma.temp_size_in_bytes),
     peak=None if peak is None else int(peak),
+    peak_unpadded=None if unpadded is None else int(unpadded),
+    live_peak=None if dump_dir is None else _live_peak_from_dump(dump_dir, text),
     args=int(ma.argument_size_in_bytes),
     out=int(ma.output_size_in_bytes),
     bytes_total=total,
     bytes_kernels=kbytes,
     bytes_xla=total - kbytes,
+    bytes_xla_net=total - kbytes - VMEM_COPY_CHARGE * whole - VMEM_SLICE_CHARGE * sliced,
     flops_total=float(cost.get("flops", 0.0)),
     flops_kernels=sum(k["flops"] for k in kernels),
     mosaic_calls=len(kernels),
     kernels=[k["name"] for k in kernels],
     copies=big_copies(text, rows=rows),
-    bytes_vmem_copies=sum(size for kind, _, size in moves if kind != "prefetch slice"),
-    bytes_vmem_slices=sum(size for kind, _, size in moves if kind == "prefetch slice"),
+    bytes_vmem_copies=whole,
+    bytes_vmem_slices=sliced,
     vmem_copies=[
       f"{kind} {shape} {size / 1e6:,.0f} MB" for kind, shape, size in moves if size >= 1e6
     ],
@@ -358,23 +436,21 @@ def _maxtext_config(dims: Dims, *, ep: int, data: int, out_dir: str):
   )
 
 
-def _own_tiles_module() -> types.ModuleType:
-  """pallas_moe.maxtext with `tiling` dropped: pallas_moe's heuristic tiles."""
-  from pallas_moe import maxtext as mblx
+def maxtext_compiled(
+  variant: str,
+  *,
+  topology: str,
+  ep: int,
+  data: int,
+  dims: Dims,
+  out_dir: str,
+  compiler_options: dict | None = None,
+):
+  """Compiles value_and_grad(sum(RoutedAndSharedMoE(x)**2)) over (params, x) for `topology`.
 
-  mod = types.ModuleType("pallas_moe_maxtext_own_tiles")
-  mod.__dict__.update({k: v for k, v in vars(mblx).items() if not k.startswith("__")})
-
-  def gmm(*args, **kwargs):
-    kwargs["tiling"] = None
-    return mblx.gmm(*args, **kwargs)
-
-  mod.gmm = gmm
-  return mod
-
-
-def maxtext_compiled(variant: str, *, topology: str, ep: int, data: int, dims: Dims, out_dir: str):
-  """Compiles value_and_grad(sum(RoutedAndSharedMoE(x)**2)) over (params, x) for `topology`."""
+  `variant`: "megablox" (stock), "pallas_moe" (`swap_into(moe)`) or "pm_mt_tiles"
+  (`swap_into(moe, honour_tiling=True)`). `compiler_options` go to `.compile()`.
+  """
   from flax import nnx
   from flax.linen import partitioning
   from maxtext.layers import initializers, moe
@@ -386,11 +462,11 @@ def maxtext_compiled(variant: str, *, topology: str, ep: int, data: int, dims: D
   cfg = _maxtext_config(dims, ep=ep, data=data, out_dir=out_dir)
   mesh = Mesh(maxtext_utils.create_device_mesh(cfg, devices=topo.devices), cfg.mesh_axes)
   assert dict(mesh.shape)["expert"] == ep and dict(mesh.shape)["data"] == data
+  if variant not in ("megablox", "pallas_moe", "pm_mt_tiles"):
+    raise ValueError(f"variant={variant!r}: megablox, pallas_moe or pm_mt_tiles.")
   originals = None
   if variant != "megablox":
-    originals = mblx.swap_into(moe)
-    if variant == "pm_own_tiles":
-      moe.mblx = _own_tiles_module()
+    originals = mblx.swap_into(moe, honour_tiling=variant == "pm_mt_tiles")
   try:
     with jax.set_mesh(mesh), partitioning.axis_rules(cfg.logical_axis_rules):
 
@@ -427,7 +503,7 @@ def maxtext_compiled(variant: str, *, topology: str, ep: int, data: int, dims: D
 
       step = jax.value_and_grad(loss, argnums=(0, 1))
       with jax.default_device(topo.devices[0]):
-        return jax.jit(step).lower(params, x, rest).compile()
+        return jax.jit(step).lower(params, x, rest).compile(compiler_options=compiler_options)
   finally:
     if originals:
       for name, value in originals.items():
@@ -586,13 +662,15 @@ def expert_program(
 
   Per device (shard_map over ("data", "expert")): `rows` buffer rows [rows, emb] and the local
   experts' group sizes; wi_0 and wi_1 [E_l, emb, mlp], wo [E_l, mlp, emb]; out = gmm(silu(gmm(x,
-  wi_0)) * gmm(x, wi_1), wo), MaxText's three calls with its 9-int tiling; loss sum(out**2).
+  wi_0)) * gmm(x, wi_1), wo), MaxText's three calls, each handed its 9-int tiling (`tiles` for
+  every pass); loss sum(out**2).
   The group sizes are an argument (their values are not static), so the kernels see a receive
   buffer with slack as in MaxText.
 
   Args:
-    variant: "megablox" (upstream megablox), "pm_mt_tiles" (pallas_moe.maxtext.gmm at `tiles`)
-      or "pm_own_tiles" (pallas_moe.maxtext.gmm, tiling=None).
+    variant: "megablox" (upstream megablox at `tiles`), "pallas_moe" (`pallas_moe.maxtext.gmm`,
+      the default `swap_into`: the 9 ints checked, pallas_moe's own kernels and tiles) or
+      "pm_mt_tiles" (`pallas_moe.maxtext.gmm(..., honour_tiling=True)`: at `tiles`).
     mesh: a mesh with axes ("data", "expert").
     dims: the layer.
     rows: buffer rows per device.
@@ -609,11 +687,11 @@ def expert_program(
   if variant == "megablox":
     stock = _stock_gmm()
     gmm = lambda x, w, gs: stock(x, w, gs, dtype, tiles)  # noqa: E731
-  elif variant in ("pm_mt_tiles", "pm_own_tiles"):
-    tiling = tiles * 3 if variant == "pm_mt_tiles" else None
-    gmm = lambda x, w, gs: mblx.gmm(x, w, gs, dtype, tiling)  # noqa: E731
+  elif variant in ("pallas_moe", "pm_mt_tiles"):
+    honour = variant == "pm_mt_tiles"
+    gmm = lambda x, w, gs: mblx.gmm(x, w, gs, dtype, tiles * 3, honour_tiling=honour)  # noqa: E731
   else:
-    raise ValueError(f"variant={variant!r}: megablox, pm_mt_tiles or pm_own_tiles.")
+    raise ValueError(f"variant={variant!r}: megablox, pallas_moe or pm_mt_tiles.")
 
   def experts(x, wi_0, wi_1, wo, gs):
     h = jax.nn.silu(gmm(x, wi_0, gs)) * gmm(x, wi_1, gs)
@@ -653,12 +731,14 @@ def _mesh(topology: str, *, ep: int, data: int) -> Mesh:
   return Mesh(devices.reshape(data, ep), ("data", "expert"), axis_types=axis_types)
 
 
-def _compile(step, args, device):
+def _compile(step, args, device, compiler_options: dict | None = None):
   with jax.default_device(device):
-    return jax.jit(step).lower(*args).compile()
+    return jax.jit(step).lower(*args).compile(compiler_options=compiler_options)
 
 
-def moe_layer_compiled(*, topology: str, ep: int, data: int, dims: Dims):
+def moe_layer_compiled(
+  *, topology: str, ep: int, data: int, dims: Dims, compiler_options: dict | None = None
+):
   """pallas_moe.moe.moe_layer's value_and_grad at `dims`, dropless (the same buffer rows)."""
   from bench.moe_memory import aot_step_compiled
   from pallas_moe.config import MoEConfig
@@ -680,6 +760,7 @@ def moe_layer_compiled(*, topology: str, ep: int, data: int, dims: Dims):
     tokens_per_device=dims.tokens_per_device,
     config=config,
     with_value=True,
+    compiler_options=compiler_options,
   )
 
 
@@ -693,6 +774,7 @@ def measure(
   program: str | None = None,
   out_dir: str = "/tmp/pallas_moe_aot_step",
   stock_bytes_scale: float = 1.0,
+  with_live_peak: bool = True,
 ) -> dict[str, Any]:
   """Compiles one variant for one topology and mesh and analyzes it (`analyze`).
 
@@ -707,10 +789,14 @@ def measure(
     out_dir: MaxText's base_output_directory.
     stock_bytes_scale: the megablox variant's kernels declare this x their CostEstimate bytes
       (`scaled_stock_estimates`); other variants take only 1.0.
+    with_live_peak: compile with XLA's dumps into a temporary directory to read the live bytes
+      at the program's peak (`live_peak`); the dumps do not change the program. False: None.
 
   Returns:
     `analyze`'s dict with variant, topology, ep, data, rows, program and stock_bytes_scale.
   """
+  import tempfile
+
   from pallas_moe import tiling
 
   if stock_bytes_scale != 1.0 and variant != "megablox":
@@ -723,22 +809,37 @@ def measure(
     program = "maxtext" if have_maxtext() else "ours"
   # NOTE: pallas_moe picks tiles, VMEM limits and chunk counts for the current generation, which
   # on a CPU host is v5e unless set: compile each topology with its own chip's choices.
-  with (
-    tiling.use_generation(topology.split(":")[0]),
-    scaled_stock_estimates(stock_bytes_scale),
-  ):
-    if variant == "pm_moe_layer":
-      compiled = moe_layer_compiled(topology=topology, ep=ep, data=data, dims=dims)
-      program = "moe"
-    elif program == "maxtext":
-      compiled = maxtext_compiled(
-        variant, topology=topology, ep=ep, data=data, dims=dims, out_dir=out_dir
-      )
-    else:
-      mesh = _mesh(topology, ep=ep, data=data)
-      step, args = expert_program(variant, mesh=mesh, dims=dims, rows=rows)
-      compiled = _compile(step, args, mesh.devices.flat[0])
-  rec = analyze(compiled, rows=rows)
+  with contextlib.ExitStack() as stack:
+    dump_dir, options = None, None
+    if with_live_peak:
+      dump_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="aot_step_dump_"))
+      # NOTE: MaxText's pyconfig sets XLA_FLAGS' --xla_dump_hlo_module_re to its train step's
+      # name; every module here is dumped.
+      options = {"xla_dump_to": dump_dir, "xla_dump_hlo_module_re": ".*"}
+    with (
+      tiling.use_generation(topology.split(":")[0]),
+      scaled_stock_estimates(stock_bytes_scale),
+    ):
+      if variant == "pm_moe_layer":
+        compiled = moe_layer_compiled(
+          topology=topology, ep=ep, data=data, dims=dims, compiler_options=options
+        )
+        program = "moe"
+      elif program == "maxtext":
+        compiled = maxtext_compiled(
+          variant,
+          topology=topology,
+          ep=ep,
+          data=data,
+          dims=dims,
+          out_dir=out_dir,
+          compiler_options=options,
+        )
+      else:
+        mesh = _mesh(topology, ep=ep, data=data)
+        step, args = expert_program(variant, mesh=mesh, dims=dims, rows=rows)
+        compiled = _compile(step, args, mesh.devices.flat[0], options)
+    rec = analyze(compiled, rows=rows, dump_dir=dump_dir)
   rec.update(
     variant=variant,
     topology=topology,
@@ -757,7 +858,14 @@ def _variant_label(record: dict) -> str:
 
 
 def table(records: list[dict], *, markdown: bool) -> str:
-  """Formats `measure` records: bytes in MB (1e6), flops in TFLOP."""
+  """Formats `measure` records: bytes in MB (1e6), flops in TFLOP.
+
+  Columns: memory_analysis() temp, peak (peak_memory_in_bytes) and argument bytes; live_peak
+  (`live_peak`); the kernels' declared bytes; XLA-op bytes; XLA's whole-array HBM <-> VMEM
+  copies (`vmem_copies`) and its sliced prefetches into VMEM; XLA-op bytes net of the charge
+  for both (bytes_xla_net); the kernels' declared TFLOP; Mosaic calls; the buffer-sized copies
+  (`big_copies`).
+  """
   mb = lambda b: "-" if b is None else f"{b / 1e6:,.0f}"  # noqa: E731
   cols = (
     "topology",
@@ -765,10 +873,13 @@ def table(records: list[dict], *, markdown: bool) -> str:
     "variant",
     "temp_MB",
     "peak_MB",
+    "live_peak_MB",
     "args_MB",
     "kernel_est_MB",
     "xla_ops_MB",
     "vmem_copies_MB",
+    "vmem_slices_MB",
+    "xla_ops_net_MB",
     "kernel_TFLOP",
     "mosaic",
     "buffer-sized copies",
@@ -783,10 +894,13 @@ def table(records: list[dict], *, markdown: bool) -> str:
         _variant_label(r),
         mb(r["temp"]),
         mb(r["peak"]),
+        mb(r.get("live_peak")),
         mb(r["args"]),
         mb(r["bytes_kernels"]),
         mb(r["bytes_xla"]),
         mb(r.get("bytes_vmem_copies")),
+        mb(r.get("bytes_vmem_slices")),
+        mb(r.get("bytes_xla_net")),
         f"{r['flops_kernels'] / 1e12:.2f}",
         str(r["mosaic_calls"]),
         copies,
@@ -802,6 +916,15 @@ def table(records: list[dict], *, markdown: bool) -> str:
   return "\n".join(out) + "\n"
 
 
+def _libtpu_version() -> str:
+  from importlib import metadata
+
+  try:
+    return metadata.version("libtpu")
+  except metadata.PackageNotFoundError:
+    return "?"
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--topologies", nargs="+", default=["v5e:2x4", "v6e:2x4"])
@@ -810,6 +933,11 @@ def main(argv=None) -> None:
   parser.add_argument("--program", choices=["maxtext", "ours"], default=None)
   parser.add_argument("--markdown", action="store_true")
   parser.add_argument("--json", default=None, help="also write the records to this file")
+  parser.add_argument(
+    "--no_live_peak",
+    action="store_true",
+    help="compile without XLA's dumps: no live bytes at the peak (live_peak_MB '-')",
+  )
   parser.add_argument(
     "--stock_bytes_scale",
     nargs="+",
@@ -860,6 +988,7 @@ def main(argv=None) -> None:
             data=data,
             program=args.program,
             stock_bytes_scale=scale,
+            with_live_peak=not args.no_live_peak,
           )
           print(json.dumps(rec), file=sys.stderr, flush=True)
           records.append(rec)
@@ -867,7 +996,7 @@ def main(argv=None) -> None:
     with open(args.json, "w") as f:
       json.dump(records, f, indent=1)
   print(
-    f"# {datetime.date.today()} jax {jax.__version__}, "
+    f"# {datetime.date.today()} jax {jax.__version__}, libtpu {_libtpu_version()}, "
     f"DeepSeek-V2-Lite dims, {DEEPSEEK_V2_LITE.tokens_per_device} tokens per device"
   )
   print(table(records, markdown=args.markdown), end="")

@@ -9,14 +9,16 @@ AOT (real Mosaic): the compiled MaxText-shaped experts step makes no copy megabl
 
 `bench.aot_step.expert_program` (MaxText's three gmm calls on an expert-parallel receive buffer
 with slack, wi_0, wi_1 -> silu x linear -> wo, value_and_grad) AOT-compiled for v5e with
-pallas_moe's MaxText adapter, at MaxText's tiles (the visit kernels) and at pallas_moe's own
-(the row-tile kernels). Pinned: exactly megablox's nine Mosaic calls (three gmm, three lhs
+pallas_moe's MaxText adapter, each call handed MaxText-style 9-int tiles: honoured
+(`honour_tiling=True`, the visit kernels) and as the default switch runs them (checked, not
+used: pallas_moe's own choice, the row-tile kernels). Pinned: exactly megablox's nine Mosaic
+calls (three gmm, three lhs
 gradients, three weight gradients: no zero-fill kernels) and no copy or transpose of a
 buffer-sized array (the weight-gradient kernels read the forward's lhs as it is; no aliased
 zero buffer is shared between calls). Small dims keep each compile to a few seconds.
 
-Also: the bench's HLO readers (buffer-sized shapes, XLA's HBM <-> VMEM copies) on hand-written
-lines.
+Also: the bench's HLO readers (buffer-sized shapes, XLA's HBM <-> VMEM copies, the live bytes
+at the peak of XLA's dumped live ranges) on hand-written lines.
 """
 
 from __future__ import annotations
@@ -142,9 +144,9 @@ def test_gmm_visit_kernel_cost_counts_refetched_blocks(tk):
     assert c.bytes_accessed == want, (rows, c.bytes_accessed, want)
 
 
-# pallas_moe's own tiles run the row-tile kernels; MaxText-style tiles of 256 (tk below k, tn not
-# dividing 384) run the visit kernels. 4 experts per device over ep 4; buffer 256 tokens x top-2
-# x 4 = 2048 rows.
+# The default switch ("pallas_moe") runs pallas_moe's own tiles, the row-tile kernels;
+# MaxText-style tiles of 256 (tk below k, tn not dividing 384), honoured ("pm_mt_tiles"), run the
+# visit kernels. 4 experts per device over ep 4; buffer 256 tokens x top-2 x 4 = 2048 rows.
 DIMS = aot_step.Dims(emb=1024, mlp=384, num_experts=16, top_k=2, shared=0, tokens_per_device=256)
 MT_TILES = (256, 256, 256)
 MESH = dict(topology="v5e:2x2", ep=4, data=1)
@@ -152,13 +154,14 @@ STOCK_CALLS = 9
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("variant", ["pm_mt_tiles", "pm_own_tiles"])
-def test_experts_step_has_no_copies_and_megablox_calls(variant):
+@pytest.mark.parametrize("variant", ["pm_mt_tiles", "pallas_moe"])
+def test_experts_step_has_no_copies_and_megablox_calls(variant, tmp_path):
   rows = DIMS.buffer_rows(MESH["ep"])
   mesh = aot_step._mesh(MESH["topology"], ep=MESH["ep"], data=MESH["data"])
   step, args = aot_step.expert_program(variant, mesh=mesh, dims=DIMS, rows=rows, tiles=MT_TILES)
-  compiled = aot_step._compile(step, args, mesh.devices.flat[0])
-  rec = aot_step.analyze(compiled, rows=rows)
+  dump = str(tmp_path)
+  compiled = aot_step._compile(step, args, mesh.devices.flat[0], {"xla_dump_to": dump})
+  rec = aot_step.analyze(compiled, rows=rows, dump_dir=dump)
   kernels = rec["kernels"]
   if variant == "pm_mt_tiles":
     assert kernels.count("pallas_moe_tgmm") == 3, kernels  # the visit kernels
@@ -169,6 +172,10 @@ def test_experts_step_has_no_copies_and_megablox_calls(variant):
   # NOTE: the cost estimates say the kernels' work: each of the nine has 2 * rows * k * n flops.
   k_n = DIMS.emb * DIMS.mlp
   assert rec["flops_kernels"] == 9 * 2 * rows * k_n
+  # The live bytes at the peak, read from the dump: the arguments are live throughout.
+  assert rec["live_peak"] is not None and rec["live_peak"] >= rec["args"], rec
+  charge = 4 * rec["bytes_vmem_copies"] + 3 * rec["bytes_vmem_slices"]
+  assert rec["bytes_xla_net"] == rec["bytes_xla"] - charge
 
 
 @pytest.mark.aot
@@ -187,8 +194,8 @@ def test_buffer_sized_and_prefetch_parsing():
   """The bench's HLO readers on hand-written lines: a buffer's rows split by a reshape count, a
   weight or a send buffer whose leading products pass the rows without equalling them does not;
   copy-start is (destination, source, context): a copy into memory space 1 is a prefetch, one
-  out of it an eviction; an async slice into memory space 1 is a sliced prefetch, any other
-  async-start (an exchange) is none."""
+  out of it an eviction; an async slice into memory space 1 (dumped or `as_text()`'s sugared
+  form) is a sliced prefetch, any other async-start (an exchange) is none."""
   rows = 98304
   assert aot_step._buffer_sized([12288, 8, 2, 1024], rows)
   assert aot_step._buffer_sized([768, 128], rows)
@@ -204,6 +211,10 @@ def test_buffer_sized_and_prefetch_parsing():
       "  %slice-start.12 = ((bf16[4096,2816]{1,0:T(8,128)(2,1)}), "
       "bf16[1024,2816]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) async-start(%fusion.201#0), "
       "calls=%async_computation.16, backend_config={}",
+      # NOTE: `compiled.as_text()` prints the same async slice in its sugared form.
+      "  %slice-start.1 = ((bf16[2048,2048]{1,0:T(8,128)(2,1)}), "
+      "bf16[512,2048]{1,0:T(8,128)(2,1)S(1)}, s32[]{:S(2)}) slice-start(%w.1), "
+      "slice={[512:1024], [0:2048]}, backend_config={}",
       "  %ragged-all-to-all-start = ((bf16[24576,2,1024]{2,1,0}, bf16[196608,2,1024]{2,1,0}), "
       "bf16[196608,2,1024]{2,1,0}, u32[]{:S(2)}) async-start(%r, %e), calls=%a",
     ]
@@ -212,7 +223,28 @@ def test_buffer_sized_and_prefetch_parsing():
     ("prefetch", "bf16[16,1408,2048]", 16 * 1408 * 2048 * 2),
     ("evict", "bf16[4096]", 4096 * 2),
     ("prefetch slice", "bf16[1024,2816]", 1024 * 2816 * 2),
+    ("prefetch slice", "bf16[512,2048]", 512 * 2048 * 2),
   ]
+
+
+def test_live_peak_reads_the_peak_block():
+  """`live_peak` on a hand-written live-range dump: the running total of the values live at the
+  peak instruction, not the lines around it."""
+  text = "\n".join(
+    [
+      "HloLiveRange (max 29):",
+      "  BufferLiveRange:",
+      "    x.1{}:0-29",
+      "  Live ranges at 27 (peak):",
+      "    fusion.1{}: 16777216 bytes (cumulative: 16777216 bytes)",
+      "    x.1{}: 16777216 bytes (cumulative: 33554432 bytes)",
+      "    reduce{}: 4096 bytes (cumulative: 33558528 bytes)",
+      "  Stack trace breakdown for peak usage: 33 558 528 bytes",
+      "    main.1 (100.0%, total: 33 558 528 bytes, current: 0 bytes)",
+    ]
+  )
+  assert aot_step.live_peak(text) == 33558528
+  assert aot_step.live_peak("HloLiveRange (max 1):\n  BufferLiveRange:\n") is None
 
 
 def test_scaled_stock_estimates_scales_only_megablox_bytes():
