@@ -259,7 +259,7 @@ def vmem_copies(text: str) -> list[tuple[str, str, int]]:
 # programs that differ only in which weights XLA prefetches differ by 4.0x the prefetched bytes;
 # and a sliced prefetch about 3x: a small v5e program whose 8 MB weight XLA prefetches in four
 # slices is charged 8.39 MB less than with the slicing off (`xla_tpu_sliced_prefetch_max_slices`
-# 1: one whole prefetch), everything else the same (RESULTS.md).
+# 1: one whole prefetch), everything else the same (bench/results/memory.md).
 VMEM_COPY_CHARGE = 4
 VMEM_SLICE_CHARGE = 3
 

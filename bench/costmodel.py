@@ -1,6 +1,6 @@
 """Modeled TPU time of Pallas TPU kernels, derived from the real `pallas_call`.
 
-How it works (see DESIGN.md, "How performance is judged without a TPU"):
+How it works (see docs/design.md, "How performance is judged without a TPU"):
 
 1. `analyze(fn, *args)` traces `fn` with `jax.make_jaxpr` (arrays become abstract; pass big
    operands as `jax.ShapeDtypeStruct` so nothing is allocated) and finds every `pallas_call`,
@@ -47,11 +47,12 @@ each step really executes. `StepContext` gives the program ids and the concrete 
 values, so the hook evaluates the kernel's own predicate. For megablox gmm no hook is needed:
 every visited step runs one full [tm, tk] x [tk, tn] dot, so rows executed = visited tiles x tm.
 
-Row accounting: `mxu_rows_executed` = Σ_steps scale · padded MACs / `row_macs`, where `row_macs`
-is what one token row costs in a full sweep of the other two dims. Passing the padded figure
-(k and n rounded up to the tile grid and the MXU: Σ over k tiles of ceil(tk/mxu)·mxu, same for
-n) counts pure row waste (the DESIGN.md definition); passing k·n folds column padding into the
-row figure. `mxu_rows_useful` is the caller's count of real rows (sum(group_sizes)).
+Row accounting: `mxu_rows_executed` = Σ_steps scale · padded MACs / `row_macs`, where `row_macs` is
+what one token row costs in a full sweep of the other two dims. Passing the padded figure (k and n
+rounded up to the tile grid and the MXU: Σ over k tiles of ceil(tk/mxu)·mxu, same for n) counts pure
+row waste (the definition in docs/design.md, "MXU row waste and weight traffic"); passing k·n folds
+column padding into the row figure. `mxu_rows_useful` is the caller's count of real rows
+(sum(group_sizes)).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ the central chips have more links. The study searches device permutations (pairw
 minimise the busiest link of dispatch + combine and reports the saving against the serial step.
 Uniform routing: < 1%. Zipf(1) on the v5e/v6e meshes: 6-17% (hot receivers moved to the middle),
 so `topology_aware_placement` gives the block an expert order, `MoEConfig.expert_placement`
-(RESULTS.md, "Expert placement").
+(bench/results/ep-step.md, "Expert placement").
 
 Pipelining cannot beat max(comm, compute); where the exchange outweighs the gmm (every v6e case)
 the chunked step is the exchange's time. `default_batch_split` is the block's chunk count.
@@ -864,7 +864,7 @@ def topology_aware_placement(
 # ----------------------------------------------------------------------------------------------
 # The block's default chunk count.
 
-# NOTE: from `python -m bench.ep` (RESULTS.md, "EP step"): the modeled best c of {1, 2, 4, 8} per
+# NOTE: from `python -m bench.ep` (bench/results/ep-step.md): the modeled best c of {1, 2, 4, 8} per
 # case (the fewest within `CHUNK_TIE` of the fastest), exact buffers, uniform routing, default
 # slices. (model, ep, tokens per device, chip) → c.
 # v5p's with TensorCores counted per kernel (`costmodel`'s default) and tiles picked at one
@@ -913,10 +913,11 @@ DEFAULT_BATCH_SPLIT: dict[tuple[str, int, int, str], int] = {
 }
 
 
-# NOTE: the same with the deduplicated exchange (`--options dedup`; bench/ep_tables.md, "Exchange
-# options"), for the cases `pallas_moe.dedup.MODELED_DEDUP` has modeled: its expand/reduce passes
-# add TensorCore time per chunk that more chunks hide under the exchange, so the best count
-# moves up (v6e at 16,384 tokens: 8 instead of 2 for qwen3-30b-a3b and deepseek-v2-lite).
+# NOTE: the same with the deduplicated exchange (`--options dedup`; bench/results/ep_tables.md,
+# "Exchange options"), for the cases `pallas_moe.dedup.MODELED_DEDUP` has modeled: its
+# expand/reduce passes add TensorCore time per chunk that more chunks hide under the exchange, so
+# the best count moves up (v6e at 16,384 tokens: 8 instead of 2 for qwen3-30b-a3b and
+# deepseek-v2-lite).
 DEFAULT_BATCH_SPLIT_DEDUP: dict[tuple[str, int, int, str], int] = {
   ("deepseek-v3", 32, 16384, "v6e"): 2,
   **{

@@ -1,5 +1,5 @@
-"""Expert-parallel benchmark cases: one device's gmm after dispatch (DESIGN.md, "Expert
-parallelism: what a device's gmm really sees").
+"""Expert-parallel benchmark cases: one device's gmm after dispatch (docs/design.md,
+"Expert-parallel cases: what a device's gmm sees").
 
 After `collectives.dispatch` a device multiplies a receive buffer of `buffer_rows` static rows
 over its E_l = E / ep local experts; `rows = sum(group_sizes)` of them are real, sorted by local
@@ -41,7 +41,7 @@ __all__ = [
   "pad_rows_for_impl",
 ]
 
-# (model, ep) pairs of DESIGN.md's EP table; E_l = E / ep with E = the model's global expert count.
+# (model, ep) pairs of docs/design.md's EP table; E_l = E / ep, E = the model's global expert count.
 EP_CONFIGS: tuple[tuple[str, int], ...] = (
   ("deepseek-v3", 32),
   ("deepseek-v3", 64),

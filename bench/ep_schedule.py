@@ -29,8 +29,8 @@ from pallas_moe.config import MoEConfig  # noqa: E402
 # NOTE: small enough that a v5e:2x4 step compiles in ~5-7 s: 16 experts (2 per device at ep=8),
 # top-2, d = f = 512, bf16, 1024 tokens per device, capacity factor 2. At d = f = 256 and 256
 # tokens XLA's scheduler on v6e chose not to put a chunk's gmms under another chunk's forward
-# exchange (it did on v5e, and on v6e from this size up): see RESULTS.md, "What the compiled EP
-# step overlaps".
+# exchange (it did on v5e, and on v6e from this size up): see bench/results/ep-overlap.md, "What
+# the compiled EP step overlaps".
 SMALL_EP = dict(
   num_experts=16,
   top_k=2,
@@ -39,7 +39,7 @@ SMALL_EP = dict(
   dtype="bfloat16",
   weight_dtype="bfloat16",
   buffer_factor=2.0,
-  # NOTE: the plain exchange (one row per choice), whose compiled schedule RESULTS.md and
+  # NOTE: the plain exchange (one row per choice), whose compiled schedule ep-overlap.md and
   # tests/test_schedule.py describe; the deduplicated one (auto-on at these dims, `--dedup`)
   # adds the receiver's expand/reduce between exchange and gmm (`pallas_moe.schedule`'s
   # docstring; tests/test_dedup.py pins its split step).

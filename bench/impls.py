@@ -10,8 +10,9 @@ To plug in a kernel, write `build(*, op, shape, group_sizes, generation) -> Case
 implementation can run, else the reason it is skipped. `build` raises `Unsupported(reason)` for
 a case the implementation cannot do (e.g. megablox's m % tm rule).
 
-Ops (DESIGN.md): fwd = gmm lhs[m,k] x rhs[G,k,n]; dlhs = gmm grad[m,n] x rhs[G,k,n]^T (the
-transposed rhs); drhs = tgmm lhs^T[k,m] x grad[m,n] -> [G,k,n]. Inputs and outputs are bf16.
+Ops (docs/design.md, "Benchmark shapes"): fwd = gmm lhs[m,k] x rhs[G,k,n]; dlhs = gmm grad[m,n] x
+rhs[G,k,n]^T (the transposed rhs); drhs = tgmm lhs^T[k,m] x grad[m,n] -> [G,k,n]. Inputs and outputs
+are bf16.
 """
 
 from __future__ import annotations

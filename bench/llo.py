@@ -2,7 +2,8 @@
 
 libtpu writes Mosaic's scheduled VLIW bundles for a deviceless AOT compile when
 `LIBTPU_INIT_ARGS="--xla_jf_dump_to=DIR --xla_jf_dump_llo_text=true
---xla_jf_dump_to_filter=pallas"` is set before jax loads libtpu (DESIGN.md). This module
+--xla_jf_dump_to_filter=pallas"` is set before jax loads libtpu (docs/design.md, "Checks from
+outside the model"). This module
 
 1. compiles a bench case (`bench.impls`) for a TPU generation in a subprocess with that
    environment (`compile_dump`);
@@ -32,8 +33,9 @@ GHz; v6e's and tpu7x's exceed any published TPU clock, so there a vmatmul may ta
 than its rows. Then MXU-busy cycles are fewer and issue/MXU larger than reported here: the ratio
 is a lower bound on those two chips.) MXU-busy cycles of a loop = max over MXUs of Σ its
 vmatmuls' cycles; issue cycles = bundles; both are converted to µs at f. Check: on every case
-of bench/RESULTS.md ("The compiled VLIW schedule") the compiled MXU-busy time equals the analytic
-model's MXU time (except megablox's ragged-k branch, which the model charges at its full tile).
+of bench/results/rowtile-vliw.md ("The compiled VLIW schedule") the compiled MXU-busy time
+equals the analytic model's MXU time (except megablox's ragged-k branch, which the model charges
+at its full tile).
 
 What this is not: a simulation. It counts bundles as if each issued in one cycle with no stall
 (no DMA waits, no MXU result latency beyond what the scheduler already placed), and predicated

@@ -1,4 +1,4 @@
-"""Benchmark shapes (DESIGN.md, "Benchmark shapes") and their group sizes."""
+"""Benchmark shapes (docs/design.md, "Benchmark shapes") and their group sizes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """`python -m bench.slack`: modeled gmm time on expert-parallel receive buffers.
 
-Under expert parallelism a device multiplies a receive buffer of `buffer_rows` static rows, of
-which only `rows = sum(group_sizes)` are real, over its E_l = E / ep local experts. This module
-builds that per-device problem for the EP cases of DESIGN.md and models each op (fwd, dlhs,
-drhs) with `bench.costmodel` over the real pallas_calls, like `python -m bench`:
+Under expert parallelism a device multiplies a receive buffer of `buffer_rows` static rows, of which
+only `rows = sum(group_sizes)` are real, over its E_l = E / ep local experts. This module builds
+that per-device problem for the EP cases of docs/design.md ("Expert-parallel cases: what a device's
+gmm sees") and models each op (fwd, dlhs, drhs) with `bench.costmodel` over the real pallas_calls,
+like `python -m bench`:
 
 - rows: each of the ep peers sends the device the rows its T tokens route to the device's
   experts. Uniform routing gives T·top_k rows on average; the group sizes are a multinomial draw
@@ -100,7 +101,7 @@ class EpCase:
     raise ValueError(f"unknown policy {self.policy!r}")
 
 
-# (model, E, ep values): DESIGN.md's EP table.
+# (model, E, ep values): docs/design.md's EP table.
 EP_MODELS = (
   ("deepseek-v3", 256, (32, 64)),
   ("qwen3-30b-a3b", 128, (8,)),

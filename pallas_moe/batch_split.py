@@ -2,7 +2,7 @@
 
 Chunking pays only where the expert exchange runs asynchronously, so that one chunk's dispatch
 and combine can run under another chunk's expert matmuls. Whether it does depends on libtpu
-(`pallas_moe.schedule`, RESULTS.md "what the compiled EP step overlaps"):
+(`pallas_moe.schedule`, bench/results/ep-overlap.md):
 
 - libtpu 0.0.42.1 (jax 0.10.2): the block's `ragged-all-to-all`s compile synchronous by default
   (nothing runs under them, chunked or not); with `xla_tpu_enable_async_ragged_all_to_all` they

@@ -143,7 +143,8 @@ class MoEConfig:
       holds global expert `expert_placement[j]`. The router, its bias, DeepSeek's groups, the
       aux loss and `expert_load` keep the original expert ids; only `wi`/`wo` are stored in slot
       order (`moe.place_experts`). A list or numpy array is stored as a tuple of ints. Get one
-      from `bench.ep.topology_aware_placement` (README, "Overlapping the expert exchange").
+      from `bench.ep.topology_aware_placement` (docs/expert-parallelism.md, "Placing experts on
+      the slice").
     dedup_dispatch: True: a token crosses the expert exchange once per destination device
       (not once per routed expert); the receiver expands it into one row per local expert and
       sums their weighted outputs into one row for the way back (`pallas_moe.dedup`). False:

@@ -1,11 +1,11 @@
 """TPU generation facts: per-chip VMEM, MXU, peak rates, bandwidth, and which chip is current.
 
-Facts (per chip) come from DESIGN.md, which agrees with jax's own table in
-`jax/_src/pallas/mosaic/tpu_info.py` (jax 0.10.2). The *scoped* VMEM default is what Mosaic lets
-one kernel use when `pltpu.CompilerParams(vmem_limit_bytes=...)` is not set; it is much smaller
-than the physical VMEM. jax does not ship these defaults (libtpu owns them). The figures below
-are the ones publicly reported for the XLA flag `--xla_tpu_scoped_vmem_limit_kib`
-(16 MiB on v4/v5e/v5p, 32 MiB on v6e and tpu7x); tpu7x's is the least certain.
+Facts (per chip) are those of docs/design.md, "Platform facts the code relies on", which agree with
+jax's own table in `jax/_src/pallas/mosaic/tpu_info.py` (jax 0.10.2). The *scoped* VMEM default is
+what Mosaic lets one kernel use when `pltpu.CompilerParams(vmem_limit_bytes=...)` is not set; it is
+much smaller than the physical VMEM. jax does not ship these defaults (libtpu owns them). The
+figures below are the ones publicly reported for the XLA flag `--xla_tpu_scoped_vmem_limit_kib` (16
+MiB on v4/v5e/v5p, 32 MiB on v6e and tpu7x); tpu7x's is the least certain.
 """
 
 from __future__ import annotations

@@ -750,7 +750,7 @@ class _Delegate(types.ModuleType):
 
 
 def swap_into(moe_module: types.ModuleType, *, honour_tiling: bool = False) -> dict[str, Any]:
-  """Switches MaxText's MoE layer module to pallas_moe, as the README's two-line edit does.
+  """Switches MaxText's MoE layer module to pallas_moe, as docs/maxtext.md's two-line edit does.
 
   Replaces the module's `mblx` (MaxText's megablox) by this module and makes its
   `jax.lax.ragged_all_to_all` calls call `pallas_moe.ragged_all_to_all`: the module's global

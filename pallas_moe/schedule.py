@@ -15,8 +15,8 @@ carries its `op_name` metadata, so callers can tell forward from backward
 (`batch_split_<c>`), and which exchange (the `dispatch` / `combine` scopes of `moe`).
 
 What XLA:TPU does with the MoE block's exchange depends on the libtpu version (AOT compiles of
-the EP training step for v5e:2x4 and v6e:2x4; bench/RESULTS.md, "what the compiled EP step
-overlaps"). On every version measured our `collectives.ragged_all_to_all` lowers to the native
+the EP training step for v5e:2x4 and v6e:2x4; bench/results/ep-overlap.md, "What the compiled EP
+step overlaps"). On every version measured our `collectives.ragged_all_to_all` lowers to the native
 `ragged-all-to-all` (not decomposed into all-to-all / collective-permute, no custom call), and
 its transpose adds two small `all-to-all`s of offsets:
 - libtpu 0.0.42.1 (jax 0.10.2): synchronous by default, the `all-to-all`s too; libtpu's

@@ -1,10 +1,10 @@
 """Analytic cost of the row-tile kernels' schedules: MXU work per sub-block dot, and the HBM
 bytes of every grid step, including the manual per-group DMAs and which of them are exposed.
 
-The DESIGN.md model (Σ over grid steps of max(MXU, DMA) + exposed DMA + per-step overhead) in
-closed form from the group sizes. `tile_pickers.pick_rowtile_tiling` scores tilings with it,
-`pallas_moe.ops` asks `rows_stationary_pays` which MXU orientation a kernel runs, and
-`bench.costmodel` shares `rowtile_manual_dma` with its hooks.
+The cost model of docs/design.md ("The cost model": Σ over grid steps of max(MXU, DMA) + exposed DMA
++ per-step overhead) in closed form from the group sizes. `tile_pickers.pick_rowtile_tiling` scores
+tilings with it, `pallas_moe.ops` asks `rows_stationary_pays` which MXU orientation a kernel runs,
+and `bench.costmodel` shares `rowtile_manual_dma` with its hooks.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from pallas_moe.metadata import (
 
 
 def _dot_macs(*, rows: int, contract: int, cols: int, mxu: int, min_rows: int | None = None) -> int:
-  """MACs one dot costs on an mxu x mxu systolic array (DESIGN.md, as in `bench.costmodel`):
-  the stationary operand is cut into mxu x mxu tiles (contraction and output columns padded to
-  the MXU), and each tile costs at least `min_rows` row passes (loading it takes as long;
-  default mxu, `generations.min_pass_rows`)."""
+  """MACs one dot costs on an mxu x mxu systolic array (docs/design.md, "The cost model"; as in
+  `bench.costmodel`): the stationary operand is cut into mxu x mxu tiles (contraction and output
+  columns padded to the MXU), and each tile costs at least `min_rows` row passes (loading it takes
+  as long; default mxu, `generations.min_pass_rows`)."""
   pad = lambda d: -(-d // mxu) * mxu  # noqa: E731
   return max(rows, mxu if min_rows is None else min_rows) * pad(contract) * pad(cols)
 
@@ -621,10 +621,10 @@ def rowtile_fill_bytes(
 def rowtile_modeled_seconds(
   *, step_overhead_s: float | None = None, tensorcores: str = "kernel", **step_costs_kwargs: Any
 ) -> float:
-  """Modeled time of a row-tile kernel's whole grid: Σ over steps of max(MXU, overlapped HBM
-  time) + exposed HBM time + per-step overhead (DESIGN.md), from `rowtile_step_costs` (same
-  keyword arguments); for gmm with `unowned_rows="zero"` (the default) plus its zero fill's one
-  step (`rowtile_fill_bytes` at HBM bandwidth).
+  """Modeled time of a row-tile kernel's whole grid: Σ over steps of max(MXU, overlapped HBM time) +
+  exposed HBM time + per-step overhead (docs/design.md, "The cost model"), from `rowtile_step_costs`
+  (same keyword arguments); for gmm with `unowned_rows="zero"` (the default) plus its zero fill's
+  one step (`rowtile_fill_bytes` at HBM bandwidth).
 
   TensorCores as `bench.costmodel.cost` counts them: "kernel" (the default) at one
   TensorCore's rates (`tensorcore_rates`), and on a megacore device (two TensorCores behind one

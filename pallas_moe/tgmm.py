@@ -363,8 +363,8 @@ def tgmm_pallas(
 
 # NOTE: sub-blocks per interior dot of the row-tile tgmm. On v5e a 128-row sub-block is 2,816 MXU
 # cycles (tk 1024, tn 1408) against ~2,950 bundles of accumulator read / add / write: issue-bound;
-# 256 rows per accumulator update bring the loop under its MXU time (bench/RESULTS.md, "The weight
-# gradient's loops").
+# 256 rows per accumulator update bring the loop under its MXU time (bench/results/rowtile-vliw.md,
+# "The weight gradient's loops").
 INTERIOR_SUBS = 2
 
 

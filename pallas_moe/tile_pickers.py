@@ -292,12 +292,12 @@ def pick_rowtile_tiling(
 
   Scores every candidate on one uniform-routing draw of group sizes (the kernel does not see the
   real sizes when it is traced) by the sum over grid steps of max(MXU time, HBM time), plus the
-  exposed DMA time (`rowtile_step_costs`) and
-  the per-step overhead: the DESIGN.md model applied to the row-tile schedule. Candidates: tm
-  (or all of m) from 128 to 8192 for gmm (every 256 rows to 2048, then every 512 and 1024:
-  `_GMM_TMS`), powers of two to 4096 for tgmm; tn (and tgmm's tk) dividing the dim; gmm's tk is
-  always k (the whole contraction stays in VMEM). Among tilings within 0.25% of the best, the one
-  needing the least VMEM wins.
+  exposed DMA time (`rowtile_step_costs`) and the per-step overhead: the cost model of
+  docs/design.md ("The cost model") applied to the row-tile schedule. Candidates: tm (or all of m)
+  from 128 to 8192 for gmm (every 256 rows to 2048, then every 512 and 1024: `_GMM_TMS`), powers of
+  two to 4096 for tgmm; tn (and tgmm's tk) dividing the dim; gmm's tk is always k (the whole
+  contraction stays in VMEM). Among tilings within 0.25% of the best, the one needing the least VMEM
+  wins.
 
   Args:
     m: rows.

@@ -7,7 +7,7 @@ Mosaic when lowering for TPU). Operands and group sizes are abstract `ShapeDtype
 is allocated. (Separate gmm / tgmm programs compiled the same kernels again and were dropped to
 keep the suite's time.)
 
-Coverage: all four benchmark shapes of DESIGN.md (bench/shapes.py, native token counts) on v5e
+Coverage: all four benchmark shapes of docs/design.md (bench/shapes.py, native token counts) on v5e
 and v6e, one representative shape, mixtral-8x7b, on v5p, tpu7x and v4, and deepseek-v2-lite on
 tpu7x (its `rows_stationary` kernels on a megacore chip). The full matrix
 (4 shapes x 5 generations x 3 programs) took 2.5 minutes compiled by a script on a lightly loaded

@@ -225,7 +225,7 @@ def test_generations_table():
     tiling.get_generation("v9z")
 
 
-# DESIGN.md figures ----------------------------------------------------------------------------
+# docs/design.md figures ("MXU row waste and weight traffic") ------------------------------------
 
 
 @pytest.mark.parametrize(

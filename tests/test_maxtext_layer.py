@@ -2,7 +2,7 @@
 
 Builds MaxText's `RoutedMoE` from its own `configs/base.yml` with the deepseek2-16b model config
 (DeepSeek-V2-Lite: 64 experts, top-6, softmax routing, silu x linear) scaled down, with
-`sparse_matmul` and `megablox` and expert parallelism 4 x data 2, applies the README's swap
+`sparse_matmul` and `megablox` and expert parallelism 4 x data 2, applies docs/maxtext.md's swap
 (`pallas_moe.maxtext.swap_into(maxtext.layers.moe)`: its `mblx` and its
 `jax.lax.ragged_all_to_all`), and checks forward and `jax.grad` against a float32 dense MoE built
 from the same weights. The stock layer (no swap) does not run on CPU: asserted too.
@@ -190,7 +190,7 @@ def _inputs(layer):
 
 
 def test_maxtext_routed_moe_with_pallas_moe_matches_dense(layer):
-  """README's swap: RoutedMoE's forward and jax.grad (x and every weight) == dense f32 MoE."""
+  """docs/maxtext.md's swap: RoutedMoE's forward and jax.grad (x, every weight) == dense f32 MoE."""
   cfg = layer[0]
   x, cot, params = _inputs(layer)
   moe = _mt().moe

@@ -130,7 +130,7 @@ def test_overflowing_traced_sizes_are_clipped(offset):
 
 
 def floor_rows(sizes, *, mxu):
-  """Each group's rows rounded out to the MXU size at its boundaries (DESIGN.md)."""
+  """Each group's rows rounded out to the MXU size at its boundaries (docs/design.md, "Bounds")."""
   ends = np.cumsum(sizes)
   starts = ends - sizes
   return int(

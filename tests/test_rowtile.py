@@ -719,9 +719,9 @@ def test_gmm_pass_cuts_split_a_group_between_tiles_whole(capfd):
 
 
 def test_rowtile_rows_against_the_floor():
-  """Rows pushed with passes on the sub_m grid = each group's aligned chunks (DESIGN.md); with
-  passes from each group's first row (16-row aligned) fewer, and never below the floor of
-  whole passes from each group's exact first row (`floor_rows`)."""
+  """Rows pushed with passes on the sub_m grid = each group's aligned chunks (docs/design.md,
+  "Bounds"); with passes from each group's first row (16-row aligned) fewer, and never below the
+  floor of whole passes from each group's exact first row (`floor_rows`)."""
   from bench.costmodel import floor_rows
 
   sizes = np.array([100, 0, 300, 5, 1, 250, 0, 370], np.int32)
