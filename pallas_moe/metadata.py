@@ -68,6 +68,16 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def _searchsorted(sorted_: jax.Array, values: jax.Array, *, side: str) -> jax.Array:
+  """int32 `jnp.searchsorted` as one [len(values), len(sorted_)] comparison.
+
+  NOTE: the schedules search tiles against groups (a few thousand pairs at most): a comparison of
+  all pairs is one small fused XLA op, where the default binary search is a while loop per call
+  (XLA ops and bytes accessed around every kernel launch).
+  """
+  return jnp.searchsorted(sorted_, values, side=side, method="compare_all").astype(jnp.int32)
+
+
 def max_visits(*, m: int, tm: int, num_local_groups: int) -> int:
   """Static upper bound on the number of visits of any schedule for these shapes.
 
@@ -139,7 +149,7 @@ def make_schedule(
   # Compute (and empty-group) visits: visit `num_fill + j` belongs to the group whose cumulative
   # visit count first exceeds j, and walks that group's tiles in order.
   j = jnp.clip(visit - num_fill, 0, jnp.maximum(visit_ends[-1] - 1, 0))
-  group = jnp.searchsorted(visit_ends, j, side="right").astype(jnp.int32)
+  group = _searchsorted(visit_ends, j, side="right")
   group = jnp.minimum(group, num_local_groups - 1)
   within = j - (visit_ends[group] - group_visits[group])
   # NOTE: an empty group's single visit loads the tile holding the row before its start (the tile
@@ -300,7 +310,7 @@ def make_tile_groups(
   last_active = first_active + num_active - 1
   # NOTE: local starts and ends are sorted, so "groups with start < hi" and "groups with end <= lo"
   # are prefixes; searchsorted gives their lengths.
-  starts_before_hi = jnp.searchsorted(starts, tile_hi, side="left").astype(jnp.int32)
+  starts_before_hi = _searchsorted(starts, tile_hi, side="left")
   if finalize_empty_groups:
     # NOTE: a non-empty group is complete in the tile of its last row; an empty one is written in
     # the tile of its (empty) position, clamped into the visited tiles (a position of m is past
@@ -312,18 +322,24 @@ def make_tile_groups(
     # NOTE: groups finalized before tile t are a prefix, so the tile's first group is the first
     # one not yet finalized (it may have started in an earlier tile). The last is the last group
     # starting before the tile's end; the last visited tile also takes every group left.
-    first = jnp.searchsorted(finalize_tile, jnp.arange(tiles_m), side="left").astype(jnp.int32)
+    first = _searchsorted(finalize_tile, jnp.arange(tiles_m), side="left")
     last = jnp.where(jnp.arange(tiles_m) == last_active, num_local_groups - 1, starts_before_hi - 1)
   else:
     finalize_tile = jnp.zeros((num_local_groups,), jnp.int32)
     # NOTE: group g intersects [lo, hi) iff end > lo and start < hi; empty groups inside the range
     # are skipped by the kernel.
-    first = jnp.searchsorted(ends, tile_lo, side="right").astype(jnp.int32)
+    first = _searchsorted(ends, tile_lo, side="right")
     last = starts_before_hi - 1
   load_rank = (jnp.cumsum(nonempty) - 1).astype(jnp.int32)
   num_loads = jnp.sum(nonempty).astype(jnp.int32)
-  # NOTE: stable argsort of "is empty" lists the non-empty groups first, in group order.
-  load_group = jnp.argsort(~nonempty, stable=True).astype(jnp.int32)
+  # NOTE: the non-empty groups first, in group order: each goes to its load rank (a scatter;
+  # empty groups fall outside and are dropped), no sort.
+  slot = jnp.where(nonempty, load_rank, num_local_groups)
+  load_group = (
+    jnp.zeros((num_local_groups,), jnp.int32)
+    .at[slot]
+    .set(jnp.arange(num_local_groups, dtype=jnp.int32), mode="drop")
+  )
   last_load = jnp.maximum(num_loads - 1, 0)
   load_group = jnp.where(
     jnp.arange(num_local_groups) < num_loads, load_group, load_group[last_load]
