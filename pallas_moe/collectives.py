@@ -34,6 +34,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from pallas_moe import _jax_compat
+from pallas_moe.common import host_value
 
 __all__ = [
   "BufferPolicy",
@@ -98,7 +99,8 @@ def _concrete(x) -> np.ndarray | None:
   if isinstance(x, jax.core.Tracer):
     return None
   try:
-    return np.asarray(x)
+    # NOTE: host_value also reads a jax.Array spanning processes (gathered; all processes call it).
+    return host_value(x)
   except Exception:  # noqa: BLE001  (e.g. a tracer wrapped in another type)
     return None
 

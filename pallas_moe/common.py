@@ -25,12 +25,32 @@ LANE = 128
 Interpret = bool | pltpu.InterpretParams | None
 
 
+def host_value(x: Any) -> np.ndarray:
+  """`x` as a host numpy array, also when `x` is a jax.Array that spans several processes.
+
+  `np.asarray` raises on an array with shards on other processes' devices (multi-host, e.g.
+  `jax.distributed.initialize` with a mesh over every process's devices) unless it is fully
+  replicated; such an array is gathered with `multihost_utils.process_allgather`. That gather is a
+  collective: every process must call this with the same array, as with any computation on it.
+  """
+  if (
+    isinstance(x, jax.Array)
+    and not isinstance(x, jax.core.Tracer)
+    and not x.is_fully_addressable
+    and not x.is_fully_replicated
+  ):
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
 def concrete_or_none(x: Any) -> np.ndarray | None:
   """The value of `x` as numpy when it is known at trace time, else None."""
   if x is None:
     return None
   try:
-    return np.asarray(jex_core.concrete_or_error(None, x))
+    return host_value(jex_core.concrete_or_error(None, x))
   except (jax.errors.ConcretizationTypeError, TypeError):
     return None
 

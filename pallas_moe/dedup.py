@@ -31,8 +31,10 @@ brings at least one expert row, and a peer sends at most one row per token).
 Drops (a capacity factor, or an exact buffer on a batch that needs more): a receiver accepts
 rows in its receive layout (by sender, then the sender's token order) while their expert rows
 fit in P; the first row that does not fit and every row after it are dropped, with all of that
-token's choices on that device. A drop is therefore one row actually sent (a token, device pair),
-and `dropped_rows` counts those.
+token's choices on that device. A drop on the wire is one row actually sent (a token, device
+pair: `RaggedPlan.num_dropped`, the block's `aux["dropped_exchange_rows"]`); the block's
+`aux["dropped_rows"]` counts the (token, choice) assignments it did not compute, as the plain
+exchange does: each dropped row's choices on its device (`dropped_pairs`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from pallas_moe import collectives
 
 __all__ = [
   "SendLayout",
+  "dropped_pairs",
   "expand",
   "expected_destinations",
   "extra_words",
@@ -543,6 +546,24 @@ def plan(
   return p, delivered
 
 
+def dropped_pairs(layout: SendLayout, delivered) -> jax.Array:
+  """(token, choice) assignments of this device's tokens that were not computed (int32 scalar).
+
+  A send row its receiver refused takes all of that token's choices on that device with it:
+  the count is the refused rows' `row_pairs`. Counted on the sender (the plain exchange's
+  `num_dropped` on the receiver); summed over the expert axis both give the global count.
+
+  Args:
+    layout: this device's `send_layout`.
+    delivered: [n] bool from `plan`.
+
+  Returns:
+    The number of this device's expert rows (token, choice) dropped by their receiver.
+  """
+  refused = layout.live & ~delivered
+  return jnp.where(refused, layout.row_pairs, 0).sum().astype(jnp.int32)
+
+
 # ---------------------------------------------------------------------------------------------
 # Receiver: expand, reduce; sender: sum home.
 # ---------------------------------------------------------------------------------------------
@@ -633,7 +654,9 @@ def kept_pairs(slot_ids, *, num_local: int, ep: int, pair_rows: int, data: int =
   Returns:
     The keep mask.
   """
-  ids = np.asarray(slot_ids)
+  from pallas_moe.common import host_value
+
+  ids = host_value(slot_ids)  # NOTE: also gathers ids sharded over several processes.
   t_dev = ids.shape[0] // (data * ep)
   keep = np.zeros(ids.shape, bool)
   for a in range(data):

@@ -92,7 +92,8 @@ def main(
       (`MoEConfig.dispatch_quantization`).
 
   Returns:
-    dict with `losses` (per step MSE), `tokens_per_s`, `dropped_rows` (total), `buffer_rows`
+    dict with `losses` (per step MSE), `tokens_per_s`, `dropped_rows` (total (token, choice)
+    assignments not computed, `aux["dropped_rows"]` summed over steps), `buffer_rows`
     (per compiled bucket), `max_over_mean_load` (per step, busiest expert's rows / mean).
   """
   import dataclasses

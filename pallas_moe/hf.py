@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from pallas_moe.common import host_value
 from pallas_moe.config import MoEConfig
 from pallas_moe.moe import place_experts
 from pallas_moe.routing import BIAS_KEY
@@ -78,9 +79,10 @@ def from_hf(
   """One MoE block's params from a Hugging Face state dict.
 
   Args:
-    state_dict: name -> array (numpy, or anything `np.asarray` takes; for torch tensors pass
-      e.g. `{k: v.float().numpy() for k, v in model.state_dict().items()}`). Keys outside
-      `prefix` are ignored, so a whole model's dict works.
+    state_dict: name -> array (numpy, a jax.Array, or anything `np.asarray` takes; for torch
+      tensors pass e.g. `{k: v.float().numpy() for k, v in model.state_dict().items()}`). Keys
+      outside `prefix` are ignored, so a whole model's dict works. A jax.Array sharded over
+      several processes' devices is gathered (a collective: call `from_hf` on every process).
     config: the block's config; it decides which weights must be there (shared experts,
       `shared_expert_gate`, the DeepSeek-V3 bias) and their shapes.
     prefix: the block's prefix, e.g. "model.layers.3.mlp." (a missing final "." is added).
@@ -118,7 +120,7 @@ def from_hf(
       f"from_hf: unexpected {_list(prefix, unexpected)} under prefix={prefix!r}."
       f"{_unexpected_hint(unexpected, config, fused=fused)}"
     )
-  arrays = {n: np.asarray(block[n]) for n in names}
+  arrays = {n: host_value(block[n]) for n in names}
   want = _hf_shapes(config, fam, fused=fused)
   for n, a in arrays.items():
     if a.shape != want[n]:
@@ -146,7 +148,8 @@ def to_hf(
 
   Args:
     params: `init_params`-layout arrays (global shapes; `wi`/`wo` in slot order under
-      `config.expert_placement`, which is undone).
+      `config.expert_placement`, which is undone). jax.Arrays sharded over several processes'
+      devices are gathered to every process (a collective: call `to_hf` on every process).
     config: the block's config.
     family: one of `FAMILIES` (the names to write).
     prefix: the block's prefix, e.g. "model.layers.3.mlp." (a missing final "." is added).
@@ -173,7 +176,7 @@ def to_hf(
       f"to_hf: params for this config have keys {sorted(want)}; missing {missing}, "
       f"unexpected {unexpected}."
     )
-  ours = {k: np.asarray(params[k]) for k in want}
+  ours = {k: host_value(params[k]) for k in want}
   for k, a in ours.items():
     if a.shape != want[k]:
       raise ValueError(

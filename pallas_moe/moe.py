@@ -21,7 +21,8 @@ fewer bytes): instead of sort / dispatch / combine / unsort above, a token cross
 once per destination device with its routing weights and local expert ids packed into the row;
 the receiver expands it into one row per local expert for the gmm (an HBM gather) and sums their
 weighted outputs into one row for the way back; the sender sums the rows that come home over
-devices. Same sums in another order. See `pallas_moe.dedup` (its drops are whole sent rows).
+devices. Same sums in another order. See `pallas_moe.dedup` (it drops whole sent rows, each
+with all of its token's choices on that device).
 `config.dispatch_quantization` ("int8" | "fp8") sends those rows in 8 bits with their scales in
 the same row (`dedup.quantized_dispatch`); the combine and the backward stay in `dtype`.
 
@@ -43,7 +44,9 @@ Receive-buffer rows (a static shape). See `buffer_rows_for`:
   - dropless without `buffer_rows=` (e.g. inside a jit that has no concrete routing): the static
     bound `ep * T * min(k, E_l)` (every token of every peer sends all of its choices that can
     land on one device to this device). Never drops, but is `ep`-times the balanced load.
-  In every mode the block returns `dropped_rows` and `needed_rows` so callers can check.
+  In every mode the block returns `dropped_rows` and `needed_rows` so callers can check:
+  `dropped_rows` counts (token, choice) assignments that were not computed in either exchange
+  (`dropped_exchange_rows` the rows refused on the wire, in the exchange's own unit).
 
 Batch split (`config.batch_split`, MaxText `batch_split_factor`; `batch_split_for`): the router
 runs once over all T tokens, then each of S chunks of T / S consecutive tokens goes through
@@ -705,11 +708,15 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
 
   Returns:
     `(y, aux)`: y [T, d] in `config.dtype`; aux a dict of scalars: `aux_loss` (unweighted
-    load-balancing loss), `dropped_rows` (global count of sent rows that did not fit, over all
-    chunks: (token, choice) rows, or with the deduplicated exchange (token, device) rows, each
-    taking all of the token's choices on that device), `needed_rows` (the largest count of
-    expert rows any device and chunk wanted: the exact dropless buffer of a chunk),
-    `buffer_rows` (the static expert-row buffer of a chunk); and
+    load-balancing loss), `dropped_rows` (global count, over all chunks, of the (token, choice)
+    assignments that were not computed because their row did not fit a receive buffer: the
+    same unit whichever exchange runs, so a drop rate is `dropped_rows / (tokens * top_k)`),
+    `dropped_exchange_rows` (global count of rows refused on the wire, in the exchange's unit:
+    (token, choice) rows in the plain exchange, equal to `dropped_rows`; (token, device) rows
+    with the deduplicated one, each taking all of that token's choices on that device, so
+    `dropped_rows` >= it), `needed_rows` (the largest count of expert rows any device and chunk
+    wanted: the exact dropless buffer of a chunk), `buffer_rows` (the static expert-row buffer
+    of a chunk); and
     `expert_load` [E] int32, the rows routed to each expert over the global batch, in original
     expert order whatever `config.expert_placement` is (for `update_routed_bias`).
   """
@@ -755,7 +762,7 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     for c, ch in enumerate(chunks):
       with _chunk_scope(c, split):
         ch.out = expert_mlp(ch.rows, wi, wo, ch.group_sizes, config=config)
-        ch.dropped = jnp.zeros((), jnp.int32)
+        ch.dropped = ch.dropped_exchange = jnp.zeros((), jnp.int32)
         ch.needed = jnp.asarray(tc * k, jnp.int32)
   elif dedup:
     _pipelined_dedup_exchange(chunks, wi, wo, config=config, buffer_rows=rows_b)
@@ -772,6 +779,7 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
       ys.append(jnp.einsum("tk,tkd->td", ch.weights, per_choice, precision=_HIGHEST))
   sizes = [ch.group_sizes for ch in chunks]
   dropped = [ch.dropped for ch in chunks]
+  dropped_exchange = [ch.dropped_exchange for ch in chunks]
   needed = [ch.needed for ch in chunks]
   y = ys[0] if split == 1 else jnp.concatenate(ys, axis=0)
   # NOTE: the chunks' group sizes are per slot; the aux loss pairs them with the router's probs
@@ -799,6 +807,9 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
       seq_len=config.aux_loss_seq_len,
     ),
     "dropped_rows": _global(functools.reduce(jnp.add, dropped), axes, jax.lax.psum),
+    "dropped_exchange_rows": _global(
+      functools.reduce(jnp.add, dropped_exchange), axes, jax.lax.psum
+    ),
     "needed_rows": _global(functools.reduce(jnp.maximum, needed), axes, jax.lax.pmax),
     "buffer_rows": jnp.asarray(rows_b, jnp.int32),
     "expert_load": _global(group_sizes, axes, jax.lax.psum),
@@ -822,7 +833,10 @@ class _Chunk:
   buf: jax.Array | None = None
   y_buf: jax.Array | None = None
   out: jax.Array | None = None
+  # NOTE: dropped: (token, choice) assignments not computed; dropped_exchange: rows refused on
+  # the wire, in the exchange's unit (the same rows in the plain exchange).
   dropped: jax.Array | None = None
+  dropped_exchange: jax.Array | None = None
   needed: jax.Array | None = None
   # NOTE: the deduplicated path's send rows and their delivery, and its [T, d] f32 result.
   layout: dedup_lib.SendLayout | None = None
@@ -879,7 +893,7 @@ def _fence(send, done):
 def _pipelined_dedup_exchange(
   chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buffer_rows: int
 ) -> None:
-  """`_pipelined_exchange` with deduplicated rows (`pallas_moe.dedup`); fills y, dropped, needed.
+  """`_pipelined_exchange` with deduplicated rows (`pallas_moe.dedup`); fills y, the drops, needed.
 
   `buffer_rows` is the expert-row capacity P of a chunk (as in the plain path); the exchange's
   receive buffer has `min(P, ep * T)` rows. Same trace order and barriers as
@@ -966,11 +980,13 @@ def _pipelined_dedup_exchange(
           poison=poison,
         )
       ch.y = dedup_lib.sum_home(back, ch.layout, ch.delivered, tokens=tc)
-      ch.dropped, ch.needed = ch.plan.num_dropped, ch.plan.needed_rows
+      # NOTE: a refused (token, device) row drops all of its token's choices on that device.
+      ch.dropped = dedup_lib.dropped_pairs(ch.layout, ch.delivered)
+      ch.dropped_exchange, ch.needed = ch.plan.num_dropped, ch.plan.needed_rows
 
 
 def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buffer_rows: int):
-  """Dispatch -> experts -> combine for every chunk; fills out, dropped, needed.
+  """Dispatch -> experts -> combine for every chunk; fills out, the drops, needed.
 
   Traced in pipeline order: all plans, dispatch 0, then for each chunk c: dispatch c+1, experts
   c, combine c. Beyond the data dependences, one barrier per chunk binds XLA's scheduler
@@ -1012,7 +1028,9 @@ def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buff
           ch.y_buf, ch.plan, num_rows=ch.rows.shape[0], axis_name=axis, poison=poison
         )
       ch.out = _mask_dropped(back, ch.plan, ch.sorted_expert)
-      ch.dropped, ch.needed = ch.plan.num_dropped, ch.plan.needed_rows
+      # NOTE: a row here is one (token, choice): both drop counts are the same.
+      ch.dropped = ch.dropped_exchange = ch.plan.num_dropped
+      ch.needed = ch.plan.needed_rows
 
 
 def _mask_dropped(back, plan, sorted_expert):
@@ -1074,7 +1092,14 @@ def moe_layer(
   _check_mesh(mesh, config)
   tok = P((config.data_axis, config.expert_axis))
   fn = functools.partial(moe_block, config=config, buffer_rows=buffer_rows)
-  aux_keys = ("aux_loss", "dropped_rows", "needed_rows", "buffer_rows", "expert_load")
+  aux_keys = (
+    "aux_loss",
+    "dropped_rows",
+    "dropped_exchange_rows",
+    "needed_rows",
+    "buffer_rows",
+    "expert_load",
+  )
   aux_spec = {k: P() for k in aux_keys}
   return jax.shard_map(
     fn,
@@ -1103,7 +1128,8 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
 
   Args:
     params: the params (only `router` is used).
-    x: [tokens, d] the global batch (concrete).
+    x: [tokens, d] the global batch (concrete; may be sharded over several processes'
+      devices: then call this on every process, which all get the same count).
     config: the layer config.
     mesh: the mesh `moe_layer` runs on.
     multiple_of: round the row count up to this.
@@ -1111,9 +1137,13 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
   Returns:
     Rows per device that drop nothing for this batch.
   """
+  from pallas_moe.common import host_value
+
   ep = _check_mesh(mesh, config)
   data = mesh.shape[config.data_axis]
-  ids = np.asarray(_router_ids(config, mesh)(params["router"], params.get(BIAS_KEY), x))
+  # NOTE: on a mesh over several processes the ids span them: host_value gathers them to every
+  # process (a collective; every process calls this helper, as it calls the step).
+  ids = host_value(_router_ids(config, mesh)(params["router"], params.get(BIAS_KEY), x))
   if config.expert_placement is not None:
     # NOTE: a row goes to the device holding its expert's slot (`expert_slots`).
     ids = np.argsort(np.asarray(config.expert_placement))[ids]

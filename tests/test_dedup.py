@@ -89,8 +89,9 @@ def test_no_expert_parallelism_is_the_plain_program():
 
 def test_capacity_factor_drops_sent_rows_exactly_and_poison_never_leaks():
   """With a capacity factor a receiver accepts rows (by sender, then token) while their expert
-  rows fit: the dropped count is the sent (token, device) rows refused, their choices add
-  exactly 0, and NaN-poisoned slack reaches no output or gradient."""
+  rows fit: `dropped_exchange_rows` is the sent (token, device) rows refused, `dropped_rows`
+  their (token, choice) assignments (test_dropped_rows), those add exactly 0, and NaN-poisoned
+  slack reaches no output or gradient."""
   data, ep = 2, 4
   config = MoEConfig(
     **CFG, buffer_factor=1.25, debug_nan_poison=True, dedup_dispatch=True, gmm_impl="ragged_dot"
@@ -105,10 +106,11 @@ def test_capacity_factor_drops_sent_rows_exactly_and_poison_never_leaks():
   # a data slice's 32 fit in 40 expert rows.
   sent = np.asarray(ids)[:, :1] // 4 == 0
   assert sent.all()
-  want_dropped = int((~keep.any(axis=1)).sum())
-  assert want_dropped == 2 * (32 - 10)
+  want_refused = int((~keep.any(axis=1)).sum())
+  assert want_refused == 2 * (32 - 10)
   got = _block_grads(params, x, config, mesh)
-  assert int(got[1]["dropped_rows"]) == want_dropped
+  assert int(got[1]["dropped_exchange_rows"]) == want_refused
+  assert int(got[1]["dropped_rows"]) == int((~keep).sum()) == 4 * want_refused
   for leaf in jax.tree.leaves(got):
     assert np.isfinite(np.asarray(leaf, np.float32)).all()
   _assert_close(got, _ref_grads(params, x, config, keep=jnp.asarray(keep)), F32_TOL)
