@@ -10,7 +10,7 @@ from pallas_moe.collectives import (
   plan_from_send_counts,
   ragged_all_to_all,
 )
-from pallas_moe.config import MoEConfig
+from pallas_moe.config import MoEConfig, MoEModel, MoERun
 from pallas_moe.hf import from_hf, to_hf
 from pallas_moe.moe import (
   dropless_buffer_rows,
@@ -26,6 +26,8 @@ __all__ = [
   "BufferPolicy",
   "GmmPlan",
   "MoEConfig",
+  "MoEModel",
+  "MoERun",
   "QuantizedWeights",
   "RaggedPlan",
   "Tiling",

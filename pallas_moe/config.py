@@ -25,19 +25,23 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_moe.ops import Tiling
+from pallas_moe import hf_keys, keys, maxtext_keys
+from pallas_moe.hf_keys import HF_MODEL_TYPES
+from pallas_moe.tiles import Tiling
 
 __all__ = [
   "AUX_LOSS_DEFINITIONS",
   "HF_MODEL_TYPES",
   "IGNORED_KEYS",
   "MoEConfig",
+  "MoEModel",
+  "MoERun",
   "check_expert_placement",
 ]
 
@@ -53,8 +57,10 @@ _WEIGHT_QUANTIZATIONS = (None, "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MoEConfig:
-  """A Mixture-of-Experts layer: routed SwiGLU experts, optional shared experts.
+class MoEModel:
+  """What the MoE layer is: sizes, routing and its loss, the same on any mesh or chip.
+
+  A checkpoint fixes these (`from_hf` reads them from a config.json).
 
   Attributes:
     num_experts: routed experts.
@@ -87,20 +93,6 @@ class MoEConfig:
       gate logit (`shared_expert_gate`) follows the same flag. `from_dict` of a Mixtral or
       Qwen config.json sets it False (their routers compute logits in the model dtype) unless
       the dict sets it.
-    buffer_factor: None (default): dropless, see `moe.buffer_rows_for`. A float `f`: each
-      device's receive buffer has `ceil(f * tokens_per_device * top_k)` rows; overflowing rows
-      are dropped and counted.
-    gmm_impl: "pallas": `pallas_moe.gmm` on the lowering platform's backend (Mosaic kernels for
-      TPU, XLA's ragged_dot for GPU, interpret mode elsewhere); "mosaic", "interpret" or "xla":
-      `pallas_moe.gmm` on that backend everywhere (its `implementation`); "ragged_dot": plain
-      `jax.lax.ragged_dot` (MaxText's `megablox: false`), no quantized weights.
-    wi_tiling: gmm tiles for the gate/up projection (`Tiling` or None for the heuristic).
-    wo_tiling: gmm tiles for the down projection.
-    data_axis: mesh axis the batch is split over (besides the expert axis).
-    expert_axis: mesh axis the experts are split over.
-    expert_parallelism: expected size of the expert axis (checked against the mesh), or None.
-    dtype: activation and matmul dtype name.
-    weight_dtype: parameter dtype name (`init_params`).
     aux_loss_coef: weight of the load-balancing loss (the block returns it unweighted too).
     aux_loss_definition: which load-balancing loss `aux_loss_coef` multiplies, so that a
       framework's coefficient keeps its strength; the formulas and their sources are in
@@ -121,44 +113,7 @@ class MoEConfig:
       sequences of this length, each device holding whole ones. None: the whole (global) batch
       counts as one sequence, which is "switch" (config.json files do not say the training
       sequence length).
-    weight_quantization: None, "int8" or "fp8": the routed experts' gmms quantize their float
-      weights on the fly (per-expert, per-output-channel scales; straight-through gradients; see
-      `pallas_moe.gmm`). Weights only: activations stay in `dtype`. Not with gmm_impl="ragged_dot".
-      MaxText's `quantization` maps here ("" means None; "int8" and "fp8" also set
-      activation_quantization, "int8w" is weight-only); its other modes are refused.
-    activation_quantization: None, or the weight_quantization dtype: the routed experts' gmms
-      also quantize their input rows per row (one scale per row) and multiply int8 x int8 /
-      fp8 x fp8 where the MXU supports it (straight-through gradients; see `pallas_moe.gmm`).
-    debug_nan_poison: fill unwritten exchange-buffer rows with NaN (debugging).
-    batch_split: split each device's tokens into this many equal chunks, each routed,
-      dispatched, run through the experts and combined on its own, so that one chunk's
-      exchange can overlap another chunk's expert matmuls (MaxText `batch_split_factor`).
-      None (default): `moe.default_batch_split` picks it. Must divide the tokens per device.
-      `from_dict` reads MaxText's `batch_split_factor` unless the same dict has
-      `use_batch_split_schedule: false` (MaxText splits only when that is true).
-      Buffers are per chunk (see `moe.buffer_rows_for`): dropless results equal the unsplit
-      block's; with `buffer_factor`, each chunk drops on its own.
-    expert_placement: None (default: slot j holds expert j) or a permutation of
-      range(num_experts): weight slot j (device j // E_l, E_l = num_experts / expert axis size)
-      holds global expert `expert_placement[j]`. The router, its bias, DeepSeek's groups, the
-      aux loss and `expert_load` keep the original expert ids; only `wi`/`wo` are stored in slot
-      order (`moe.place_experts`). A list or numpy array is stored as a tuple of ints. Get one
-      from `bench.ep.topology_aware_placement` (docs/expert-parallelism.md, "Placing experts on
-      the slice").
-    dedup_dispatch: True: a token crosses the expert exchange once per destination device
-      (not once per routed expert); the receiver expands it into one row per local expert and
-      sums their weighted outputs into one row for the way back (`pallas_moe.dedup`). False:
-      one row per (token, choice) each way. None (default): the step model's verdict for
-      layers it has seen (off where the receiver's extra HBM passes cost more than the
-      exchange saves, e.g. v5p), else True where it moves fewer bytes under uniform routing
-      (`moe.dedup_dispatch_for`; never when E_l = 1 or top_k = 1).
-    dispatch_quantization: None (default), "int8" or "fp8": the forward dispatch sends 8-bit
-      rows (int8: absmax per row; fp8: e4m3 with one f32 scale per 128 columns, as
-      DeepSeek-V3), their f32 scales in the same row; dequantized on arrival. The combine and
-      the backward's exchanges stay in `dtype`; gradients are straight-through
-      (`dedup.quantized_dispatch`). Uses the deduplicated exchange's packed rows, so it turns
-      `dedup_dispatch=None` on (and refuses `dedup_dispatch=False`). No effect without expert
-      parallelism (nothing is exchanged).
+    weight_dtype: parameter dtype name (`init_params`).
   """
 
   num_experts: int
@@ -177,25 +132,10 @@ class MoEConfig:
   topk_group: int = 1
   routed_bias_update_rate: float = 0.0
   float32_gate_logits: bool = True
-  buffer_factor: float | None = None
-  gmm_impl: str = "pallas"
-  wi_tiling: Tiling | None = None
-  wo_tiling: Tiling | None = None
-  data_axis: str = "data"
-  expert_axis: str = "expert"
-  expert_parallelism: int | None = None
-  dtype: str = "float32"
-  weight_dtype: str = "float32"
   aux_loss_coef: float = 0.0
   aux_loss_definition: str = "switch"
   aux_loss_seq_len: int | None = None
-  weight_quantization: str | None = None
-  activation_quantization: str | None = None
-  debug_nan_poison: bool = False
-  batch_split: int | None = None
-  expert_placement: tuple[int, ...] | None = None
-  dedup_dispatch: bool | None = None
-  dispatch_quantization: str | None = None
+  weight_dtype: str = "float32"
 
   def __post_init__(self):
     for name in ("num_experts", "top_k", "d_model", "expert_ffn_dim"):
@@ -230,58 +170,11 @@ class MoEConfig:
     _check_choice("score_func", self.score_func, _SCORE_FUNCS)
     _check_choice("topk_method", self.topk_method, _TOPK_METHODS)
     self._check_routing()
-    _check_choice("gmm_impl", self.gmm_impl, _GMM_IMPLS)
-    _check_choice("weight_quantization", self.weight_quantization, _WEIGHT_QUANTIZATIONS)
-    if self.weight_quantization is not None and self.gmm_impl == "ragged_dot":
-      raise ValueError(
-        f"MoEConfig.weight_quantization={self.weight_quantization!r} needs gmm_impl='pallas' "
-        "(or 'mosaic', 'interpret', 'xla'), not 'ragged_dot': plain ragged_dot has no "
-        "quantized-weight path."
-      )
-    _check_choice("activation_quantization", self.activation_quantization, _WEIGHT_QUANTIZATIONS)
-    if self.activation_quantization not in (None, self.weight_quantization):
-      raise ValueError(
-        f"MoEConfig.activation_quantization={self.activation_quantization!r} needs "
-        f"weight_quantization={self.activation_quantization!r} (got "
-        f"{self.weight_quantization!r}): activations are quantized only together with the "
-        "weights, in the same dtype."
-      )
-    if self.buffer_factor is not None and not self.buffer_factor > 0:
-      raise ValueError(
-        f"MoEConfig.buffer_factor must be None (dropless) or > 0, got {self.buffer_factor!r}."
-      )
-    for name in ("wi_tiling", "wo_tiling"):
-      v = getattr(self, name)
-      if v is not None and not isinstance(v, Tiling):
-        raise TypeError(f"MoEConfig.{name} must be a pallas_moe.Tiling or None, got {v!r}.")
-    for name in ("dtype", "weight_dtype"):
+    for name in ("weight_dtype",):
       try:
         jnp.dtype(getattr(self, name))
       except TypeError:
         raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r} is not a dtype.") from None
-    v = self.batch_split
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-      raise ValueError(
-        f"MoEConfig.batch_split (MaxText batch_split_factor) must be None (the default rule) or "
-        f"an int >= 1, got {v!r}; use 1 for no split."
-      )
-    if not (self.dedup_dispatch is None or isinstance(self.dedup_dispatch, bool)):
-      raise ValueError(
-        f"MoEConfig.dedup_dispatch must be None (auto), True or False, got {self.dedup_dispatch!r}."
-      )
-    _check_choice("dispatch_quantization", self.dispatch_quantization, (None, "int8", "fp8"))
-    if self.dispatch_quantization is not None and self.dedup_dispatch is False:
-      raise ValueError(
-        f"MoEConfig.dispatch_quantization={self.dispatch_quantization!r} sends the deduplicated "
-        "exchange's packed rows: leave dedup_dispatch None (or True), or set "
-        "dispatch_quantization=None."
-      )
-    if self.data_axis == self.expert_axis:
-      raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}.")
-    if self.expert_placement is not None:
-      # NOTE: frozen dataclass: store the checked tuple so the config stays hashable (jit keys).
-      placement = check_expert_placement(self.expert_placement, num_experts=self.num_experts)
-      object.__setattr__(self, "expert_placement", placement)
 
   def _check_routing(self) -> None:
     """Grouped-routing values that neither DeepSeek model defines raise, naming key and fix."""
@@ -364,12 +257,202 @@ class MoEConfig:
     return self.num_shared_experts * per
 
   @property
+  def param_dtype(self):
+    return jnp.dtype(self.weight_dtype)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoERun:
+  """How the MoE layer runs: mesh axes, exchange, buffers, chunks, kernels, tiles and numerics.
+
+  None of these change the parameters' keys or shapes: the same checkpoint runs under any of them.
+
+  Attributes:
+    buffer_factor: None (default): dropless, see `moe.buffer_rows_for`. A float `f`: each
+      device's receive buffer has `ceil(f * tokens_per_device * top_k)` rows; overflowing rows
+      are dropped and counted.
+    gmm_impl: "pallas": `pallas_moe.gmm` on the lowering platform's backend (Mosaic kernels for
+      TPU, XLA's ragged_dot for GPU, interpret mode elsewhere); "mosaic", "interpret" or "xla":
+      `pallas_moe.gmm` on that backend everywhere (its `implementation`); "ragged_dot": plain
+      `jax.lax.ragged_dot` (MaxText's `megablox: false`), no quantized weights.
+    wi_tiling: gmm tiles for the gate/up projection (`Tiling` or None for the heuristic).
+    wo_tiling: gmm tiles for the down projection.
+    data_axis: mesh axis the batch is split over (besides the expert axis).
+    expert_axis: mesh axis the experts are split over.
+    expert_parallelism: expected size of the expert axis (checked against the mesh), or None.
+    dtype: activation and matmul dtype name.
+    weight_quantization: None, "int8" or "fp8": the routed experts' gmms quantize their float
+      weights on the fly (per-expert, per-output-channel scales; straight-through gradients; see
+      `pallas_moe.gmm`). Weights only: activations stay in `dtype`. Not with gmm_impl="ragged_dot".
+      MaxText's `quantization` maps here ("" means None; "int8" and "fp8" also set
+      activation_quantization, "int8w" is weight-only); its other modes are refused.
+    activation_quantization: None, or the weight_quantization dtype: the routed experts' gmms
+      also quantize their input rows per row (one scale per row) and multiply int8 x int8 /
+      fp8 x fp8 where the MXU supports it (straight-through gradients; see `pallas_moe.gmm`).
+    debug_nan_poison: fill unwritten exchange-buffer rows with NaN (debugging).
+    batch_split: split each device's tokens into this many equal chunks, each routed,
+      dispatched, run through the experts and combined on its own, so that one chunk's
+      exchange can overlap another chunk's expert matmuls (MaxText `batch_split_factor`).
+      None (default): `moe.default_batch_split` picks it. Must divide the tokens per device.
+      `from_dict` reads MaxText's `batch_split_factor` unless the same dict has
+      `use_batch_split_schedule: false` (MaxText splits only when that is true).
+      Buffers are per chunk (see `moe.buffer_rows_for`): dropless results equal the unsplit
+      block's; with `buffer_factor`, each chunk drops on its own.
+    expert_placement: None (default: slot j holds expert j) or a permutation of
+      range(num_experts): weight slot j (device j // E_l, E_l = num_experts / expert axis size)
+      holds global expert `expert_placement[j]`. The router, its bias, DeepSeek's groups, the
+      aux loss and `expert_load` keep the original expert ids; only `wi`/`wo` are stored in slot
+      order (`moe.place_experts`). A list or numpy array is stored as a tuple of ints. Get one
+      from `bench.ep.topology_aware_placement` (docs/expert-parallelism.md, "Placing experts on
+      the slice").
+    dedup_dispatch: True: a token crosses the expert exchange once per destination device
+      (not once per routed expert); the receiver expands it into one row per local expert and
+      sums their weighted outputs into one row for the way back (`pallas_moe.dedup`). False:
+      one row per (token, choice) each way. None (default): the step model's verdict for
+      layers it has seen (off where the receiver's extra HBM passes cost more than the
+      exchange saves, e.g. v5p), else True where it moves fewer bytes under uniform routing
+      (`moe.dedup_dispatch_for`; never when E_l = 1 or top_k = 1).
+    dispatch_quantization: None (default), "int8" or "fp8": the forward dispatch sends 8-bit
+      rows (int8: absmax per row; fp8: e4m3 with one f32 scale per 128 columns, as
+      DeepSeek-V3), their f32 scales in the same row; dequantized on arrival. The combine and
+      the backward's exchanges stay in `dtype`; gradients are straight-through
+      (`dedup.quantized_dispatch`). Uses the deduplicated exchange's packed rows, so it turns
+      `dedup_dispatch=None` on (and refuses `dedup_dispatch=False`). No effect without expert
+      parallelism (nothing is exchanged).
+  """
+
+  buffer_factor: float | None = None
+  gmm_impl: str = "pallas"
+  wi_tiling: Tiling | None = None
+  wo_tiling: Tiling | None = None
+  data_axis: str = "data"
+  expert_axis: str = "expert"
+  expert_parallelism: int | None = None
+  dtype: str = "float32"
+  weight_quantization: str | None = None
+  activation_quantization: str | None = None
+  debug_nan_poison: bool = False
+  batch_split: int | None = None
+  expert_placement: tuple[int, ...] | None = None
+  dedup_dispatch: bool | None = None
+  dispatch_quantization: str | None = None
+
+  def __post_init__(self):
+    _check_choice("gmm_impl", self.gmm_impl, _GMM_IMPLS)
+    _check_choice("weight_quantization", self.weight_quantization, _WEIGHT_QUANTIZATIONS)
+    if self.weight_quantization is not None and self.gmm_impl == "ragged_dot":
+      raise ValueError(
+        f"MoEConfig.weight_quantization={self.weight_quantization!r} needs gmm_impl='pallas' "
+        "(or 'mosaic', 'interpret', 'xla'), not 'ragged_dot': plain ragged_dot has no "
+        "quantized-weight path."
+      )
+    _check_choice("activation_quantization", self.activation_quantization, _WEIGHT_QUANTIZATIONS)
+    if self.activation_quantization not in (None, self.weight_quantization):
+      raise ValueError(
+        f"MoEConfig.activation_quantization={self.activation_quantization!r} needs "
+        f"weight_quantization={self.activation_quantization!r} (got "
+        f"{self.weight_quantization!r}): activations are quantized only together with the "
+        "weights, in the same dtype."
+      )
+    if self.buffer_factor is not None and not self.buffer_factor > 0:
+      raise ValueError(
+        f"MoEConfig.buffer_factor must be None (dropless) or > 0, got {self.buffer_factor!r}."
+      )
+    for name in ("wi_tiling", "wo_tiling"):
+      v = getattr(self, name)
+      if v is not None and not isinstance(v, Tiling):
+        raise TypeError(f"MoEConfig.{name} must be a pallas_moe.Tiling or None, got {v!r}.")
+    for name in ("dtype",):
+      try:
+        jnp.dtype(getattr(self, name))
+      except TypeError:
+        raise ValueError(f"MoEConfig.{name}={getattr(self, name)!r} is not a dtype.") from None
+    v = self.batch_split
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+      raise ValueError(
+        f"MoEConfig.batch_split (MaxText batch_split_factor) must be None (the default rule) or "
+        f"an int >= 1, got {v!r}; use 1 for no split."
+      )
+    if not (self.dedup_dispatch is None or isinstance(self.dedup_dispatch, bool)):
+      raise ValueError(
+        f"MoEConfig.dedup_dispatch must be None (auto), True or False, got {self.dedup_dispatch!r}."
+      )
+    _check_choice("dispatch_quantization", self.dispatch_quantization, (None, "int8", "fp8"))
+    if self.dispatch_quantization is not None and self.dedup_dispatch is False:
+      raise ValueError(
+        f"MoEConfig.dispatch_quantization={self.dispatch_quantization!r} sends the deduplicated "
+        "exchange's packed rows: leave dedup_dispatch None (or True), or set "
+        "dispatch_quantization=None."
+      )
+    if self.data_axis == self.expert_axis:
+      raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}.")
+    if self.expert_placement is not None:
+      # NOTE: frozen dataclass: store a tuple so the config stays hashable (jit keys); the
+      # permutation is checked against num_experts by `MoEConfig`.
+      object.__setattr__(self, "expert_placement", _placement_tuple(self.expert_placement))
+
+  @property
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
 
-  @property
-  def param_dtype(self):
-    return jnp.dtype(self.weight_dtype)
+
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MoEModel))
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(MoERun))
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class MoEConfig:
+  """A Mixture-of-Experts layer: what it is (`model`) and how it runs (`run`).
+
+  Built from the fields of both, by keyword, or from the two parts:
+
+    MoEConfig(num_experts=64, top_k=6, d_model=2048, expert_ffn_dim=1408, dtype="bfloat16")
+    MoEConfig(model=MoEModel(...), run=MoERun(expert_axis="ep"))
+    MoEConfig(model=config.model, batch_split=2)   # a part, with fields changed
+
+  Every field of either part reads as an attribute (`config.top_k`, `config.expert_axis`), and
+  `dataclasses.replace(config, field=value)` changes any of them.
+
+  Attributes:
+    model: sizes, routing and the load-balancing loss (`MoEModel`).
+    run: mesh axes, exchange, buffers, chunks, kernels, tiles, numerics (`MoERun`).
+  """
+
+  model: MoEModel
+  run: MoERun
+
+  def __init__(self, *, model: MoEModel | None = None, run: MoERun | None = None, **fields):
+    unknown = sorted(set(fields) - set(MODEL_FIELDS) - set(RUN_FIELDS))
+    if unknown:
+      close = {k: difflib.get_close_matches(k, MODEL_FIELDS + RUN_FIELDS, n=1) for k in unknown}
+      hints = "; ".join(
+        f"{k!r}" + (f" (did you mean {c[0]!r}?)" if c else "") for k, c in close.items()
+      )
+      raise TypeError(
+        f"MoEConfig got unknown fields {hints}. MaxText and Hugging Face names are read by "
+        "MoEConfig.from_dict."
+      )
+    model = _part(MoEModel, model, {k: v for k, v in fields.items() if k in MODEL_FIELDS})
+    run = _part(MoERun, run, {k: v for k, v in fields.items() if k in RUN_FIELDS})
+    if run.expert_placement is not None:
+      placement = check_expert_placement(run.expert_placement, num_experts=model.num_experts)
+      run = dataclasses.replace(run, expert_placement=placement)
+    object.__setattr__(self, "model", model)
+    object.__setattr__(self, "run", run)
+
+  def __getattr__(self, name: str):
+    # NOTE: only reached when normal lookup fails; `model` / `run` themselves are instance
+    # attributes (guarded against recursion while unpickling, before they are set).
+    if name.startswith("__") or name in ("model", "run"):
+      raise AttributeError(name)
+    for part in (self.model, self.run):
+      if hasattr(type(part), name) or name in part.__dataclass_fields__:
+        return getattr(part, name)
+    raise AttributeError(f"MoEConfig has no attribute {name!r}.")
+
+  def as_dict(self) -> dict[str, Any]:
+    """Every field of both parts by name: `MoEConfig(**config.as_dict()) == config`."""
+    return {name: getattr(self, name) for name in MODEL_FIELDS + RUN_FIELDS}
 
   @classmethod
   def from_dict(
@@ -427,7 +510,7 @@ class MoEConfig:
         if check is not None:
           check(raw)
         continue
-      if key in _TILE_KEYS:
+      if key in maxtext_keys.TILE_KEYS:
         if isinstance(raw, bool) or not isinstance(raw, (int, np.integer)) or raw <= 0:
           raise ValueError(
             f"MoEConfig.from_dict: {key!r}={raw!r} must be a positive int (a MaxText tile size)."
@@ -437,7 +520,7 @@ class MoEConfig:
       if family is not None and key in family.aliases:
         field, convert = family.aliases[key]
       elif key in _FIELDS:
-        field, convert = key, _FIELD_CONVERT.get(key, _same)
+        field, convert = key, _FIELD_CONVERT.get(key, keys.same)
       elif key in _ALIASES:
         field, convert = _ALIASES[key]
       elif ignore_unknown:
@@ -446,7 +529,7 @@ class MoEConfig:
         raise ValueError(
           f"MoEConfig.from_dict: {key!r} is a key of Hugging Face {_FAMILY_ONLY_KEYS[key]} "
           "config.json files and its meaning depends on the family; the dict has no "
-          f"'model_type' to say which: add it (one of {sorted(HF_MODEL_TYPES)})."
+          f"'model_type' to say which: add it (one of {sorted(hf_keys.HF_MODEL_TYPES)})."
         )
       elif key in _FAMILY_ONLY_KEYS:
         raise ValueError(
@@ -470,7 +553,7 @@ class MoEConfig:
         family.post(values, put)
     if source.get("weight_quantization") == "quantization":
       # NOTE: MaxText's one key sets both modes; an explicit activation_quantization must agree.
-      act = _MAXTEXT_QUANTIZATION[d["quantization"]][1]
+      act = maxtext_keys.MAXTEXT_QUANTIZATION[d["quantization"]][1]
       # NOTE: read from the dict, not `values`: an explicit None there sets nothing.
       if "activation_quantization" in d and d["activation_quantization"] != act:
         raise ValueError(
@@ -500,7 +583,7 @@ class MoEConfig:
         f"MoEConfig.from_dict: `honour_tiling` must be a bool, got {honour_tiling!r}."
       )
     for proj in ("wi", "wo") if honour_tiling else ():
-      tiling = _tiling_from_maxtext(tiles, proj=proj)
+      tiling = maxtext_keys.tiling_from_maxtext(tiles, proj=proj)
       if tiling is not None:
         field = f"{proj}_tiling"
         if field in values and values[field] != tiling:
@@ -515,6 +598,26 @@ class MoEConfig:
         hints["expert_ffn_dim"].append("intermediate_size (model_type 'mixtral')")
       raise ValueError(f"MoEConfig.from_dict: missing {missing}; accepted names: {hints}.")
     return cls(**values)
+
+
+def _part(cls, part, fields: dict[str, Any]):
+  """`cls(**fields)`, or `part` with `fields` replaced; type-checked."""
+  if part is None:
+    return cls(**fields)
+  if not isinstance(part, cls):
+    raise TypeError(f"MoEConfig: expected a {cls.__name__}, got {type(part).__name__}.")
+  return dataclasses.replace(part, **fields) if fields else part
+
+
+def _placement_tuple(placement) -> tuple:
+  """An expert placement as a tuple (the permutation is checked by `check_expert_placement`)."""
+  if isinstance(placement, (str, bytes, Mapping)) or not hasattr(placement, "__len__"):
+    raise ValueError(
+      f"MoEConfig.expert_placement must be a sequence of ints, got {placement!r}; give a "
+      "permutation of range(num_experts) or None."
+    )
+  items = placement.tolist() if hasattr(placement, "tolist") else placement
+  return tuple(int(v) if isinstance(v, np.integer) else v for v in items)
 
 
 def check_expert_placement(placement, *, num_experts: int) -> tuple[int, ...]:
@@ -565,344 +668,36 @@ def _check_choice(name: str, value, choices) -> None:
     raise ValueError(f"MoEConfig.{name} must be one of {choices}, got {value!r}.")
 
 
-def _dropless_if_nonpositive(v):
-  """MaxText uses -1 for 'not set' (dropless); None and <= 0 mean dropless here."""
-  return None if v is None or float(v) <= 0 else float(v)
+_FIELDS = frozenset(MODEL_FIELDS + RUN_FIELDS)
 
-
-def _activation(v) -> str:
-  # NOTE: MaxText writes SwiGLU as mlp_activations ["silu", "linear"] (gate, up); HF as "silu".
-  if isinstance(v, (list, tuple)):
-    v = tuple(v)
-    if v == ("silu", "linear"):
-      return "swiglu"
-    raise ValueError(f"mlp_activations={list(v)!r}: only ['silu', 'linear'] (SwiGLU) is supported.")
-  if v in ("silu", "swish", "swiglu"):
-    return "swiglu"
-  raise ValueError(f"activation {v!r}: only silu-gated (SwiGLU) experts are supported.")
-
-
-def _true_only(name: str) -> Callable[[Any], Any]:
-  def check(v):
-    if not v:
-      raise ValueError(
-        f"{name}={v!r}: this MoE layer only implements the sparse (grouped matmul) path."
-      )
-    return None
-
-  return check
-
-
-def _routed_bias(v):
-  """MaxText `routed_bias`: True is DeepSeek-V3's noaux_tc; False sets nothing (checked later)."""
-  return "noaux_tc" if v else None
-
-
-def _groups(v):
-  """MaxText's `n_routing_groups` / `topk_routing_group`: -1 (<= 0) means no groups (unset)."""
-  return None if v is None or int(v) <= 0 else int(v)
-
-
-def _shared(v) -> int:
-  return 0 if v is None else int(v)
-
-
-# MaxText `quantization` -> (weight_quantization, activation_quantization). MaxText's "int8" is
-# AQT int8 on both operands of the forward dot (fwd_bits=8, int32 accumulation) and "int8w" its
-# weight-only mode; its "fp8" quantizes inputs and kernels alike.
-_MAXTEXT_QUANTIZATION = {"int8": ("int8", "int8"), "int8w": ("int8", None), "fp8": ("fp8", "fp8")}
-
-
-def _maxtext_quantization(v):
-  """MaxText's `quantization`: "" / None -> not set; else its weight dtype (see from_dict)."""
-  if v is None or v == "":
-    return None
-  if v not in _MAXTEXT_QUANTIZATION:
-    raise ValueError(
-      f"MaxText quantization={v!r} is not supported: only '' (none), 'int8', 'int8w' and 'fp8' "
-      "map to MoEConfig.weight_quantization / activation_quantization (per-channel weight "
-      "scales, per-row activation scales)."
-    )
-  return _MAXTEXT_QUANTIZATION[v][0]
-
-
-def _parallelism(v):
-  return None if v is None or int(v) <= 0 else int(v)
-
-
-def _dtype_name(v) -> str:
-  return jnp.dtype(str(v).removeprefix("torch.")).name
-
-
-_FIELDS = frozenset(f.name for f in dataclasses.fields(MoEConfig))
-
-# alias -> (field, value conversion). A conversion returning None means "not set" (MaxText's -1
-# values) or marks a check-only key (`sparse_matmul`, `routed_bias=False`): nothing is recorded.
-_ALIASES: dict[str, tuple[str, Callable[[Any], Any]]] = {
-  # MaxText
-  "num_experts_per_tok": ("top_k", int),
-  "base_emb_dim": ("d_model", int),
-  "emb_dim": ("d_model", int),
-  "base_moe_mlp_dim": ("expert_ffn_dim", int),
-  "moe_mlp_dim": ("expert_ffn_dim", int),
-  "shared_experts": ("num_shared_experts", _shared),
-  "routed_score_func": ("score_func", lambda v: str(v) if v else None),  # NOTE: "" = unset
-  "routed_bias": ("topk_method", _routed_bias),
-  "n_routing_groups": ("n_group", _groups),
-  "topk_routing_group": ("topk_group", _groups),
-  "mlp_activations": ("activation", _activation),
-  "capacity_factor": ("buffer_factor", _dropless_if_nonpositive),
-  "ragged_buffer_factor": ("buffer_factor", _dropless_if_nonpositive),
-  "megablox": ("gmm_impl", lambda v: "pallas" if v else "ragged_dot"),
-  "sparse_matmul": ("gmm_impl", _true_only("sparse_matmul")),
-  "ici_expert_parallelism": ("expert_parallelism", _parallelism),
-  "load_balance_loss_weight": ("aux_loss_coef", float),
-  "max_target_length": ("aux_loss_seq_len", int),
-  "quantization": ("weight_quantization", _maxtext_quantization),
-  "batch_split_factor": ("batch_split", int),
-  "use_batch_split_schedule": ("batch_split", lambda v: None),  # NOTE: gates the factor (from_dict)
-  # Hugging Face (DeepSeek-V2/V3, Qwen-MoE, Mixtral)
-  "n_routed_experts": ("num_experts", int),
-  "num_local_experts": ("num_experts", int),
-  "hidden_size": ("d_model", int),
-  "moe_intermediate_size": ("expert_ffn_dim", int),
-  "n_shared_experts": ("num_shared_experts", _shared),
-  "scoring_func": ("score_func", str),
-  "hidden_act": ("activation", _activation),
-  "aux_loss_alpha": ("aux_loss_coef", float),
-  "router_aux_loss_coef": ("aux_loss_coef", float),
-  "torch_dtype": ("dtype", _dtype_name),
-  # Both use these names (also fields or not): listed for the error hints.
-  "num_experts": ("num_experts", int),
-  "norm_topk_prob": ("norm_topk_prob", bool),
-  "routed_scaling_factor": ("routed_scaling_factor", float),
-  "topk_method": ("topk_method", str),
+# alias -> (field, value conversion), MaxText's then Hugging Face's (`maxtext_keys`, `hf_keys`).
+_ALIASES: dict[str, tuple[str, keys.Conversion]] = {
+  **maxtext_keys.ALIASES,
+  **hf_keys.ALIASES,
+  **keys.COMMON_ALIASES,
 }
-
 # Keys of MaxText model configs and HF config.json files that are about other layers or about
 # training, not the MoE block. Skipped by from_dict.
-IGNORED_KEYS = frozenset(
-  {
-    # model-wide / attention / embedding (both ecosystems)
-    "vocab_size",
-    "max_position_embeddings",
-    "original_max_position_embeddings",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "rope_theta",
-    "rope_scaling",
-    # MaxText
-    "base_num_query_heads",
-    "base_num_kv_heads",
-    "base_mlp_dim",
-    "base_num_decoder_layers",
-    "first_num_dense_layers",
-    "enable_dropout",
-    "logits_via_embedding",
-    "normalization_layer_epsilon",
-    "decoder_block",
-    "attention_type",
-    "rope_type",
-    "rope_max_timescale",
-    "rope_factor",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "rope_interleave",
-    "rope_truncate",
-    "rope_attention_scaling",
-    "model_name",
-    # Hugging Face
-    "architectures",
-    "auto_map",
-    "model_type",
-    "transformers_version",
-    "attention_bias",
-    "attention_dropout",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "first_k_dense_replace",
-    "moe_layer_freq",
-    "initializer_range",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "num_key_value_heads",
-    "pretraining_tp",
-    "rms_norm_eps",
-    "tie_word_embeddings",
-    "use_cache",
-  }
-)
-
-
-def _same(v):
-  return v
-
-
-def _optional_dtype_name(v):
-  return None if v is None else _dtype_name(v)
-
-
+IGNORED_KEYS = keys.COMMON_IGNORED_KEYS | maxtext_keys.IGNORED_KEYS | hf_keys.IGNORED_KEYS
 # Field names whose value still needs a conversion (transformers 5 writes `dtype`, maybe null).
-_FIELD_CONVERT: dict[str, Callable[[Any], Any]] = {"dtype": _optional_dtype_name}
-
-
-def _hf_groups(v):
-  """HF DeepSeek `n_group` / `topk_group`: null (transformers' V2 default) means no groups."""
-  return None if v is None else int(v)
-
-
-def _width(v):
-  """Qwen2-MoE `shared_expert_intermediate_size`: 0 means no shared expert (unset)."""
-  return None if v is None or int(v) == 0 else int(v)
-
-
-def _must_be(key: str, want, why: str) -> Callable[[Any], None]:
-  def check(v):
-    if v != want and not (want is False and not v):
-      raise ValueError(f"MoEConfig.from_dict: {key}={v!r}: {why}")
-
-  return check
-
-
-@dataclasses.dataclass(frozen=True)
-class _HFFamily:
-  """What one Hugging Face `model_type`'s config.json keys mean for the MoE layer.
-
-  Attributes:
-    name: the `model_type`.
-    keys: whole-model keys accepted and skipped (beyond `IGNORED_KEYS`).
-    checks: key -> a function that raises if the value changes the MoE layer in a way this
-      layer does not implement (the key is skipped otherwise).
-    aliases: key -> (field, conversion), read before the generic `_ALIASES`.
-    fixed: fields the family's modeling code hard-wires (a key saying otherwise raises).
-    defaults: fields set unless a key sets them.
-    post: hook run after all keys, `post(values, put)`.
-  """
-
-  name: str
-  keys: frozenset[str]
-  checks: Mapping[str, Callable[[Any], None]] = dataclasses.field(default_factory=dict)
-  aliases: Mapping[str, tuple[str, Callable[[Any], Any]]] = dataclasses.field(default_factory=dict)
-  fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-  post: Callable[[dict, Callable], None] | None = None
-
-
-# Keys every transformers 5 MoE config.json may write that are not the MoE layer's business.
-# `output_router_logits` is transformers' runtime switch for adding the aux loss to the model's
-# loss; the block always returns the loss and the caller weighs it (`aux_loss_coef`).
-_HF_COMMON = frozenset({"rope_parameters", "head_dim", "output_router_logits"})
-_NO_JITTER = _must_be(
-  "router_jitter_noise",
-  0.0,
-  "Mixtral's training-time multiplicative input jitter is not implemented by this layer; "
-  "set it to 0.",
-)
-# NOTE: the router logits are in the model dtype in transformers' Mixtral and Qwen routers
-# (F.linear on the hidden states, softmax in f32), in f32 in its DeepSeek routers.
-_SOFTMAX_TOPK = {"score_func": "softmax", "topk_method": "greedy"}
-_DEEPSEEK_KEYS = frozenset(
-  {
-    "intermediate_size",  # the dense layers' MLP (first_k_dense_replace)
-    "qk_head_dim",
-    "ep_size",  # DeepSeek's inference code: how many ranks hold the experts
-    "quantization_config",  # checkpoint storage (fp8 blocks), dequantized when converting
-  }
-)
-_DEEPSEEK_CHECKS = {
-  "mlp_bias": _must_be("mlp_bias", False, "this layer's expert and shared MLPs have no bias."),
-}
-_DEEPSEEK_ALIASES = {"n_group": ("n_group", _hf_groups), "topk_group": ("topk_group", _hf_groups)}
-
-
-def _qwen2_shared(values: dict, put: Callable) -> None:
-  """Qwen2-MoE: one shared expert of `shared_expert_intermediate_size`, sigmoid-gated."""
-  if values.get("shared_ffn_dim"):
-    put("num_shared_experts", 1, "shared_expert_intermediate_size")
-    put("shared_expert_gate", True, "model_type")
-
-
-_QWEN_KEYS = frozenset(
-  {
-    "intermediate_size",  # the dense MLP of mlp_only_layers
-    "use_sliding_window",
-    "sliding_window",
-    "max_window_layers",
-    "layer_types",
-    # NOTE: these say WHICH layers are MoE (whole-model layer placement), not what one does.
-    "decoder_sparse_step",
-    "mlp_only_layers",
-  }
-)
-
-HF_MODEL_TYPES: dict[str, _HFFamily] = {
-  f.name: f
-  for f in (
-    _HFFamily(
-      name="mixtral",
-      keys=_HF_COMMON | {"sliding_window", "router_jitter_noise"},
-      checks={"router_jitter_noise": _NO_JITTER},
-      aliases={"intermediate_size": ("expert_ffn_dim", int)},
-      # NOTE: MixtralTopKRouter: softmax, top-k, then always divides by the top-k sum.
-      fixed={**_SOFTMAX_TOPK, "norm_topk_prob": True},
-      defaults={"float32_gate_logits": False},
-    ),
-    _HFFamily(
-      name="qwen2_moe",
-      keys=_HF_COMMON | _QWEN_KEYS | {"qkv_bias"},
-      aliases={"shared_expert_intermediate_size": ("shared_ffn_dim", _width)},
-      fixed=_SOFTMAX_TOPK,
-      defaults={"float32_gate_logits": False},
-      post=_qwen2_shared,
-    ),
-    _HFFamily(
-      name="qwen3_moe",
-      keys=_HF_COMMON | _QWEN_KEYS,
-      fixed=_SOFTMAX_TOPK,
-      defaults={"float32_gate_logits": False},
-    ),
-    # NOTE: transformers' DeepseekV2TopkRouter: softmax, then `topk_method` ("greedy" by
-    # default, or "group_limited_greedy"); its config writes topk_method but no scoring_func.
-    _HFFamily(
-      name="deepseek_v2",
-      keys=_HF_COMMON | _DEEPSEEK_KEYS | {"mlp_bias"},
-      checks=_DEEPSEEK_CHECKS,
-      aliases=_DEEPSEEK_ALIASES,
-      fixed={"score_func": "softmax"},
-    ),
-    # NOTE: transformers' DeepseekV3TopkRouter is always noaux_tc on sigmoid scores; its config
-    # writes neither topk_method nor scoring_func, DeepSeek's published config.json writes both.
-    _HFFamily(
-      name="deepseek_v3",
-      keys=_HF_COMMON | _DEEPSEEK_KEYS | {"rope_interleave", "num_nextn_predict_layers"},
-      checks=_DEEPSEEK_CHECKS,
-      aliases=_DEEPSEEK_ALIASES,
-      fixed={"score_func": "sigmoid", "topk_method": "noaux_tc"},
-    ),
-  )
-}
+_FIELD_CONVERT: dict[str, keys.Conversion] = {"dtype": keys.optional_dtype_name}
 
 # Keys some family knows but whose meaning depends on it: without `model_type` they raise.
 _FAMILY_ONLY_KEYS: dict[str, list[str]] = {}
-for _f in HF_MODEL_TYPES.values():
+for _f in hf_keys.HF_MODEL_TYPES.values():
   for _k in sorted(_f.keys | set(_f.aliases)):
     if _k not in _ALIASES and _k not in _FIELDS:
       _FAMILY_ONLY_KEYS.setdefault(_k, []).append(_f.name)
 
 
-def _hf_family(d: Mapping[str, Any], *, ignore_unknown: bool) -> _HFFamily | None:
+def _hf_family(d: Mapping[str, Any], *, ignore_unknown: bool) -> hf_keys.HFFamily | None:
   if "model_type" not in d:
     return None
-  family = HF_MODEL_TYPES.get(d["model_type"])
+  family = hf_keys.HF_MODEL_TYPES.get(d["model_type"])
   if family is None and not ignore_unknown:
     raise ValueError(
       f"MoEConfig.from_dict: model_type={d['model_type']!r} is not a family this layer "
-      f"reads; supported: {sorted(HF_MODEL_TYPES)} (ignore_unknown=True reads the generic "
+      f"reads; supported: {sorted(hf_keys.HF_MODEL_TYPES)} (ignore_unknown=True reads the generic "
       "names only)."
     )
   return family
@@ -931,46 +726,8 @@ def _shown(key: str, d: Mapping[str, Any], field: str, value) -> str:
   return f"{key!r} (which means {field}={value!r})"
 
 
-_TILE_PASSES = ("fwd", "dlhs", "drhs")
-_TILE_DIMS = ("batch_seq", "embed_dim", "mlp_dim")
-_TILE_KEYS = frozenset(
-  f"{proj}_tile_{p}_{dim}" for proj in ("wi", "wo") for p in _TILE_PASSES for dim in _TILE_DIMS
-)
-# MaxText's defaults for tiles of a pass when only some of its three keys are given.
-_MAXTEXT_TILE_DEFAULT = {"batch_seq": 512, "embed_dim": 1024, "mlp_dim": 1024}
-
-# NOTE: each pass's tiles are (rows, contraction, output columns) of that pass's own matmul:
-# wi fwd  [m, embed] x [embed, mlp]: (batch_seq, embed_dim, mlp_dim)
-# wi dlhs [m, mlp] x [mlp, embed]:   (batch_seq, mlp_dim, embed_dim)
-# wi drhs tgmm over (m, k, n) of wi [embed, mlp]: (batch_seq, embed_dim, mlp_dim)
-# wo is the same with embed and mlp swapped.
-_PASS_ORDER = {
-  ("wi", "fwd"): ("batch_seq", "embed_dim", "mlp_dim"),
-  ("wi", "dlhs"): ("batch_seq", "mlp_dim", "embed_dim"),
-  ("wi", "drhs"): ("batch_seq", "embed_dim", "mlp_dim"),
-  ("wo", "fwd"): ("batch_seq", "mlp_dim", "embed_dim"),
-  ("wo", "dlhs"): ("batch_seq", "embed_dim", "mlp_dim"),
-  ("wo", "drhs"): ("batch_seq", "mlp_dim", "embed_dim"),
-}
-
-
-def _tiling_from_maxtext(tiles: dict[str, int], *, proj: str) -> Tiling | None:
-  """A `Tiling` from MaxText's `{proj}_tile_{pass}_{dim}` keys; None when none is given."""
-  per_pass = {}
-  for p in _TILE_PASSES:
-    keys = {dim: f"{proj}_tile_{p}_{dim}" for dim in _TILE_DIMS}
-    if not any(k in tiles for k in keys.values()):
-      per_pass[p] = None
-      continue
-    got = {dim: tiles.get(k, _MAXTEXT_TILE_DEFAULT[dim]) for dim, k in keys.items()}
-    per_pass[p] = tuple(got[dim] for dim in _PASS_ORDER[(proj, p)])
-  if all(v is None for v in per_pass.values()):
-    return None
-  return Tiling(**per_pass)
-
-
 def _unknown_key_message(key: str) -> str:
-  valid = sorted(_FIELDS | set(_ALIASES) | _TILE_KEYS)
+  valid = sorted(_FIELDS | set(_ALIASES) | maxtext_keys.TILE_KEYS)
   close = difflib.get_close_matches(key, valid + sorted(IGNORED_KEYS), n=1, cutoff=0.6)
   hint = f" Did you mean {close[0]!r}?" if close else ""
   return (

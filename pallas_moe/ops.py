@@ -30,39 +30,7 @@ from pallas_moe import common, quant, xla_gmm
 from pallas_moe import tiling as tiling_lib
 from pallas_moe.gmm import gmm_pallas, gmm_rowtile_pallas
 from pallas_moe.tgmm import tgmm_pallas, tgmm_rowtile_pallas
-
-Tiles = tuple[int, int, int]
-TileFn = Callable[[int, int, int], Tiles | None]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Tiling:
-  """Tiles for each pass of the differentiable gmm.
-
-  Each entry is (tm, tk, tn) in that pass's own (rows, contraction, output columns) coordinates
-  (see the module docstring), a callable (m, k, n) -> (tm, tk, tn) like megablox's tiling LUT, or
-  None for the heuristic. drhs's tm must be a multiple of 128 (or all of m): it is the last dim of
-  tgmm's lhs block. A single (tm, tk, tn) given for all passes has its drhs tm rounded up to that.
-  """
-
-  fwd: Tiles | TileFn | None = None
-  dlhs: Tiles | TileFn | None = None
-  drhs: Tiles | TileFn | None = None
-
-  @classmethod
-  def of(cls, tiling: Tiling | Tiles | TileFn | None) -> Tiling:
-    """A Tiling from a Tiling, one (tm, tk, tn) for all passes, a callable, or None."""
-    if isinstance(tiling, Tiling):
-      return tiling
-    if isinstance(tiling, list):
-      tiling = tuple(tiling)
-    if tiling is None or callable(tiling) or isinstance(tiling, tuple):
-      return cls(fwd=tiling, dlhs=tiling, drhs=_lane_aligned_tm(tiling))
-    raise TypeError(
-      "`tiling` must be a (tm, tk, tn) tuple, a Tiling(fwd=, dlhs=, drhs=), a callable "
-      f"(m, k, n) -> (tm, tk, tn), or None; got {type(tiling).__name__}."
-    )
-
+from pallas_moe.tiles import TileFn, Tiles, Tiling
 
 # Required multiples of (tm, tk, tn) by kernel, from the block layouts:
 # gmm: lhs [tm, tk], rhs [tk, tn] (or [tn, tk]), out [tm, tn].
@@ -376,23 +344,6 @@ class _GmmStatic:
   activation_dtype: str | None = None  # lhs quantized per row in the forward (same as weights).
   narrow_dot: bool = False  # The forward multiplies the narrow values on the MXU (see gmm).
   expected_rows: int | None = None  # The kernels' cost estimates count these rows (see gmm).
-
-
-def _round_tm(tiles: Any) -> Any:
-  if isinstance(tiles, tuple) and len(tiles) == 3 and isinstance(tiles[0], int) and tiles[0] > 0:
-    return (-(-tiles[0] // common.LANE) * common.LANE, *tiles[1:])
-  return tiles
-
-
-def _lane_aligned_tm(spec: Tiles | TileFn | None) -> Tiles | TileFn | None:
-  """drhs tiles from tiles meant for all passes: tm rounded up to a multiple of 128.
-
-  NOTE: tgmm's tm is the lane (last) dim of its [tk, tm] lhs block, so it must be a multiple of
-  128 (or all of m); gmm's tm only needs 8. One tiling given for all passes is adapted here.
-  """
-  if callable(spec):
-    return lambda m, k, n: _round_tm(spec(m, k, n))
-  return _round_tm(spec)
 
 
 def _swap_kn(fn: TileFn) -> TileFn:

@@ -169,7 +169,7 @@ def test_values_and_aliases():
     {**MAXTEXT_DEEPSEEK2_16B, "capacity_factor": -1, "ragged_buffer_factor": 2}
   )
   assert c2.buffer_factor == 2.0
-  own = MoEConfig.from_dict(dataclasses.asdict(c))
+  own = MoEConfig.from_dict(c.as_dict())
   assert own == c
 
 
