@@ -1,5 +1,6 @@
 """pallas_moe: Pallas TPU kernels for Mixture-of-Experts training in JAX."""
 
+from pallas_moe.block_plan import BlockPlan, plan_block
 from pallas_moe.collectives import (
   BufferPolicy,
   RaggedPlan,
@@ -18,11 +19,13 @@ from pallas_moe.moe import (
   moe_block,
   moe_layer,
   place_experts,
+  plan_layer,
 )
 from pallas_moe.ops import GmmPlan, Tiling, gmm, gmm_plan, record_plans, tgmm
 from pallas_moe.quant import QuantizedWeights, dequantize, quantize
 
 __all__ = [
+  "BlockPlan",
   "BufferPolicy",
   "GmmPlan",
   "MoEConfig",
@@ -43,6 +46,8 @@ __all__ = [
   "moe_block",
   "moe_layer",
   "place_experts",
+  "plan_block",
+  "plan_layer",
   "plan_from_group_sizes",
   "plan_from_send_counts",
   "quantize",

@@ -69,15 +69,24 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_moe import batch_split as batch_split_lib
 from pallas_moe import collectives
 from pallas_moe import dedup as dedup_lib
-from pallas_moe import tiling as tiling_lib
+from pallas_moe.block_plan import (
+  BlockPlan,
+  batch_split_for,
+  buffer_rows_for,
+  dedup_dispatch_for,
+  default_batch_split,
+  exchange_bytes_per_token,
+  plan_block,
+)
 from pallas_moe.config import MoEConfig, check_expert_placement
 from pallas_moe.ops import gmm
 from pallas_moe.routing import BIAS_KEY, Routing, route, router_logits, update_routed_bias
+from pallas_moe.tiles import Tiling
 
 __all__ = [
+  "BlockPlan",
   "Routing",
   "aux_loss_probs",
   "batch_split_for",
@@ -93,6 +102,8 @@ __all__ = [
   "moe_layer",
   "param_specs",
   "place_experts",
+  "plan_block",
+  "plan_layer",
   "route",
   "slot_counts_to_experts",
   "sort_by_expert",
@@ -319,6 +330,7 @@ def expert_mlp(
   config: MoEConfig,
   expected_rows: int | None = None,
   row_weights: jax.Array | None = None,
+  tilings: tuple[Tiling | None, Tiling | None] | None = None,
 ) -> jax.Array:
   """SwiGLU experts over rows sorted by (local) expert.
 
@@ -340,18 +352,21 @@ def expert_mlp(
     row_weights: optional [B] f32 per-row scales (routing weights), applied to the activation
       before the down projection: `(w * swiglu(h)) @ wo == w * (swiglu(h) @ wo)`, whose
       gradient for w needs the activation the backward recomputes, not the [B, d] output.
+    tilings: the (gate/up, down) gmms' tiles, as a `BlockPlan` resolved them; None:
+      `config.wi_tiling` / `config.wo_tiling` (None there: gmm's pickers).
 
   Returns:
     [B, d] expert outputs (scaled by `row_weights`).
   """
+  wi_tiling, wo_tiling = tilings or (config.wi_tiling, config.wo_tiling)
   kw = dict(config=config, expected_rows=expected_rows)
-  h = _grouped_matmul(rows, wi, group_sizes, tiling=config.wi_tiling, **kw)
+  h = _grouped_matmul(rows, wi, group_sizes, tiling=wi_tiling, **kw)
   if row_weights is None:
-    return _grouped_matmul(swiglu(h), wo, group_sizes, tiling=config.wo_tiling, **kw)
+    return _grouped_matmul(swiglu(h), wo, group_sizes, tiling=wo_tiling, **kw)
 
   def down(h, wo, group_sizes, row_weights):
     act = (swiglu(h).astype(jnp.float32) * row_weights[:, None]).astype(h.dtype)
-    return _grouped_matmul(act, wo, group_sizes, tiling=config.wo_tiling, **kw)
+    return _grouped_matmul(act, wo, group_sizes, tiling=wo_tiling, **kw)
 
   return jax.checkpoint(down)(h, wo, group_sizes, row_weights)
 
@@ -482,32 +497,6 @@ def aux_loss_probs(routing: Routing, x, router, *, config: MoEConfig):
   return jax.nn.softmax(scores, axis=-1)
 
 
-def buffer_rows_for(
-  config: MoEConfig, *, tokens_per_device: int, expert_parallelism: int, buffer_rows=None
-) -> int:
-  """The static receive-buffer rows the block uses (see the module docstring).
-
-  Args:
-    config: the layer config (`buffer_factor`, `top_k`, `num_experts`).
-    tokens_per_device: T (the tokens of one chunk when the block splits its batch).
-    expert_parallelism: expert-axis size.
-    buffer_rows: an explicit row count (e.g. from `dropless_buffer_rows`); wins when given.
-
-  Returns:
-    Rows per device; with `ep == 1` always `T * top_k` (no exchange, nothing can drop).
-  """
-  t, k, ep = tokens_per_device, config.top_k, expert_parallelism
-  if ep == 1:
-    return max(1, t * k)
-  if buffer_rows is not None:
-    return max(1, int(buffer_rows))
-  if config.buffer_factor is not None:
-    policy = collectives.BufferPolicy.factor(config.buffer_factor)
-    return policy.rows(tokens_per_device=t, top_k=k, axis_size=ep)
-  # NOTE: a token's k experts are distinct, so at most min(k, E_l) of its rows land on a device.
-  return max(1, ep * t * min(k, config.num_experts // ep))
-
-
 # ---------------------------------------------------------------------------------------------
 # The block.
 # ---------------------------------------------------------------------------------------------
@@ -529,163 +518,14 @@ def _vary(x, axes):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def default_batch_split(
-  *,
+def moe_block(
+  params: dict,
+  x: jax.Array,
   config: MoEConfig,
-  tokens_per_device: int,
-  expert_parallelism: int,
-  async_exchange: bool | None = None,
-) -> int:
-  """The number of token chunks `moe_block` uses when `config.batch_split` is None.
-
-  Chunks pay only where the expert exchange compiles async (one chunk's dispatch and combine
-  under another chunk's matmuls). Where it is synchronous (libtpu 0.0.42.1's default; see
-  `batch_split.async_exchange_enabled`) the default is 1; where it is async (libtpu >= 0.0.50's
-  default, or `xla_tpu_enable_async_ragged_all_to_all=true` in `LIBTPU_INIT_ARGS` on 0.0.42.1) it is
-  the chunk count the modeled EP step picked for the layer's dims, expert parallelism, tokens
-  per device and the current TPU generation (`batch_split.MODELED_BATCH_SPLIT`, or
-  `MODELED_BATCH_SPLIT_DEDUP` when the block deduplicates its exchange, `dedup_dispatch_for`; 1
-  for a case the model has not seen). See `pallas_moe.batch_split`.
-
-  Args:
-    config: the layer config.
-    tokens_per_device: T, the tokens of one device.
-    expert_parallelism: the expert-axis size.
-    async_exchange: whether the exchange compiles async; None: `async_exchange_enabled()` (the
-      installed libtpu and `LIBTPU_INIT_ARGS`).
-
-  Returns:
-    An int >= 1 that divides `tokens_per_device`.
-  """
-  if async_exchange is None:
-    async_exchange = batch_split_lib.async_exchange_enabled()
-  return batch_split_lib.modeled_batch_split(
-    num_experts=config.num_experts,
-    top_k=config.top_k,
-    d_model=config.d_model,
-    expert_ffn_dim=config.expert_ffn_dim,
-    expert_parallelism=expert_parallelism,
-    tokens_per_device=tokens_per_device,
-    generation=tiling_lib.current_generation().name,
-    async_exchange=async_exchange,
-    dedup=dedup_dispatch_for(
-      config, expert_parallelism=expert_parallelism, tokens_per_device=tokens_per_device
-    ),
-  )
-
-
-def batch_split_for(config: MoEConfig, *, tokens_per_device: int, expert_parallelism: int) -> int:
-  """The chunk count the block uses: `config.batch_split`, or `default_batch_split` when None.
-
-  Args:
-    config: the layer config.
-    tokens_per_device: T.
-    expert_parallelism: the expert-axis size.
-
-  Returns:
-    The number of chunks; each has `T // chunks` tokens.
-
-  Raises:
-    ValueError: the count does not divide T (names the key and the divisors to pick from).
-  """
-  t = tokens_per_device
-  split = config.batch_split
-  if split is None:
-    split = default_batch_split(
-      config=config, tokens_per_device=t, expert_parallelism=expert_parallelism
-    )
-  if t % split:
-    divisors = [d for d in range(1, min(t, 64) + 1) if t % d == 0]
-    raise ValueError(
-      f"MoEConfig.batch_split (MaxText batch_split_factor)={split} must divide the {t} tokens "
-      f"per device; pick one of {divisors} (or change the batch)."
-    )
-  return split
-
-
-def exchange_bytes_per_token(
-  config: MoEConfig, *, expert_parallelism: int, dedup: bool
-) -> tuple[float, float]:
-  """Expected bytes one token sends in the dispatch and in the combine, under uniform routing.
-
-  Args:
-    config: the layer config (`num_experts`, `top_k`, `d_model`, `dtype`).
-    expert_parallelism: ep.
-    dedup: the deduplicated exchange (`pallas_moe.dedup`) or the plain one.
-
-  Returns:
-    `(dispatch, combine)` bytes, counting every row (a row to the sender's own device too).
-    Plain: k rows of d each way. Dedup: `dedup.expected_destinations` rows each way, the
-    dispatch's carrying the f32 weights and the ids of the row's choices as extra words (with
-    `dispatch_quantization`: 1 B per value plus the f32 scales); every row padded as the TPU
-    exchange pads it (`dedup.wire_row_bytes`).
-  """
-  d, k = config.d_model, config.top_k
-  isz = jnp.dtype(config.compute_dtype).itemsize
-  row = dedup_lib.wire_row_bytes(d, isz)
-  if not dedup:
-    return float(k * row), float(k * row)
-  ep = expert_parallelism
-  rows = dedup_lib.expected_destinations(
-    num_experts=config.num_experts, top_k=k, expert_parallelism=ep
-  )
-  num_local = config.num_experts // ep
-  quant = config.dispatch_quantization
-  if quant is not None:
-    # NOTE: 1 B per value, then f32 scales, f32 weights and int8/int32 ids as raw bytes.
-    ids = k * jnp.dtype(dedup_lib._id_dtype(num_local)).itemsize
-    sent = d + 4 * dedup_lib.scale_columns(d=d, kind=quant) + 4 * k + ids
-    return rows * dedup_lib.wire_row_bytes(sent, 1), rows * row
-  extra = dedup_lib.extra_words(k=k, dt=config.compute_dtype, num_local=num_local)
-  return rows * dedup_lib.wire_row_bytes(d + extra, isz), rows * row
-
-
-def dedup_dispatch_for(
-  config: MoEConfig, *, expert_parallelism: int, tokens_per_device: int | None = None
-) -> bool:
-  """Whether the block deduplicates its exchange (`config.dedup_dispatch`; None: auto).
-
-  Auto: for a layer the step model has seen (`dedup.MODELED_DEDUP`: DeepSeek-V2-Lite,
-  Qwen3-30B-A3B, DeepSeek-V3 dims), its verdict for the current TPU generation, so that no
-  modeled case gets slower (the receiver's expand/reduce passes cost TensorCore time the
-  exchange must pay back; on v5p it does not). Other layers: True where the deduplicated
-  exchange moves fewer bytes (dispatch + combine, uniform routing, `exchange_bytes_per_token`).
-  With E_l = 1 or top_k = 1 a token never has two choices on one device: False.
-  `config.dispatch_quantization` needs it: True.
-
-  Args:
-    config: the layer config.
-    expert_parallelism: ep.
-    tokens_per_device: T (for the modeled verdict); None: the bytes rule.
-
-  Returns:
-    The choice (False for ep = 1: there is no exchange).
-  """
-  if expert_parallelism <= 1:
-    return False
-  if config.dedup_dispatch is not None:
-    return config.dedup_dispatch
-  if config.dispatch_quantization is not None:
-    return True  # NOTE: the 8-bit rows travel in the deduplicated exchange's packed layout.
-  if config.top_k == 1 or config.num_experts // expert_parallelism == 1:
-    return False
-  if tokens_per_device is not None:
-    verdict = dedup_lib.modeled_choice(
-      num_experts=config.num_experts,
-      top_k=config.top_k,
-      d_model=config.d_model,
-      ep=expert_parallelism,
-      tokens=tokens_per_device,
-      generation=tiling_lib.current_generation().name,
-    )
-    if verdict is not None:
-      return verdict
-  plain = sum(exchange_bytes_per_token(config, expert_parallelism=expert_parallelism, dedup=False))
-  dedup = sum(exchange_bytes_per_token(config, expert_parallelism=expert_parallelism, dedup=True))
-  return dedup < plain
-
-
-def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int | None = None):
+  *,
+  buffer_rows: int | None = None,
+  plan: BlockPlan | None = None,
+):
   """The MoE block on one device's tokens (call inside `jax.shard_map`, or plainly for ep = 1).
 
   Expert weights are this device's shard (`E / ep` contiguous slots; slot j holds expert
@@ -693,7 +533,10 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
   over `config.expert_axis` when that axis is bound with size > 1; the load-balancing loss and
   counters are summed over whichever of the data and expert axes are bound.
 
-  With `S = batch_split_for(...)` > 1 chunks, the router runs once over all T tokens (so the
+  Every default (exchange, chunks, buffer rows, tiles) is resolved first, into `plan`
+  (`plan_block`); the data path below consults no table.
+
+  With `S = plan.batch_split` > 1 chunks, the router runs once over all T tokens (so the
   load-balancing loss and `expert_load` are those of the whole batch), then each chunk of
   `T / S` consecutive tokens is sorted, dispatched, run through the experts and combined on its
   own, under `jax.named_scope(f"batch_split_{c}")`. No chunk reads another's results, so XLA may
@@ -705,6 +548,8 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     config: the layer config.
     buffer_rows: static receive-buffer rows of one chunk; None: see `buffer_rows_for` (with
       the chunk's `T / S` tokens).
+    plan: the resolved plan (`plan_block` for these T tokens and this expert axis, or
+      `plan_layer`); None: made here. Its `buffer_rows` wins over the argument.
 
   Returns:
     `(y, aux)`: y [T, d] in `config.dtype`; aux a dict of scalars: `aux_loss` (unweighted
@@ -721,28 +566,26 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     expert order whatever `config.expert_placement` is (for `update_routed_bias`).
   """
   dt = config.compute_dtype
-  k, num_experts = config.top_k, config.num_experts
+  k = config.top_k
   ep = _axis_size(config.expert_axis) or 1
   axes = tuple(a for a in (config.data_axis, config.expert_axis) if _axis_size(a) is not None)
-  if num_experts % ep:
-    raise ValueError(f"num_experts={num_experts} is not divisible by the expert axis size {ep}.")
-  num_local = num_experts // ep
-  if params["wi"].shape[0] != num_local:
+  t = x.shape[0]
+  if plan is None:
+    plan = plan_block(config, tokens_per_device=t, expert_parallelism=ep, buffer_rows=buffer_rows)
+  _check_plan(plan, tokens_per_device=t, expert_parallelism=ep)
+  if params["wi"].shape[0] != plan.num_local_experts:
     raise ValueError(
       f"params['wi'] holds {params['wi'].shape[0]} experts on this device, expected "
-      f"{num_local} = num_experts / expert-axis size; shard it over {config.expert_axis!r}."
+      f"{plan.num_local_experts} = num_experts / expert-axis size; shard it over "
+      f"{config.expert_axis!r}."
     )
-  t = x.shape[0]
-  split = batch_split_for(config, tokens_per_device=t, expert_parallelism=ep)
-  tc = t // split
+  split, tc, rows_b = plan.batch_split, plan.chunk_tokens, plan.buffer_rows
+  tilings = (plan.wi_tiling, plan.wo_tiling)
   x = x.astype(dt)
   routing = route(x, params["router"], config=config, bias=params.get(BIAS_KEY))
   # NOTE: routing in original ids; from here on rows go to weight slots (`expert_slots`).
   slot_ids = expert_slots(routing.expert_ids, placement=config.expert_placement)
   wi, wo = params["wi"].astype(dt), params["wo"].astype(dt)
-  rows_b = buffer_rows_for(
-    config, tokens_per_device=tc, expert_parallelism=ep, buffer_rows=buffer_rows
-  )
   chunks = [
     _Chunk(
       x=x[c * tc : (c + 1) * tc],
@@ -751,23 +594,22 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     )
     for c in range(split)
   ]
-  dedup = ep > 1 and dedup_dispatch_for(config, expert_parallelism=ep, tokens_per_device=t)
   for c, ch in enumerate(chunks):
     with _chunk_scope(c, split):
-      if dedup:
+      if plan.dedup:
         _layout_chunk(ch, config=config, ep=ep)
       else:
         _sort_chunk(ch, config=config)
-  if ep == 1:
+  if plan.exchange == "none":
     for c, ch in enumerate(chunks):
       with _chunk_scope(c, split):
-        ch.out = expert_mlp(ch.rows, wi, wo, ch.group_sizes, config=config)
+        ch.out = expert_mlp(ch.rows, wi, wo, ch.group_sizes, config=config, tilings=tilings)
         ch.dropped = ch.dropped_exchange = jnp.zeros((), jnp.int32)
         ch.needed = jnp.asarray(tc * k, jnp.int32)
-  elif dedup:
-    _pipelined_dedup_exchange(chunks, wi, wo, config=config, buffer_rows=rows_b)
+  elif plan.dedup:
+    _pipelined_dedup_exchange(chunks, wi, wo, config=config, plan=plan)
   else:
-    _pipelined_exchange(chunks, wi, wo, config=config, buffer_rows=rows_b)
+    _pipelined_exchange(chunks, wi, wo, config=config, plan=plan)
   ys = []
   for c, ch in enumerate(chunks):
     with _chunk_scope(c, split):
@@ -815,6 +657,15 @@ def moe_block(params: dict, x: jax.Array, config: MoEConfig, *, buffer_rows: int
     "expert_load": _global(group_sizes, axes, jax.lax.psum),
   }
   return y.astype(dt), aux
+
+
+def _check_plan(plan: BlockPlan, *, tokens_per_device: int, expert_parallelism: int) -> None:
+  if (plan.tokens_per_device, plan.expert_parallelism) != (tokens_per_device, expert_parallelism):
+    raise ValueError(
+      f"moe_block(plan=) was made for T={plan.tokens_per_device} tokens per device and "
+      f"ep={plan.expert_parallelism}, but the block runs T={tokens_per_device} with "
+      f"ep={expert_parallelism}; make it with plan_block / plan_layer for this call."
+    )
 
 
 @dataclasses.dataclass
@@ -891,19 +742,19 @@ def _fence(send, done):
 
 
 def _pipelined_dedup_exchange(
-  chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buffer_rows: int
+  chunks: list[_Chunk], wi, wo, *, config: MoEConfig, plan: BlockPlan
 ) -> None:
   """`_pipelined_exchange` with deduplicated rows (`pallas_moe.dedup`); fills y, the drops, needed.
 
-  `buffer_rows` is the expert-row capacity P of a chunk (as in the plain path); the exchange's
-  receive buffer has `min(P, ep * T)` rows. Same trace order and barriers as
+  `plan.buffer_rows` is the expert-row capacity P of a chunk (as in the plain path); the
+  exchange's receive buffer has `min(P, ep * T)` rows. Same trace order and barriers as
   `_pipelined_exchange`.
   """
   axis = config.expert_axis
   poison = config.debug_nan_poison
   split = len(chunks)
-  ep = int(jax.lax.axis_size(axis))
-  num_local = config.num_experts // ep
+  ep, num_local, buffer_rows = plan.expert_parallelism, plan.num_local_experts, plan.buffer_rows
+  tilings = (plan.wi_tiling, plan.wo_tiling)
   k = config.top_k
   tc = chunks[0].x.shape[0]
   unique_rows = max(1, min(buffer_rows, ep * tc))
@@ -962,13 +813,18 @@ def _pipelined_dedup_exchange(
         num_local=num_local,
         pair_rows=buffer_rows,
       )
-      n = tc * k
-      expected = n if n < rows.shape[0] else None
       prev = src
       # NOTE: the routing weights scale the expert rows' activations inside the MLP, so the
       # weights' gradient does not keep the [P, d] expert outputs for the backward.
       y_rows = expert_mlp(
-        rows, wi, wo, sizes, config=config, expected_rows=expected, row_weights=weight
+        rows,
+        wi,
+        wo,
+        sizes,
+        config=config,
+        expected_rows=plan.expected_rows,
+        row_weights=weight,
+        tilings=tilings,
       )
       y_u = dedup_lib.reduce_rows(y_rows, src=src, weight=None, valid=valid, num_rows=unique_rows)
       with jax.named_scope("combine"):
@@ -985,7 +841,7 @@ def _pipelined_dedup_exchange(
       ch.dropped_exchange, ch.needed = ch.plan.num_dropped, ch.plan.needed_rows
 
 
-def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buffer_rows: int):
+def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, plan: BlockPlan):
   """Dispatch -> experts -> combine for every chunk; fills out, the drops, needed.
 
   Traced in pipeline order: all plans, dispatch 0, then for each chunk c: dispatch c+1, experts
@@ -996,6 +852,8 @@ def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buff
   axis = config.expert_axis
   poison = config.debug_nan_poison
   split = len(chunks)
+  buffer_rows = plan.buffer_rows
+  tilings = (plan.wi_tiling, plan.wo_tiling)
   for c, ch in enumerate(chunks):
     with _chunk_scope(c, split):
       ch.plan = collectives.plan_from_group_sizes(
@@ -1017,11 +875,15 @@ def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, buff
       dispatch(c + 1)
     with _chunk_scope(c, split):
       # NOTE: every device sends its chunk's T*k sorted rows, so a device receives that many
-      # on average (more under skewed routing): the buffer's typical fill, a hint for the tiles.
-      n = ch.rows.shape[0]
-      expected = n if n < buffer_rows else None
+      # on average (more under skewed routing): the buffer's typical fill, the tiles' hint.
       ch.y_buf = expert_mlp(
-        ch.buf, wi, wo, ch.plan.recv_group_sizes, config=config, expected_rows=expected
+        ch.buf,
+        wi,
+        wo,
+        ch.plan.recv_group_sizes,
+        config=config,
+        expected_rows=plan.expected_rows,
+        tilings=tilings,
       )
       with jax.named_scope("combine"):
         back = collectives.combine(
@@ -1066,6 +928,34 @@ def _check_mesh(mesh, config: MoEConfig) -> int:
   return ep
 
 
+def plan_layer(
+  config: MoEConfig, mesh: jax.sharding.Mesh, *, tokens: int, buffer_rows: int | None = None
+) -> BlockPlan:
+  """The `BlockPlan` `moe_layer` runs for `tokens` global tokens on `mesh`, before any data.
+
+    print(plan_layer(config, mesh, tokens=x.shape[0]).describe())
+
+  Args:
+    config: the layer config.
+    mesh: a mesh with `config.data_axis` and `config.expert_axis`.
+    tokens: global tokens (divisible by the mesh's data * expert size).
+    buffer_rows: see `moe_block`.
+
+  Returns:
+    The plan of each device's block (all devices run the same one).
+  """
+  ep = _check_mesh(mesh, config)
+  devices = mesh.shape[config.data_axis] * ep
+  if tokens % devices:
+    raise ValueError(
+      f"moe_layer: {tokens} tokens do not split over the mesh's {config.data_axis!r} x "
+      f"{config.expert_axis!r} = {devices} devices; pad the batch to a multiple of {devices}."
+    )
+  return plan_block(
+    config, tokens_per_device=tokens // devices, expert_parallelism=ep, buffer_rows=buffer_rows
+  )
+
+
 def moe_layer(
   params: dict,
   x: jax.Array,
@@ -1089,9 +979,9 @@ def moe_layer(
   Returns:
     `(y, aux)` as `moe_block`, y global [tokens, d].
   """
-  _check_mesh(mesh, config)
+  plan = plan_layer(config, mesh, tokens=x.shape[0], buffer_rows=buffer_rows)
   tok = P((config.data_axis, config.expert_axis))
-  fn = functools.partial(moe_block, config=config, buffer_rows=buffer_rows)
+  fn = functools.partial(moe_block, config=config, plan=plan)
   aux_keys = (
     "aux_loss",
     "dropped_rows",

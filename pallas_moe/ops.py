@@ -1265,6 +1265,11 @@ def gmm_plan(lhs: Any, rhs: Any, group_sizes: Any, *args: Any, **kwargs: Any) ->
   Returns:
     The plan `gmm` would trace with these arguments.
   """
-  with record_plans() as plans:
+  # NOTE: only this call's recorder: nothing runs, so enclosing `record_plans` see nothing.
+  plans: list[GmmPlan] = []
+  token = _RECORDERS.set((plans,))
+  try:
     jax.eval_shape(lambda *a: gmm(*a, *args, **kwargs), lhs, rhs, group_sizes)
+  finally:
+    _RECORDERS.reset(token)
   return plans[-1]
