@@ -6,7 +6,7 @@
 AOT-compiles `value_and_grad` of the MoE layer's loss (`bench.moe_memory.aot_step_compiled`) for
 each topology, batch split and flag set (the default program; libtpu's async all-to-all flags
 on, `pallas_moe.schedule.ASYNC_COLLECTIVE_OPTIONS`; the same flags off,
-`schedule.SYNC_COLLECTIVE_OPTIONS`), parses the scheduled HLO (`pallas_moe.schedule`) and prints
+`schedule.SYNC_COLLECTIVE_OPTIONS`), parses the scheduled HLO (`bench.hlo_schedule`) and prints
 the libtpu version and one markdown row per (ragged) all-to-all of the entry computation in
 schedule order. What the default program does depends on the libtpu version (see
 `pallas_moe.schedule`). Needs libtpu (the `tpu` extra); no TPU.
@@ -22,6 +22,7 @@ import time
 if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/accel0"):
   os.environ["JAX_PLATFORMS"] = "cpu"
 
+from bench import hlo_schedule  # noqa: E402
 from bench.moe_memory import aot_step_compiled  # noqa: E402
 from pallas_moe import schedule  # noqa: E402
 from pallas_moe.config import MoEConfig  # noqa: E402
@@ -61,7 +62,7 @@ def compiled_schedule(
   compiler_options: dict | None = None,
   tokens_per_device: int = TOKENS_PER_DEVICE,
   overrides: dict | None = None,
-) -> schedule.Schedule:
+) -> hlo_schedule.Schedule:
   """The parsed schedule of the small EP training step.
 
   Args:
@@ -73,7 +74,7 @@ def compiled_schedule(
     overrides: `MoEConfig` fields replacing `SMALL_EP`'s (e.g. a smaller `d_model`).
 
   Returns:
-    `schedule.parse_schedule` of the compiled step.
+    `hlo_schedule.parse_schedule` of the compiled step.
   """
   config = MoEConfig(**{**SMALL_EP, **(overrides or {})}, batch_split=batch_split)
   compiled = aot_step_compiled(
@@ -85,11 +86,11 @@ def compiled_schedule(
     with_value=True,
     compiler_options=compiler_options,
   )
-  return schedule.parse_schedule(compiled.as_text())
+  return hlo_schedule.parse_schedule(compiled.as_text())
 
 
 def trimmed_entry(text: str, *, title: str) -> str:
-  """The entry computation of a scheduled module, cut down to what `schedule` reads.
+  """The entry computation of a scheduled module, cut down to what `hlo_schedule` reads.
 
   Keeps, in schedule order, the collectives and their start/done pairs, while loops and
   `tpu_custom_call`s, each as `name = type opcode(operands)` plus its `op_name` (backend configs,
@@ -103,7 +104,7 @@ def trimmed_entry(text: str, *, title: str) -> str:
   Returns:
     The trimmed module text.
   """
-  parsed = schedule.parse_schedule(text)
+  parsed = hlo_schedule.parse_schedule(text)
   header = next(line for line in text.splitlines() if line.startswith("ENTRY"))
   out = [f"HloModule {title}, is_scheduled=true", "", header.split(" (")[0] + " () -> () {"]
   types = {}
@@ -115,7 +116,7 @@ def trimmed_entry(text: str, *, title: str) -> str:
       break
   for inst in parsed.computations[parsed.entry]:
     base = inst.opcode.removesuffix("-start").removesuffix("-done")
-    if not (base in schedule.COLLECTIVE_KINDS or inst.kernel or inst.opcode == "while"):
+    if not (base in hlo_schedule.COLLECTIVE_KINDS or inst.kernel or inst.opcode == "while"):
       continue
     ops = ", ".join("%" + o for o in inst.operands)
     target = ', custom_call_target="tpu_custom_call"' if inst.kernel else ""
@@ -134,7 +135,7 @@ def _kernels(under: list[str]) -> str:
 
 
 def table(rows: list[tuple[str, str, int, dict]]) -> str:
-  """Markdown: one row per collective of `schedule.summary`, prefixed by its program's keys."""
+  """Markdown: one row per collective of `hlo_schedule.summary`, prefixed by its program's keys."""
   out = [
     "| topology | flags | split | collective | pass, exchange, chunk | async | kernels under it |",
     "|---|---|---|---|---|---|---|",
@@ -190,5 +191,5 @@ if __name__ == "__main__":
           overrides=dict(dedup_dispatch=True) if args.dedup else None,
         )
         print(f"# {topo} {flags} split={split}: compiled in {time.perf_counter() - t0:.1f} s")
-        rows.extend((topo, flags, split, r) for r in schedule.summary(sched))
+        rows.extend((topo, flags, split, r) for r in hlo_schedule.summary(sched))
   print(table(rows))

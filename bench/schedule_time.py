@@ -19,7 +19,7 @@ walks the entry computation in that order with:
   collectives (the plans' small exchanges among them): their output bytes at one link's rate.
 The result is the time the schedule needs under those times: with the same times for two
 programs (e.g. with and without a barrier), it says what their orders cost, which counting the
-kernels under each exchange (`pallas_moe.schedule`) does not. It is not a measurement: the op
+kernels under each exchange (`bench.hlo_schedule`) does not. It is not a measurement: the op
 times are a model, and XLA's own ops are charged by bytes alone.
 """
 
@@ -31,8 +31,9 @@ import json
 import math
 import re
 
+from bench import hlo_schedule
 from bench.aot_step import _logical_lines, cost_estimate
-from pallas_moe import generations, schedule
+from pallas_moe import generations
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 _DTYPE_BYTES.update(
@@ -142,9 +143,9 @@ def _expert_exchange_us(op: Op, rates: Rates) -> float | None:
   """The modeled time of an expert exchange (a ragged all-to-all in the block's `dispatch` or
   `combine` scope, async or not), else None."""
   name = re.search(r'op_name="([^"]*)"', op.line)
-  if "ragged" not in op.line or not name or not schedule.exchange_of(name.group(1)):
+  if "ragged" not in op.line or not name or not hlo_schedule.exchange_of(name.group(1)):
     return None
-  return rates.bwd_exchange_us if schedule.is_backward(name.group(1)) else rates.fwd_exchange_us
+  return rates.bwd_exchange_us if hlo_schedule.is_backward(name.group(1)) else rates.fwd_exchange_us
 
 
 def _by_name(ops: list[Op]) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:

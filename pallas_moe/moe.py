@@ -865,7 +865,7 @@ def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, plan
     rows = ch.rows
     if c >= _FENCE_LAG:
       rows, chunks[c - _FENCE_LAG].out = _fence(rows, chunks[c - _FENCE_LAG].out)
-    # NOTE: the scopes name the two exchanges in op_name metadata (`pallas_moe.schedule`).
+    # NOTE: the scopes name the two exchanges in op_name metadata (`bench.hlo_schedule`).
     with _chunk_scope(c, split), jax.named_scope("dispatch"):
       ch.buf = collectives.dispatch(rows, ch.plan, axis_name=axis, poison=poison)
 

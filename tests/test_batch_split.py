@@ -3,7 +3,7 @@
 The split block runs the router once over all of a device's tokens, then sorts, dispatches, runs
 the experts and combines each chunk on its own. Dropless, it must give the unsplit block's
 outputs, aux values and gradients; buffers (and so drops under a capacity factor) are per chunk.
-What the compiled TPU program overlaps is in tests/test_schedule.py.
+What the compiled TPU program overlaps is in tests/test_schedule.py (bench's HLO reader).
 """
 
 from __future__ import annotations
@@ -129,24 +129,29 @@ def test_config_name_alias_and_errors():
     jax.eval_shape(lambda p, x: moe.moe_layer(p, x, odd, _mesh(2, 4)), params, x)
 
 
+def test_libtpu_version_and_its_default():
+  import importlib.metadata
+
+  from pallas_moe import schedule
+
+  v = schedule.libtpu_version()
+  assert v is not None, "the test extra installs libtpu (jax[tpu])"
+  assert ".".join(map(str, v)) == importlib.metadata.version("libtpu")
+  assert not schedule.ragged_async_by_default((0, 0, 42, 1))
+  assert schedule.ragged_async_by_default((0, 0, 50, 1))
+  assert schedule.ragged_async_by_default((0, 0, 52))
+  assert not schedule.ragged_async_by_default(())
+  # NOTE: jax 0.10.2 pins libtpu 0.0.42.1, jax 0.12.0.1 pins 0.0.50.1.
+  assert schedule.ragged_async_by_default() == (v[:3] >= (0, 0, 50))
+
+
 def test_default_chunks_follow_the_model_only_where_the_exchange_is_async():
-  """The library's table is `bench.ep`'s modeled choice, keyed by the layer's dims; it applies
-  only where the exchange compiles async (synchronous exchanges hide nothing under chunks):
-  libtpu's default from 0.0.50, else `xla_tpu_enable_async_ragged_all_to_all=true`."""
-  from bench import ep as ep_model
-  from bench.shapes import SHAPES
+  """The library's table (keyed by the layer's dims; tests/test_bench_ep_step.py checks it is
+  `bench.ep`'s modeled choice) applies only where the exchange compiles async (synchronous
+  exchanges hide nothing under chunks): libtpu's default from 0.0.50, else
+  `xla_tpu_enable_async_ragged_all_to_all=true`."""
   from pallas_moe import batch_split, schedule, tiling
 
-  mapped = {
-    (SHAPES[m].num_groups, SHAPES[m].top_k, SHAPES[m].k, SHAPES[m].n, ep, t, chip): c
-    for (m, ep, t, chip), c in ep_model.DEFAULT_BATCH_SPLIT.items()
-  }
-  assert batch_split.MODELED_BATCH_SPLIT == mapped
-  mapped_dedup = {
-    (SHAPES[m].num_groups, SHAPES[m].top_k, SHAPES[m].k, SHAPES[m].n, ep, t, chip): c
-    for (m, ep, t, chip), c in ep_model.DEFAULT_BATCH_SPLIT_DEDUP.items()
-  }
-  assert batch_split.MODELED_BATCH_SPLIT_DEDUP == mapped_dedup
   ragged, a2a = batch_split.ASYNC_EXCHANGE_FLAGS
   env = lambda args: {"LIBTPU_INIT_ARGS": args}
   # libtpu 0.0.42.1: synchronous unless the ragged exchange's flag is set true (the all-to-all

@@ -1,4 +1,6 @@
-"""bench.ep, the modeled EP step: the ICI hop model, the wire bytes, the pipeline bound, the CLI."""
+"""bench.ep, the modeled EP step: the ICI hop model, the wire bytes, the pipeline bound, the CLI,
+its expert placements (as `MoEConfig.expert_placement` takes them) and its chunk counts (as
+`pallas_moe.batch_split` holds them)."""
 
 import json
 
@@ -9,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from bench import ep
+from pallas_moe.config import MoEConfig
 
 
 def _uniform(n, b=1.0):
@@ -188,3 +191,28 @@ def test_topology_aware_placement_is_a_block_permutation_that_helps_zipf_on_a_me
   ids = np.random.default_rng(1).integers(0, e, (16, 6))
   slot = np.argsort(order)[ids]
   np.testing.assert_array_equal(w[order][slot], w[ids])
+
+
+def test_topology_aware_placement_is_accepted():
+  """bench.ep's order for a Zipf-skewed small case is a permutation the config takes."""
+  rng = np.random.default_rng(0)
+  counts = rng.zipf(1.5, size=(4, 8))
+  order = ep.topology_aware_placement(send_counts=counts, chip="v6e", iters=50)
+  config = MoEConfig(num_experts=8, top_k=2, d_model=32, expert_ffn_dim=16, expert_placement=order)
+  assert config.expert_placement == tuple(order.tolist())
+
+
+def test_library_batch_split_tables_are_the_modeled_choice():
+  """`pallas_moe.batch_split`'s tables are `bench.ep`'s modeled chunk counts, keyed by the
+  layer's dims instead of the model's name (tests/test_batch_split.py: where they apply)."""
+  from bench.shapes import SHAPES
+  from pallas_moe import batch_split
+
+  def by_dims(table):
+    return {
+      (SHAPES[m].num_groups, SHAPES[m].top_k, SHAPES[m].k, SHAPES[m].n, e, t, chip): c
+      for (m, e, t, chip), c in table.items()
+    }
+
+  assert batch_split.MODELED_BATCH_SPLIT == by_dims(ep.DEFAULT_BATCH_SPLIT)
+  assert batch_split.MODELED_BATCH_SPLIT_DEDUP == by_dims(ep.DEFAULT_BATCH_SPLIT_DEDUP)

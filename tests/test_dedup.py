@@ -9,7 +9,6 @@ Pallas gmm runs in one case).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ from test_moe import (
   _setup,
 )
 
-from pallas_moe import dedup, moe, reference, schedule
+from pallas_moe import dedup, moe, reference
 from pallas_moe.config import MoEConfig
 
 # NOTE: float32 rounding of a sum of n terms in another order differs by about n * eps relative
@@ -161,73 +160,6 @@ def test_pack_roundtrip_keeps_bits():
     np.testing.assert_array_equal(np.asarray(wb).view(np.uint32), np.asarray(w).view(np.uint32))
     np.testing.assert_array_equal(np.asarray(ib), np.asarray(ids))
     np.testing.assert_array_equal(np.asarray(xb, np.float32), np.asarray(x, np.float32))
-
-
-@pytest.mark.aot
-@pytest.mark.parametrize("gen", ["v5e", "v6e"])
-def test_dedup_step_compiles_for_tpu(gen):
-  """The native path (TPU ragged-all-to-all, Pallas gmm) of a deduplicated training step
-  compiles ahead of time for a 2x4 topology, EP 8, and what its schedule overlaps.
-
-  Each chunk's exchange is one native ragged-all-to-all each way (4 per chunk with the
-  backward's transposes), never decomposed. Where the exchange is async (libtpu >= 0.0.50's
-  default) each chunk's forward gmms run under another chunk's exchange: the block keeps XLA
-  from fusing the chunks' receiver passes into one (which made both chunks wait for both
-  dispatches). The weight gradients run under the backward's last dispatch on v5e, after every
-  exchange on v6e. libtpu 0.0.42.1's default program: every exchange synchronous."""
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from bench.moe_memory import aot_step_compiled
-
-  config = MoEConfig(
-    num_experts=64,
-    top_k=6,
-    d_model=256,
-    expert_ffn_dim=256,
-    dtype="bfloat16",
-    weight_dtype="bfloat16",
-    buffer_factor=2.0,
-    dedup_dispatch=True,
-    batch_split=2,
-  )
-  compiled = aot_step_compiled(
-    topology=f"{gen}:2x4", data=1, ep=8, tokens_per_device=128, config=config
-  )
-  text = compiled.as_text()
-  assert compiled.memory_analysis().temp_size_in_bytes > 0
-  s = schedule.parse_schedule(text)
-  ragged = [a for a in s.async_collectives if a.kind == "ragged-all-to-all"]
-  ragged_sync = [c for c in s.sync_collectives if c.kind == "ragged-all-to-all"]
-  where = sorted(
-    (schedule.is_backward(c.op_name), schedule.exchange_of(c.op_name), schedule.chunk_of(c.op_name))
-    for c in ragged + ragged_sync
-  )
-  assert where == sorted(
-    (b, ex, c) for b in (False, True) for ex in ("dispatch", "combine") for c in (0, 1)
-  ), schedule.summary(s)
-  assert not {"collective-permute", "all-gather"} & {a.kind for a in s.async_collectives}
-  # NOTE: a forward gmm is fed by its own chunk's dispatch only (no fusion across chunks).
-  entry = {i.name: i for i in s.computations[s.entry]}
-  gmms = [k for k in s.kernels if k.name in entry and k.kernel == "pallas_moe_gmm_rowtile"]
-  fwd_gmms = [k for k in gmms if not schedule.is_backward(k.op_name)]
-  assert len(fwd_gmms) == 4
-  for k in fwd_gmms:
-    seen, todo = set(), [k.name]
-    while todo:
-      n = todo.pop()
-      if n not in seen and n in entry:
-        seen.add(n)
-        todo.extend(entry[n].operands)
-    fed = {schedule.chunk_of(entry[n].op_name) for n in seen if "ragged" in entry[n].opcode}
-    assert fed == {schedule.chunk_of(k.op_name)}, (k.name, fed)
-  if not schedule.ragged_async_by_default():
-    assert not ragged, schedule.summary(s)
-    return
-  pairs = schedule.cross_chunk_overlaps(s)
-  assert [k for a, k in pairs if not schedule.is_backward(k.op_name)], schedule.summary(s)
-  last = max(ragged, key=lambda a: a.start_index)
-  assert schedule.is_backward(last.op_name) and schedule.exchange_of(last.op_name) == "dispatch"
-  tgmm_under = [k for k in last.kernels_under if k.kernel == "pallas_moe_tgmm_rowtile"]
-  assert len(tgmm_under) == (4 if gen == "v5e" else 0), schedule.summary(s)
 
 
 def test_quantize_rows_error_bounds():

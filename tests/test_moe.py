@@ -260,12 +260,40 @@ def test_demo_loss_falls():
   assert result["tokens_per_s"] > 0
 
 
+def _aot_training_step(config, *, topology: str, data: int, ep: int, tokens_per_device: int):
+  """`jit(grad(sum(y**2) + aux_loss))` of `moe_layer`, compiled ahead of time for a TPU topology
+  from this CPU host (abstract operands, the topology's chip's tiles)."""
+  from jax.experimental import topologies
+
+  from pallas_moe import tiling
+
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+  mesh = jax.sharding.Mesh(
+    np.array(topo.devices).reshape(data, ep),
+    (config.data_axis, config.expert_axis),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+  )
+  params = jax.eval_shape(lambda: moe.init_params(jax.random.key(0), config))
+  p_shard, x_shard = moe.shardings(config, mesh, params)
+  params = {
+    k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=p_shard[k]) for k, v in params.items()
+  }
+  x = jax.ShapeDtypeStruct(
+    (tokens_per_device * data * ep, config.d_model), config.compute_dtype, sharding=x_shard
+  )
+
+  def loss(p, x):
+    y, aux = moe.moe_layer(p, x, config, mesh)
+    return jnp.sum(jnp.square(y.astype(jnp.float32))) + aux["aux_loss"]
+
+  with jax.default_device(topo.devices[0]), tiling.use_generation(topology.split(":")[0]):
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+
+
 @pytest.mark.aot
 def test_training_step_compiles_for_v5e_2x4_ep8():
   """One training step, compiled ahead of time for a v5e:2x4 TPU topology, EP=8."""
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  from bench.moe_memory import aot_step_temp_bytes
-
   # NOTE: DeepSeek-V2-Lite's routing (64 experts, top-6, 2 shared) at reduced widths: Mosaic
   # compiles every kernel for real; `python -m bench.moe_memory` does the full-width layer.
   config = MoEConfig(
@@ -274,7 +302,8 @@ def test_training_step_compiles_for_v5e_2x4_ep8():
     weight_dtype="bfloat16",
     buffer_factor=2.0,
   )
-  temp = aot_step_temp_bytes(topology="v5e:2x4", data=1, ep=8, tokens_per_device=128, config=config)
+  compiled = _aot_training_step(config, topology="v5e:2x4", data=1, ep=8, tokens_per_device=128)
+  temp = compiled.memory_analysis().temp_size_in_bytes
   print(f"v5e:2x4 EP=8 MoE training step temp bytes: {temp}")
   assert temp > 0
 

@@ -16,7 +16,6 @@ import pytest
 from kernel_testing import reorder_tolerance
 from test_moe import SMALL, _adversarial, _block_grads, _mesh, _setup
 
-from bench import ep as bench_ep
 from pallas_moe import moe
 from pallas_moe.config import MoEConfig
 from pallas_moe.routing import BIAS_KEY
@@ -131,12 +130,3 @@ def test_config_stores_a_tuple_and_from_dict_reads_the_key():
 def test_bad_placements_raise(placement, match):
   with pytest.raises(ValueError, match=match):
     MoEConfig(**SMALL, expert_placement=placement)
-
-
-def test_topology_aware_placement_is_accepted():
-  """bench.ep's order for a Zipf-skewed small case is a permutation the config takes."""
-  rng = np.random.default_rng(0)
-  counts = rng.zipf(1.5, size=(4, 8))
-  order = bench_ep.topology_aware_placement(send_counts=counts, chip="v6e", iters=50)
-  config = MoEConfig(**SMALL, expert_placement=order)
-  assert config.expert_placement == tuple(order.tolist())

@@ -1,4 +1,4 @@
-"""Tests for pallas_moe.schedule: the scheduled-HLO parser, and what the compiled EP step overlaps.
+"""Tests for bench.hlo_schedule, the scheduled-HLO parser, and what the compiled EP step overlaps.
 
 The parser tests read `tests/data/ep_step_v5e_split2_async.hlo.txt`: the entry computation of a
 real v5e:2x4 AOT compile of the EP training step (`bench.ep_schedule`'s config, batch_split=2,
@@ -18,23 +18,29 @@ the installed libtpu does (`schedule.ragged_async_by_default`):
   makes every exchange synchronous;
 - batch_split=2 in the program where the exchange is async (the flags on 0.0.42.1, the default
   from 0.0.50): in the forward and in the backward, a chunk's exchange is in flight while
-  another chunk's gmm runs.
+  another chunk's gmm runs;
+- the deduplicated exchange (`MoEConfig.dedup_dispatch`) with batch_split=2: each forward gmm is
+  fed by its own chunk's dispatch only, and where the exchange is async another chunk's forward
+  gmms run under it.
 """
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
 
+from bench import hlo_schedule
 from pallas_moe import schedule
+from pallas_moe.config import MoEConfig
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "ep_step_v5e_split2_async.hlo.txt"
 
 
 @pytest.fixture(scope="module")
 def fixture_schedule():
-  return schedule.parse_schedule(FIXTURE.read_text())
+  return hlo_schedule.parse_schedule(FIXTURE.read_text())
 
 
 def test_fixture_async_exchanges_and_their_chunks(fixture_schedule):
@@ -44,7 +50,11 @@ def test_fixture_async_exchanges_and_their_chunks(fixture_schedule):
   # fwd dispatch + combine and their two transposes, for each of the 2 chunks.
   assert len(ragged) == 8
   labels = sorted(
-    (schedule.is_backward(a.op_name), schedule.exchange_of(a.op_name), schedule.chunk_of(a.op_name))
+    (
+      hlo_schedule.is_backward(a.op_name),
+      hlo_schedule.exchange_of(a.op_name),
+      hlo_schedule.chunk_of(a.op_name),
+    )
     for a in ragged
   )
   assert labels == sorted(
@@ -60,12 +70,12 @@ def test_fixture_kernels_and_what_runs_under_each_exchange(fixture_schedule):
   names = sorted(k.kernel for k in s.kernels)
   # fwd: wi and wo gmm per chunk; bwd: two dlhs gmms and two tgmms per chunk.
   assert names == ["pallas_moe_gmm_rowtile"] * 8 + ["pallas_moe_tgmm_rowtile"] * 4
-  rows = {(r["where"], r["kind"]): r for r in schedule.summary(s)}
+  rows = {(r["where"], r["kind"]): r for r in hlo_schedule.summary(s)}
   fwd_dispatch_0 = rows[("fwd dispatch chunk 0", "ragged-all-to-all")]
   assert fwd_dispatch_0["async"]
   assert fwd_dispatch_0["kernels_under"] == ["pallas_moe_gmm_rowtile (fwd chunk 1)"] * 2
-  pairs = schedule.cross_chunk_overlaps(s)
-  assert {schedule.is_backward(a.op_name) for a, _ in pairs} == {False, True}
+  pairs = hlo_schedule.cross_chunk_overlaps(s)
+  assert {hlo_schedule.is_backward(a.op_name) for a, _ in pairs} == {False, True}
   # The one synchronous all-to-all XLA left (nothing to put under it).
   kinds = [c.kind for c in s.sync_collectives]
   assert kinds == ["all-reduce", "all-to-all", "all-reduce", "all-reduce"]
@@ -103,13 +113,13 @@ def test_synthetic_wrapped_collective_nested_kernel_and_sync():
   """async-start wrapping a collective counts; copies do not; a kernel inside a while body
   scheduled in the window is under it; an all-reduce without start/done is synchronous; a
   kernel without op_name is named by its instruction."""
-  s = schedule.parse_schedule(SYNTHETIC)
+  s = hlo_schedule.parse_schedule(SYNTHETIC)
   assert s.entry == "main"
   (a,) = s.async_collectives
   assert (a.kind, a.start.name, a.done.name) == ("all-gather", "as", "ad")
   assert [k.kernel for k in a.kernels_under] == ["pallas_moe_tgmm_rowtile"]
   assert [
-    (p.start.name, k.name) for p, k in schedule.cross_chunk_overlaps(s, kinds=("all-gather",))
+    (p.start.name, k.name) for p, k in hlo_schedule.cross_chunk_overlaps(s, kinds=("all-gather",))
   ] == [("as", "k")]
   (r,) = s.sync_collectives
   assert (r.kind, r.instruction.name, r.computation) == ("all-reduce", "r", "main")
@@ -118,7 +128,7 @@ def test_synthetic_wrapped_collective_nested_kernel_and_sync():
 
 def test_no_entry_raises():
   with pytest.raises(ValueError, match="no ENTRY"):
-    schedule.parse_schedule("HloModule m\n")
+    hlo_schedule.parse_schedule("HloModule m\n")
 
 
 # --- AOT: the compiled EP training step ------------------------------------------------------
@@ -138,24 +148,10 @@ def _step(gen: str, *, batch_split: int, options, **kwargs):
   )
 
 
-def _ragged(s: schedule.Schedule):
+def _ragged(s: hlo_schedule.Schedule):
   return [a for a in s.async_collectives if a.kind == "ragged-all-to-all"], [
     c for c in s.sync_collectives if c.kind == "ragged-all-to-all"
   ]
-
-
-def test_libtpu_version_and_its_default():
-  import importlib.metadata
-
-  v = schedule.libtpu_version()
-  assert v is not None, "the test extra installs libtpu (jax[tpu])"
-  assert ".".join(map(str, v)) == importlib.metadata.version("libtpu")
-  assert not schedule.ragged_async_by_default((0, 0, 42, 1))
-  assert schedule.ragged_async_by_default((0, 0, 50, 1))
-  assert schedule.ragged_async_by_default((0, 0, 52))
-  assert not schedule.ragged_async_by_default(())
-  # NOTE: jax 0.10.2 pins libtpu 0.0.42.1, jax 0.12.0.1 pins 0.0.50.1.
-  assert schedule.ragged_async_by_default() == (v[:3] >= (0, 0, 50))
 
 
 # NOTE: from libtpu 0.0.50 the exchange is async in the default program (measured: 0.0.50.1,
@@ -164,12 +160,14 @@ ASYNC_DEFAULT = schedule.ragged_async_by_default()
 ASYNC_PROGRAM = None if ASYNC_DEFAULT else schedule.ASYNC_COLLECTIVE_OPTIONS
 
 
-def _check_tgmm_under_last_exchange(s: schedule.Schedule):
+def _check_tgmm_under_last_exchange(s: hlo_schedule.Schedule):
   asyncs, syncs = _ragged(s)
-  assert len(asyncs) + len(syncs) == 4, schedule.summary(s)
+  assert len(asyncs) + len(syncs) == 4, hlo_schedule.summary(s)
   last = max(asyncs, key=lambda a: a.start_index)
-  assert all(c.index < last.start_index for c in syncs), schedule.summary(s)
-  assert schedule.is_backward(last.op_name) and schedule.exchange_of(last.op_name) == "dispatch"
+  assert all(c.index < last.start_index for c in syncs), hlo_schedule.summary(s)
+  assert (
+    hlo_schedule.is_backward(last.op_name) and hlo_schedule.exchange_of(last.op_name) == "dispatch"
+  )
   assert [k.kernel for k in last.kernels_under] == ["pallas_moe_tgmm_rowtile"] * 2
   return asyncs, syncs
 
@@ -186,17 +184,17 @@ def test_unsplit_step_exchanges(gen):
   default = _step(gen, batch_split=1, options=None, **TINY)
   if ASYNC_DEFAULT:
     asyncs, syncs = _check_tgmm_under_last_exchange(default)
-    assert (len(asyncs), len(syncs)) == (4, 0), schedule.summary(default)
+    assert (len(asyncs), len(syncs)) == (4, 0), hlo_schedule.summary(default)
     assert [a.kind for a in default.async_collectives] == ["ragged-all-to-all"] * 4
     assert [c.kind for c in default.sync_collectives].count("all-to-all") == 4
     off = _step(gen, batch_split=1, options=schedule.SYNC_COLLECTIVE_OPTIONS, **TINY)
     asyncs, syncs = _ragged(off)
-    assert (len(asyncs), len(syncs)) == (0, 4), schedule.summary(off)
-    assert not off.async_collectives, schedule.summary(off)
+    assert (len(asyncs), len(syncs)) == (0, 4), hlo_schedule.summary(off)
+    assert not off.async_collectives, hlo_schedule.summary(off)
   else:
     asyncs, syncs = _ragged(default)
-    assert (len(asyncs), len(syncs)) == (0, 4), schedule.summary(default)
-    assert not default.async_collectives, schedule.summary(default)
+    assert (len(asyncs), len(syncs)) == (0, 4), hlo_schedule.summary(default)
+    assert not default.async_collectives, hlo_schedule.summary(default)
     _check_tgmm_under_last_exchange(
       _step(gen, batch_split=1, options=schedule.ASYNC_COLLECTIVE_OPTIONS, **TINY)
     )
@@ -211,16 +209,16 @@ def test_split_step_overlaps_chunks(gen):
   s = _step(gen, batch_split=2, options=ASYNC_PROGRAM)
   asyncs, syncs = _ragged(s)
   assert len(asyncs) + len(syncs) == 8
-  pairs = schedule.cross_chunk_overlaps(s)
-  fwd = [(a, k) for a, k in pairs if not schedule.is_backward(a.op_name)]
-  bwd = [(a, k) for a, k in pairs if schedule.is_backward(a.op_name)]
-  assert fwd, schedule.summary(s)
-  assert bwd, schedule.summary(s)
+  pairs = hlo_schedule.cross_chunk_overlaps(s)
+  fwd = [(a, k) for a, k in pairs if not hlo_schedule.is_backward(a.op_name)]
+  bwd = [(a, k) for a, k in pairs if hlo_schedule.is_backward(a.op_name)]
+  assert fwd, hlo_schedule.summary(s)
+  assert bwd, hlo_schedule.summary(s)
   for _, k in fwd:
-    assert not schedule.is_backward(k.op_name)  # the forward's gmms, not the backward's
+    assert not hlo_schedule.is_backward(k.op_name)  # the forward's gmms, not the backward's
 
 
-def _exchange_spans(s: schedule.Schedule) -> dict[tuple[str, str, int], tuple[int, int]]:
+def _exchange_spans(s: hlo_schedule.Schedule) -> dict[tuple[str, str, int], tuple[int, int]]:
   """(pass, exchange, chunk) -> (start, done) positions of each expert exchange in the entry."""
   spans = {}
   for a in s.async_collectives:
@@ -234,9 +232,9 @@ def _exchange_spans(s: schedule.Schedule) -> dict[tuple[str, str, int], tuple[in
 
 def _where(op_name: str) -> tuple[str, str, int]:
   return (
-    "bwd" if schedule.is_backward(op_name) else "fwd",
-    schedule.exchange_of(op_name),
-    schedule.chunk_of(op_name),
+    "bwd" if hlo_schedule.is_backward(op_name) else "fwd",
+    hlo_schedule.exchange_of(op_name),
+    hlo_schedule.chunk_of(op_name),
   )
 
 
@@ -250,10 +248,87 @@ def test_split_step_keeps_two_chunks_in_flight(gen, dedup):
   another's exchange, in both passes."""
   s = _step(gen, batch_split=4, options=ASYNC_PROGRAM, overrides=dict(dedup_dispatch=dedup))
   spans = _exchange_spans(s)
-  assert len(spans) == 16, schedule.summary(s)
+  assert len(spans) == 16, hlo_schedule.summary(s)
   for c in (2, 3):
-    assert spans["fwd", "dispatch", c][0] > spans["fwd", "combine", c - 2][1], schedule.summary(s)
-    assert spans["bwd", "combine", c - 2][0] > spans["bwd", "dispatch", c][1], schedule.summary(s)
-  pairs = schedule.cross_chunk_overlaps(s)
-  assert any(not schedule.is_backward(a.op_name) for a, _ in pairs), schedule.summary(s)
-  assert any(schedule.is_backward(a.op_name) for a, _ in pairs), schedule.summary(s)
+    assert spans["fwd", "dispatch", c][0] > spans["fwd", "combine", c - 2][1], hlo_schedule.summary(
+      s
+    )
+    assert spans["bwd", "combine", c - 2][0] > spans["bwd", "dispatch", c][1], hlo_schedule.summary(
+      s
+    )
+  pairs = hlo_schedule.cross_chunk_overlaps(s)
+  assert any(not hlo_schedule.is_backward(a.op_name) for a, _ in pairs), hlo_schedule.summary(s)
+  assert any(hlo_schedule.is_backward(a.op_name) for a, _ in pairs), hlo_schedule.summary(s)
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("gen", ["v5e", "v6e"])
+def test_dedup_split_step_compiles_for_tpu_and_overlaps_chunks(gen):
+  """The native path (TPU ragged-all-to-all, Pallas gmm) of a deduplicated training step
+  compiles ahead of time for a 2x4 topology, EP 8, and what its schedule overlaps.
+
+  Each chunk's exchange is one native ragged-all-to-all each way (4 per chunk with the
+  backward's transposes), never decomposed. Where the exchange is async (libtpu >= 0.0.50's
+  default) each chunk's forward gmms run under another chunk's exchange: the block keeps XLA
+  from fusing the chunks' receiver passes into one (which made both chunks wait for both
+  dispatches). The weight gradients run under the backward's last dispatch on v5e, after every
+  exchange on v6e. libtpu 0.0.42.1's default program: every exchange synchronous."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from bench.moe_memory import aot_step_compiled
+
+  config = MoEConfig(
+    num_experts=64,
+    top_k=6,
+    d_model=256,
+    expert_ffn_dim=256,
+    dtype="bfloat16",
+    weight_dtype="bfloat16",
+    buffer_factor=2.0,
+    dedup_dispatch=True,
+    batch_split=2,
+  )
+  compiled = aot_step_compiled(
+    topology=f"{gen}:2x4", data=1, ep=8, tokens_per_device=128, config=config
+  )
+  text = compiled.as_text()
+  assert compiled.memory_analysis().temp_size_in_bytes > 0
+  s = hlo_schedule.parse_schedule(text)
+  ragged = [a for a in s.async_collectives if a.kind == "ragged-all-to-all"]
+  ragged_sync = [c for c in s.sync_collectives if c.kind == "ragged-all-to-all"]
+  where = sorted(
+    (
+      hlo_schedule.is_backward(c.op_name),
+      hlo_schedule.exchange_of(c.op_name),
+      hlo_schedule.chunk_of(c.op_name),
+    )
+    for c in ragged + ragged_sync
+  )
+  assert where == sorted(
+    (b, ex, c) for b in (False, True) for ex in ("dispatch", "combine") for c in (0, 1)
+  ), hlo_schedule.summary(s)
+  assert not {"collective-permute", "all-gather"} & {a.kind for a in s.async_collectives}
+  # NOTE: a forward gmm is fed by its own chunk's dispatch only (no fusion across chunks).
+  entry = {i.name: i for i in s.computations[s.entry]}
+  gmms = [k for k in s.kernels if k.name in entry and k.kernel == "pallas_moe_gmm_rowtile"]
+  fwd_gmms = [k for k in gmms if not hlo_schedule.is_backward(k.op_name)]
+  assert len(fwd_gmms) == 4
+  for k in fwd_gmms:
+    seen, todo = set(), [k.name]
+    while todo:
+      n = todo.pop()
+      if n not in seen and n in entry:
+        seen.add(n)
+        todo.extend(entry[n].operands)
+    fed = {hlo_schedule.chunk_of(entry[n].op_name) for n in seen if "ragged" in entry[n].opcode}
+    assert fed == {hlo_schedule.chunk_of(k.op_name)}, (k.name, fed)
+  if not schedule.ragged_async_by_default():
+    assert not ragged, hlo_schedule.summary(s)
+    return
+  pairs = hlo_schedule.cross_chunk_overlaps(s)
+  assert [k for a, k in pairs if not hlo_schedule.is_backward(k.op_name)], hlo_schedule.summary(s)
+  last = max(ragged, key=lambda a: a.start_index)
+  assert (
+    hlo_schedule.is_backward(last.op_name) and hlo_schedule.exchange_of(last.op_name) == "dispatch"
+  )
+  tgmm_under = [k for k in last.kernels_under if k.kernel == "pallas_moe_tgmm_rowtile"]
+  assert len(tgmm_under) == (4 if gen == "v5e" else 0), hlo_schedule.summary(s)
