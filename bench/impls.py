@@ -862,8 +862,8 @@ def pallas_moe_step_scale(
   Our gmm visits (group, m-tile) pairs from `metadata.make_schedule`, including fill visits that
   only write zeros / existing_out; tgmm also visits empty groups once. An active visit multiplies
   each `sub_m`-row sub-block of its m-tile that holds a row of its group and skips the others
-  (`metadata.mxu_rows` is the same count; tests check it against the kernels' interpret-mode
-  `count_rows` instrumentation). The kernel body holds one sub-block dot inside a loop over the
+  (`tests/kernel_testing.mxu_rows` is the same count; tests check it against the kernels'
+  interpret-mode `probe.count_rows`). The kernel body holds one sub-block dot inside a loop over the
   hit sub-blocks, twice over for gmm with a ragged last k tile (masked and unmasked branches, one
   runs); the cost model counts each dot once per step, so the hook scales by hits / branches.
 
@@ -1057,14 +1057,13 @@ def rowtile_hooks(
   """Cost-model hooks of the row-tile kernels, from their prefetched schedule.
 
   MXU: each step multiplies, for every group of its tile, the sub_m-row sub-blocks holding the
-  group's rows (the same count as `metadata.rowtile_mxu_rows`, checked against the kernels'
-  `count_rows`). gmm: its sub-block dot runs once per pass, and its widened last-pass dot of
-  sub_m + tail rows (`metadata.merge_tail_rows`; where the kernel has one) once per widened
-  pass; the model counts each once per step, so step_scale = the rows pushed over their rows
-  together (a dot costs its rows). tgmm: its
-  three dots (the group's first sub-block, an interior run, a single sub-block;
-  `rowtile_tgmm_dots`) run as often as that function counts; step_scale is their padded work
-  over the body's (one of each). Manual DMA:
+  group's rows (the same count as `tests/kernel_testing.rowtile_mxu_rows`, checked against the
+  kernels' `probe.count_rows`). gmm: its sub-block dot runs once per pass, and its widened
+  last-pass dot of sub_m + tail rows (`metadata.merge_tail_rows`; where the kernel has one)
+  once per widened pass; the model counts each once per step, so step_scale = the rows pushed
+  over their rows together (a dot costs its rows). tgmm: its three dots (the group's first
+  sub-block, an interior run, a single sub-block; `rowtile_tgmm_dots`) run as often as that
+  function counts; step_scale is their padded work over the body's (one of each). Manual DMA:
   gmm loads a group's [k, tn] weight block, tgmm writes a group's [tk, tn] output block; each
   is spread over the sub-block work between the points the kernel starts and waits for it, or
   exposed when there is none (`tiling.rowtile_manual_dma`). The row blocks (gmm's lhs and

@@ -13,8 +13,8 @@ outside the model"). This module
    with instruction counts per class (`classify`);
 3. gives every node an execution count: static loops from their compiled exit test, the
    kernel's dynamic loops (groups of a tile, sub-blocks of a group) and its once-per-group
-   regions from the kernel's own prefetched metadata, as the `count_rows` hooks in
-   `bench.impls` compute them (`trip_counts`);
+   regions from the kernel's own prefetched metadata, as the hooks in `bench.impls` (checked
+   against `probe.count_rows`) compute them (`trip_counts`);
 4. reports static issue cycles (one bundle issues per cycle), MXU-busy cycles and their ratio
    (`report`).
 
@@ -559,7 +559,7 @@ def kernel_counts(*, kernel: str, ctx, case) -> KernelCounts:
 
   Row-tile kernels (prefetch: offsets, first group, last group, ...): per step the group loop
   runs last - first + 1 times, the sub-block loop once per sub-block hit (`case.step_scale`, the
-  hook checked against the kernels' `count_rows`); a weight load (gmm) or an accumulator's
+  hook checked against the kernels' `probe.count_rows`); a weight load (gmm) or an accumulator's
   write-out (tgmm) runs once per group and sweep. The tgmm (`case.tgmm_dots`) has two sub-block
   loops, single sub-blocks and interior runs, each with its own total, writes a non-empty
   group's first sub-block's product in a region once per group and sweep, and zeroes the

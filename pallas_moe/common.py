@@ -259,9 +259,10 @@ def run_kernel(build: Callable[[Interpret], Callable[..., Any]], interpret: Inte
 
 
 def check_instrumented(interpret: Interpret) -> None:
-  """count_rows instrumentation writes SMEM counters that only interpret mode returns."""
+  """The row-count probe (`probe.count_rows`) reads SMEM counters that only interpret mode
+  returns."""
   if interpret is None or interpret is False:
-    raise ValueError("count_rows is an interpret-mode instrumentation; pass interpret=True.")
+    raise ValueError("probe.count_rows is an interpret-mode instrumentation; pass interpret=True.")
 
 
 def check_sub_m(sub_m: int | None, tm: int) -> int:
@@ -270,37 +271,6 @@ def check_sub_m(sub_m: int | None, tm: int) -> int:
   if tm % sub_m:
     raise ValueError(f"sub_m={sub_m} must divide tm={tm}.")
   return sub_m
-
-
-def present_operands(*pairs: tuple[Any, Any]) -> tuple[list[Any], list[Any]]:
-  """(operands, in_specs) of the (array, BlockSpec) pairs whose array is not None, in order.
-
-  NOTE: optional inputs (scales, existing_out) are passed only when present; the kernel finds
-  its refs again with `split_refs` and the same presence flags.
-  """
-  kept = [(x, spec) for x, spec in pairs if x is not None]
-  return [x for x, _ in kept], [spec for _, spec in kept]
-
-
-def split_refs(refs, *, inputs: tuple[bool, ...], outputs: int, scratch: int):
-  """A kernel's refs after its prefetch refs, by role.
-
-  Args:
-    refs: the refs Pallas passes the kernel after the scalar-prefetch refs.
-    inputs: for each possible input, in `present_operands` order, whether it was passed.
-    outputs: number of outputs (the result, and the counts with `count_rows`).
-    scratch: number of scratch refs.
-
-  Returns:
-    (inputs, outputs, scratch): a list with one ref per possible input (None where absent), a
-    list of the output refs and a list of the scratch refs.
-  """
-  num_in = sum(inputs)
-  if len(refs) != num_in + outputs + scratch:
-    raise ValueError(f"kernel got {len(refs)} refs, expected {num_in} + {outputs} + {scratch}")
-  given = iter(refs[:num_in])
-  ins = [next(given) if present else None for present in inputs]
-  return ins, list(refs[num_in : num_in + outputs]), list(refs[num_in + outputs :])
 
 
 def call_kernel(
@@ -345,7 +315,7 @@ def call_kernel(
     alias_last_operand: the output reuses the last operand's buffer (existing_out) when compiled.
     alias_when_interpreted: also in interpret mode (a kernel that leaves output blocks unwritten
       relies on it; see the NOTE below for the simulator's ragged-block restriction).
-    counts_shape: interpret-mode instrumentation (`count_rows`): the shape of an extra int32
+    counts_shape: interpret-mode instrumentation (`probe.count_rows`): the shape of an extra int32
       output in SMEM that the kernel fills with its counts; returned beside the result.
     valid_counts: with `counts_shape`, a [counts_shape[-1]] mask of the entries along the last
       axis that belong to a grid step (the visit kernels' padded visit axis); others are zeroed.

@@ -191,33 +191,6 @@ def make_schedule(
   )
 
 
-def mxu_rows(schedule: Schedule, *, group_offset: jax.Array | int, tm: int, sub_m: int):
-  """Rows the kernels push through the MXU for one sweep over k and n, from the schedule.
-
-  A compute visit multiplies each sub_m-row sub-block of its m-tile that holds a row of its group
-  (`gmm.gmm_pallas` / `tgmm.tgmm_pallas` skip the others). This is the count a cost model uses at
-  full size; the kernels' `count_rows` instrumentation measures the same thing by running them.
-
-  Args:
-    schedule: from `make_schedule`.
-    group_offset: the shard's first global group.
-    tm: m-tile size.
-    sub_m: rows per MXU pass (divides tm).
-
-  Returns:
-    [] int32 total rows.
-  """
-  real = jnp.arange(schedule.max_visits) < schedule.num_visits
-  active = (schedule.visit_active == 1) & real
-  group = schedule.visit_group + jnp.asarray(group_offset, jnp.int32)
-  start = schedule.group_offsets[group]
-  end = schedule.group_offsets[group + 1]
-  lo = schedule.visit_m_tile[:, None] * tm + jnp.arange(0, tm, sub_m)[None, :]
-  # NOTE: sub-block [lo, lo + sub_m) is multiplied iff it intersects the group's [start, end).
-  hit = active[:, None] & (lo < end[:, None]) & (lo + sub_m > start[:, None])
-  return jnp.sum(hit).astype(jnp.int32) * sub_m
-
-
 # ------------------------------------------------------------------------------------------------
 # Row-tile schedules: the grid walks m-tiles only; each step loops over the groups in its tile.
 #
@@ -492,51 +465,6 @@ def group_pass_rows(
     start, end, sub_m=sub_m, align=align, tail=tail, tm=tm, cover_end=cover_end
   )
   return passes * sub_m - merged * (sub_m - tail)
-
-
-def rowtile_mxu_rows(
-  tile_groups: TileGroups,
-  *,
-  group_offset: jax.Array | int,
-  m: int,
-  tm: int,
-  sub_m: int,
-  align: int | None = None,
-  tail: int = 0,
-) -> jax.Array:
-  """Rows the row-tile kernels push through the MXU for one sweep over n (and k), per m-tile.
-
-  Each non-empty local group multiplies, in every tile it intersects, the sub_m-row passes that
-  cover its rows there (`group_passes`), its last two as one widened pass where gmm runs them
-  so (`group_pass_plan`). This is the count the cost model uses at full size; the kernels'
-  `count_rows` instrumentation measures it by running them.
-
-  Args:
-    tile_groups: from `make_tile_groups`.
-    group_offset: the shard's first global group.
-    m: rows.
-    tm: m-tile size.
-    sub_m: rows per MXU pass (divides tm).
-    align: the passes' alignment (`pass_align`); None: sub_m (the sub_m grid).
-    tail: gmm's `merge_tail_rows` (0: sub_m-row passes only, as tgmm, whose rows are the
-      contraction).
-
-  Returns:
-    [tiles_m] int32 rows.
-  """
-  num_local = tile_groups.load_rank.shape[0]
-  goff = jnp.asarray(group_offset, jnp.int32).reshape(())
-  starts = jax.lax.dynamic_slice_in_dim(tile_groups.group_offsets, goff, num_local)
-  ends = jax.lax.dynamic_slice_in_dim(tile_groups.group_offsets, goff + 1, num_local)
-  row0 = jnp.arange(cdiv(m, tm))[:, None] * tm
-  # NOTE: each group's rows in each tile, in tile coordinates; an empty intersection (or an
-  # empty group, even when its position is inside the tile) multiplies nothing.
-  s = jnp.clip(starts[None, :] - row0, 0, tm)
-  e = jnp.clip(ends[None, :] - row0, 0, tm)
-  rows = group_pass_rows(
-    s, e, sub_m=sub_m, align=sub_m if align is None else align, tail=tail, tm=tm
-  )
-  return jnp.sum(jnp.where(e > s, rows, 0), axis=1).astype(jnp.int32)
 
 
 RAMP_MAX_CHUNKS = 8

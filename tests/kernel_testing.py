@@ -1,8 +1,9 @@
-"""Shared test helpers: float64 numpy loops, hypothesis strategies, interpret modes."""
+"""Shared test helpers: float64 numpy loops, hypothesis strategies, interpret modes, shapes."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_moe import _jax_compat
+from pallas_moe import _jax_compat, metadata
 
 # The two interpret modes every kernel test runs under: plain HLO interpretation, and the TPU
 # simulator (memory spaces, DMAs, out-of-bounds reads raise, uninitialized memory is NaN).
@@ -21,6 +22,26 @@ INTERPRET_MODES = {
 }
 # The simulator with the race detector and 2 cores, so "parallel" grid axes are split.
 RACE_PARAMS = _jax_compat.interpret_params(detect_races=True, num_cores_or_threads=2)
+
+
+class ModelShape(NamedTuple):
+  """One device's grouped matmul of a benchmark model: rows m = tokens x top_k, k = d_model, n =
+  the expert ffn width, num_groups local experts."""
+
+  m: int
+  k: int
+  n: int
+  num_groups: int
+
+
+# The four benchmark models of docs/design.md ("Benchmark shapes") at their native token counts,
+# as bench/shapes.py has them (tests/test_bench_shapes.py checks the two agree).
+MODEL_SHAPES = {
+  "mixtral-8x7b": ModelShape(m=16384 * 2, k=4096, n=14336, num_groups=8),
+  "deepseek-v2-lite": ModelShape(m=16384 * 6, k=2048, n=1408, num_groups=64),
+  "qwen3-30b-a3b": ModelShape(m=16384 * 8, k=2048, n=768, num_groups=128),
+  "deepseek-v3": ModelShape(m=32768 * 8, k=7168, n=2048, num_groups=256),
+}
 
 
 def np_gmm(lhs, rhs, group_sizes, *, group_offset=0, existing_out=None, transpose_rhs=False):
@@ -173,3 +194,80 @@ def pushed_rows_per_tile(starts, ends, *, tiles, tm, sub_m, align):
       if e > s and e_t > s_t:
         rows[t] += pushed_rows(s_t, e_t, e_t, sub_m=sub_m, align=align, tail=0, tm=tm)
   return rows
+
+
+# The rows the kernels push through the MXU, derived from their schedules (the kernels'
+# row-count probe, `probe.count_rows`, measures the same by running them).
+
+
+def mxu_rows(schedule: metadata.Schedule, *, group_offset: jax.Array | int, tm: int, sub_m: int):
+  """Rows the kernels push through the MXU for one sweep over k and n, from the schedule.
+
+  A compute visit multiplies each sub_m-row sub-block of its m-tile that holds a row of its group
+  (`gmm.gmm_pallas` / `tgmm.tgmm_pallas` skip the others). This is the count a cost model uses at
+  full size; the kernels' row-count probe (`probe.count_rows`) measures the same thing by running
+  them.
+
+  Args:
+    schedule: from `metadata.make_schedule`.
+    group_offset: the shard's first global group.
+    tm: m-tile size.
+    sub_m: rows per MXU pass (divides tm).
+
+  Returns:
+    [] int32 total rows.
+  """
+  real = jnp.arange(schedule.max_visits) < schedule.num_visits
+  active = (schedule.visit_active == 1) & real
+  group = schedule.visit_group + jnp.asarray(group_offset, jnp.int32)
+  start = schedule.group_offsets[group]
+  end = schedule.group_offsets[group + 1]
+  lo = schedule.visit_m_tile[:, None] * tm + jnp.arange(0, tm, sub_m)[None, :]
+  # NOTE: sub-block [lo, lo + sub_m) is multiplied iff it intersects the group's [start, end).
+  hit = active[:, None] & (lo < end[:, None]) & (lo + sub_m > start[:, None])
+  return jnp.sum(hit).astype(jnp.int32) * sub_m
+
+
+def rowtile_mxu_rows(
+  tile_groups: metadata.TileGroups,
+  *,
+  group_offset: jax.Array | int,
+  m: int,
+  tm: int,
+  sub_m: int,
+  align: int | None = None,
+  tail: int = 0,
+) -> jax.Array:
+  """Rows the row-tile kernels push through the MXU for one sweep over n (and k), per m-tile.
+
+  Each non-empty local group multiplies, in every tile it intersects, the sub_m-row passes that
+  cover its rows there (`metadata.group_passes`), its last two as one widened pass where gmm runs
+  them so (`metadata.group_pass_plan`). This is the count the cost model uses at full size; the
+  kernels' row-count probe (`probe.count_rows`) measures it by running them.
+
+  Args:
+    tile_groups: from `metadata.make_tile_groups`.
+    group_offset: the shard's first global group.
+    m: rows.
+    tm: m-tile size.
+    sub_m: rows per MXU pass (divides tm).
+    align: the passes' alignment (`metadata.pass_align`); None: sub_m (the sub_m grid).
+    tail: gmm's `metadata.merge_tail_rows` (0: sub_m-row passes only, as tgmm, whose rows are
+      the contraction).
+
+  Returns:
+    [tiles_m] int32 rows.
+  """
+  num_local = tile_groups.load_rank.shape[0]
+  goff = jnp.asarray(group_offset, jnp.int32).reshape(())
+  starts = jax.lax.dynamic_slice_in_dim(tile_groups.group_offsets, goff, num_local)
+  ends = jax.lax.dynamic_slice_in_dim(tile_groups.group_offsets, goff + 1, num_local)
+  row0 = jnp.arange(metadata.cdiv(m, tm))[:, None] * tm
+  # NOTE: each group's rows in each tile, in tile coordinates; an empty intersection (or an
+  # empty group, even when its position is inside the tile) multiplies nothing.
+  s = jnp.clip(starts[None, :] - row0, 0, tm)
+  e = jnp.clip(ends[None, :] - row0, 0, tm)
+  rows = metadata.group_pass_rows(
+    s, e, sub_m=sub_m, align=sub_m if align is None else align, tail=tail, tm=tm
+  )
+  return jnp.sum(jnp.where(e > s, rows, 0), axis=1).astype(jnp.int32)

@@ -7,9 +7,9 @@ Mosaic when lowering for TPU). Operands and group sizes are abstract `ShapeDtype
 is allocated. (Separate gmm / tgmm programs compiled the same kernels again and were dropped to
 keep the suite's time.)
 
-Coverage: all four benchmark shapes of docs/design.md (bench/shapes.py, native token counts) on v5e
-and v6e, one representative shape, mixtral-8x7b, on v5p, tpu7x and v4, and deepseek-v2-lite on
-tpu7x (its `rows_stationary` kernels on a megacore chip). The full matrix
+Coverage: all four benchmark shapes of docs/design.md (`kernel_testing.MODEL_SHAPES`, native
+token counts) on v5e and v6e, one representative shape, mixtral-8x7b, on v5p, tpu7x and v4, and
+deepseek-v2-lite on tpu7x (its `rows_stationary` kernels on a megacore chip). The full matrix
 (4 shapes x 5 generations x 3 programs) took 2.5 minutes compiled by a script on a lightly loaded
 2-core CPU, and over 6 minutes in pytest while other jobs shared the machine: above the ~3 minute
 budget for these tests. mixtral is the representative because its k and n are the largest, so
@@ -37,9 +37,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from kernel_testing import MODEL_SHAPES as SHAPES
 
 import pallas_moe
-from bench.shapes import SHAPES
 from pallas_moe import tiling
 from pallas_moe.generations import pass_rows
 from pallas_moe.gmm import gmm_pallas

@@ -385,7 +385,9 @@ def test_rows_stationary_saves_the_column_padding_on_v6e(op):
 
 
 def _interpret_rows_executed(op, shape, tiling):
-  """Rows the kernel multiplies per k, n sweep, counted by running it (interpret, count_rows)."""
+  """Rows the kernel multiplies per k, n sweep, counted by running it (interpret, with a
+  `probe.count_rows` probe)."""
+  from pallas_moe import probe
   from pallas_moe.gmm import gmm_pallas
   from pallas_moe.tgmm import tgmm_pallas
 
@@ -394,7 +396,7 @@ def _interpret_rows_executed(op, shape, tiling):
   tm = tiling[0]
   sub_m = 128 if tm % 128 == 0 else tm
   if op == "drhs":
-    _, rows = tgmm_pallas(
+    _, rows = probe.with_row_counts(tgmm_pallas)(
       jnp.ones((k, m)),
       jnp.ones((m, n)),
       gs,
@@ -403,12 +405,11 @@ def _interpret_rows_executed(op, shape, tiling):
       out_dtype=jnp.float32,
       group_offset=jnp.int32(0),
       num_actual_groups=g,
-      count_rows=True,
       interpret=True,
     )
     return int(np.asarray(rows)[0, 0].sum())
   kk, nn = (n, k) if op == "dlhs" else (k, n)
-  _, rows = gmm_pallas(
+  _, rows = probe.with_row_counts(gmm_pallas)(
     jnp.ones((m, kk)),
     jnp.ones((g, kk, nn)),
     gs,
@@ -416,7 +417,6 @@ def _interpret_rows_executed(op, shape, tiling):
     sub_m=sub_m,
     out_dtype=jnp.float32,
     group_offset=jnp.int32(0),
-    count_rows=True,
     interpret=True,
   )
   return int(np.asarray(rows)[0].sum())

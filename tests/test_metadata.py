@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import kernel_testing
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from kernel_testing import examples, group_sizes_strategy
 
-from pallas_moe import metadata
+from pallas_moe import metadata, probe
 from pallas_moe.gmm import gmm_pallas
 from pallas_moe.tgmm import tgmm_pallas
 
@@ -149,7 +150,7 @@ def test_mxu_rows_executed_equal_floor_rows(kernel, data):
   gs = jnp.asarray(sizes)
   x = jnp.ones((m, k), jnp.float32)
   if kernel == "gmm":
-    _, rows = gmm_pallas(
+    _, rows = probe.with_row_counts(gmm_pallas)(
       x,
       jnp.ones((num_groups, k, n)),
       gs,
@@ -157,11 +158,10 @@ def test_mxu_rows_executed_equal_floor_rows(kernel, data):
       sub_m=sub_m,
       out_dtype=jnp.float32,
       group_offset=jnp.int32(0),
-      count_rows=True,
       interpret=True,
     )
   else:
-    _, rows = tgmm_pallas(
+    _, rows = probe.with_row_counts(tgmm_pallas)(
       x.T,
       jnp.ones((m, n)),
       gs,
@@ -170,7 +170,6 @@ def test_mxu_rows_executed_equal_floor_rows(kernel, data):
       out_dtype=jnp.float32,
       group_offset=jnp.int32(0),
       num_actual_groups=num_groups,
-      count_rows=True,
       interpret=True,
     )
   executed = int(np.asarray(rows).sum())
@@ -183,7 +182,7 @@ def test_mxu_rows_executed_equal_floor_rows(kernel, data):
     fill_uncovered_tiles=kernel == "gmm",
     visit_empty_groups=kernel == "tgmm",
   )
-  derived = int(metadata.mxu_rows(sched, group_offset=0, tm=tm, sub_m=sub_m))
+  derived = int(kernel_testing.mxu_rows(sched, group_offset=0, tm=tm, sub_m=sub_m))
   assert executed == derived == floor_rows(sizes, mxu=sub_m)
 
 
