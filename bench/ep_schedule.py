@@ -41,9 +41,9 @@ SMALL_EP = dict(
   weight_dtype="bfloat16",
   buffer_factor=2.0,
   # NOTE: the plain exchange (one row per choice), whose compiled schedule ep-overlap.md and
-  # tests/test_schedule.py describe; the deduplicated one (auto-on at these dims, `--dedup`)
+  # tests/bench/test_schedule.py describe; the deduplicated one (auto-on at these dims, `--dedup`)
   # adds the receiver's expand/reduce between exchange and gmm (`pallas_moe.schedule`'s
-  # docstring; tests/test_dedup.py pins its split step).
+  # docstring; tests/layer/test_dedup.py pins its split step).
   dedup_dispatch=False,
 )
 TOKENS_PER_DEVICE = 1024

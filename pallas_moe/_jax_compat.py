@@ -136,7 +136,7 @@ _PATCHED = "_pallas_moe_interpret_vma_patch"
 def install_interpret_vma_workaround() -> None:
   """Wraps pallas_call's lowering so interpret mode lowers with the vma check off. Idempotent.
 
-  NOTE: needed on jax 0.10.2 and still on 0.12.0.1 (tests/test_ops.py's shard_map tests fail
+  NOTE: needed on jax 0.10.2 and still on 0.12.0.1 (tests/kernels/test_ops.py's shard_map tests fail
   without it on both). Wrapping an existing lowering rule needs JAX's lowering registry, which
   has no public reader (`jax.interpreters.mlir.register_lowering` only adds rules).
   """

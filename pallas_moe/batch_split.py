@@ -47,7 +47,7 @@ ASYNC_EXCHANGE_FLAGS = tuple(schedule.ASYNC_COLLECTIVE_OPTIONS)
 
 # (num_experts, top_k, d_model, expert_ffn_dim, expert parallelism, tokens per device,
 #  generation) -> chunks. From `bench.ep.DEFAULT_BATCH_SPLIT` (the best of 1, 2, 4, 8 chunks in
-# the modeled step, uniform routing, exact buffers); tests/test_batch_split.py checks the two
+# the modeled step, uniform routing, exact buffers); tests/layer/test_batch_split.py checks the two
 # agree. Dims: deepseek-v3 (256, 8, 7168, 2048), qwen3-30b-a3b (128, 8, 2048, 768),
 # deepseek-v2-lite (64, 6, 2048, 1408).
 _DIMS = {

@@ -8,7 +8,8 @@ it is on the safe side (by up to ~8 MiB at large tiles).
 Our gmm kernel (AOT, same libtpu): without the lhs-copy term the estimate said "fits" for
 (512,4096,256) (15.8 MiB) and (1024,2048,256) (15.3 MiB) on v5e, but Mosaic needed 17.0 and
 16.1 MiB (buffers + accumulator + about one lhs block). With it, every bf16 tiling we probed that
-the estimate admits compiles (tests/test_aot.py re-checks a set near the v5e and v6e budgets).
+the estimate admits compiles (tests/kernels/test_aot.py re-checks a set near the v5e and v6e
+budgets).
 
 When a tiling needs more than the scoped default, a kernel must pass
 `pltpu.CompilerParams(vmem_limit_bytes=...)` (jax documents that it overrides the default limit;

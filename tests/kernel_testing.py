@@ -35,7 +35,7 @@ class ModelShape(NamedTuple):
 
 
 # The four benchmark models of docs/design.md ("Benchmark shapes") at their native token counts,
-# as bench/shapes.py has them (tests/test_bench_shapes.py checks the two agree).
+# as bench/shapes.py has them (tests/bench/test_bench_shapes.py checks the two agree).
 MODEL_SHAPES = {
   "mixtral-8x7b": ModelShape(m=16384 * 2, k=4096, n=14336, num_groups=8),
   "deepseek-v2-lite": ModelShape(m=16384 * 6, k=2048, n=1408, num_groups=64),

@@ -1,6 +1,6 @@
 """Tests of bench.vs_tuned: tokamax's measured problems mapped onto our ops and modeled.
 
-Uses the fixture of tests/test_measured.py (a few entries of tokamax 0.0.17's caches as
+Uses the fixture of tests/bench/test_measured.py (a few entries of tokamax 0.0.17's caches as
 shipped), so tokamax need not be installed. The full comparison is `python -m bench.vs_tuned`.
 """
 
@@ -14,7 +14,7 @@ from bench import measured as ms
 from bench import vs_tuned as vt
 from pallas_moe import tiling
 
-FIXTURE = Path(__file__).parent / "data" / "tokamax_autotuning"
+FIXTURE = Path(__file__).parent.parent / "data" / "tokamax_autotuning"
 
 
 @pytest.fixture(scope="module")

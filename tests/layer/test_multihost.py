@@ -1,6 +1,6 @@
 """Multi-host: 2 processes x 4 CPU devices (`jax.distributed`, gloo) against one process's 8.
 
-Two subprocesses run tests/multihost_worker.py: each joins `jax.distributed.initialize` on
+Two subprocesses run tests/layer/multihost_worker.py: each joins `jax.distributed.initialize` on
 127.0.0.1 and runs `multihost_worker.compute` on a data=2 x expert=4 mesh whose expert groups
 span both processes: the exchange (forward and VJP), eager `gmm`, the layer's forward, gradients
 and two SGD steps, `dropless_buffer_rows`, `exact_buffer_rows`, `place_experts`,

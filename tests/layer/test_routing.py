@@ -417,7 +417,8 @@ def test_router_has_no_tokens_x_experts_x_experts_temporaries():
   """Forward and gradient of DeepSeek-V3-style routing: no array larger than [T, E] (accept. 5).
 
   The traced program is what every backend compiles; the compiled v5e figure for 256 experts at
-  8192 tokens is in bench/results/memory.md (`python tests/test_routing.py`, minutes of compile).
+  8192 tokens is in bench/results/memory.md (`python tests/layer/test_routing.py`, minutes of
+  compile).
   """
   config = MoEConfig(
     num_experts=64,
@@ -499,7 +500,7 @@ def router_temp_bytes(*, tokens: int = 8192, topology: str = "v5e:2x2") -> dict[
 
 if __name__ == "__main__":
   # NOTE: the figure in bench/results/memory.md:
-  # JAX_PLATFORMS=cpu PYTHONPATH=. python tests/test_routing.py
+  # JAX_PLATFORMS=cpu PYTHONPATH=. python tests/layer/test_routing.py
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   t, e = 8192, 256
   temp = router_temp_bytes(tokens=t)

@@ -418,7 +418,7 @@ def test_bad_deepseek_routing_raises_naming_key_and_fix(d, match):
 
 # --- Hugging Face transformers 5 config.json files per model family (tests/data/hf_configs). ---
 
-HF_DIR = pathlib.Path(__file__).parent / "data" / "hf_configs"
+HF_DIR = pathlib.Path(__file__).parent.parent / "data" / "hf_configs"
 
 
 def _hf(name: str) -> dict:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_moe import SMALL, _block_grads, _mesh, _setup
+from layer_testing import SMALL, _block_grads, _mesh, _setup
 
 import pallas_moe
 from pallas_moe import ops

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import zipfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # NOTE: what a wheel build reads plus what must stay out of it (bench/, tests/), so the check is
 # not passed merely because bench/ was never there.
 COPIED = ("pyproject.toml", "README.md", "pallas_moe", "bench", "tests")

@@ -29,7 +29,7 @@ F32_TOL = dict(rtol=1e-5, atol=1e-5)
 BF16_TOL = dict(rtol=5e-2, atol=2e-2)
 
 D, F, E, K, T = 16, 8, 8, 2, 32
-_DATA = pathlib.Path(__file__).parent / "data" / "hf_configs"
+_DATA = pathlib.Path(__file__).parent.parent / "data" / "hf_configs"
 # Each family's config.json as transformers 5 saves it (tests/data/hf_configs), with only the
 # sizes shrunk to test scale; the routing keys stay as saved.
 _SAVED = {

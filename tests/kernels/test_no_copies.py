@@ -6,7 +6,7 @@ also with `rows_stationary`, under the TPU simulator (out-of-bounds reads raise)
 detector; and the cost estimates count `expected_rows`.
 
 The compiled (AOT, real Mosaic) MaxText-shaped experts step, read with bench's HLO readers, is in
-tests/test_bench_aot_step.py.
+tests/bench/test_bench_aot_step.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from bench import impls
 from bench import measured as ms
 from bench.shapes import Shape
 
-FIXTURE = Path(__file__).parent / "data" / "tokamax_autotuning"
+FIXTURE = Path(__file__).parent.parent / "data" / "tokamax_autotuning"
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +222,7 @@ def test_cli_prints_the_band_share_and_markdown(capsys, tmp_path):
 
 def test_compiled_restated_charges_the_excess(problems, monkeypatch):
   """`compiled_restated` passes the measured tiles and group sizes to bench.llo and charges
-  bound - MXU on the modeled schedule (the compile itself is stubbed: tests/test_llo.py)."""
+  bound - MXU on the modeled schedule (the compile itself is stubbed: tests/bench/test_llo.py)."""
   from bench import llo
 
   ps, _ = problems

@@ -204,7 +204,7 @@ def test_topology_aware_placement_is_accepted():
 
 def test_library_batch_split_tables_are_the_modeled_choice():
   """`pallas_moe.batch_split`'s tables are `bench.ep`'s modeled chunk counts, keyed by the
-  layer's dims instead of the model's name (tests/test_batch_split.py: where they apply)."""
+  layer's dims instead of the model's name (tests/layer/test_batch_split.py: where they apply)."""
   from bench.shapes import SHAPES
   from pallas_moe import batch_split
 

@@ -1,6 +1,6 @@
-"""One process of tests/test_multihost.py: 2 processes x 4 CPU devices, one 8-device mesh.
+"""One process of tests/layer/test_multihost.py: 2 processes x 4 CPU devices, one 8-device mesh.
 
-  python tests/multihost_worker.py PROCESS_ID PORT OUT.npz
+  python tests/layer/multihost_worker.py PROCESS_ID PORT OUT.npz
 
 Joins `jax.distributed.initialize("127.0.0.1:PORT", num_processes=2)`, builds the data=2 x
 expert=4 mesh of `mesh_of` (each expert group holds 2 devices of each process) and runs

@@ -1,6 +1,6 @@
 """`unowned_rows="undefined"` as `bench.costmodel.analyze` reads the traced program: no zero-fill
 kernel is launched, and the visit-schedule gmm spends no grid step on the m-tiles holding no
-local row (a receive buffer's slack). tests/test_ops.py checks the values."""
+local row (a receive buffer's slack). tests/kernels/test_ops.py checks the values."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import kernel_testing
 import numpy as np
 import pytest
 from kernel_testing import INTERPRET_MODES, random_array
-from test_rowtile import (
+from kernels.test_rowtile import (
   INTERIOR_SIZES,
   INTERIOR_TGMM,
   INTERIOR_TGMM_TL,

@@ -9,7 +9,7 @@ with `get_all_to_all_params` and `local_permute`, `gmm_up`, the wo gmm, `unsort_
 `unpermute`) with its two imports swapped for `pallas_moe.maxtext`, and trains it (forward and
 `jax.grad`) on 8 CPU devices, data 2 x expert 4, with a scaled-down deepseek2-16b config. The same
 program with JAX's own `jax.lax.ragged_all_to_all` does not compile on CPU: asserted too.
-(tests/test_maxtext_layer.py runs MaxText 0.2.5's own layer on Python >= 3.12.)
+(tests/integrations/test_maxtext_layer.py runs MaxText 0.2.5's own layer on Python >= 3.12.)
 """
 
 from __future__ import annotations
@@ -756,11 +756,13 @@ def _loss(moe):
   return loss
 
 
-# NOTE: where maxtext 0.2.5 installs (Python >= 3.12), tests/test_maxtext_layer.py runs MaxText's
-# own layer instead of this hand-written copy of commit e591f30's path (same mesh, both asserts).
+# NOTE: where maxtext 0.2.5 installs (Python >= 3.12), tests/integrations/test_maxtext_layer.py
+# runs MaxText's own layer instead of this hand-written copy of commit e591f30's path (same mesh,
+# both asserts).
 _OWN_LAYER_RUNS = pytest.mark.skipif(
   sys.version_info >= (3, 12),
-  reason="MaxText 0.2.5's own RoutedMoE runs here instead (tests/test_maxtext_layer.py)",
+  reason="MaxText 0.2.5's own RoutedMoE runs here instead "
+  "(tests/integrations/test_maxtext_layer.py)",
 )
 
 

@@ -35,7 +35,7 @@ from bench import hlo_schedule
 from pallas_moe import schedule
 from pallas_moe.config import MoEConfig
 
-FIXTURE = pathlib.Path(__file__).parent / "data" / "ep_step_v5e_split2_async.hlo.txt"
+FIXTURE = pathlib.Path(__file__).parent.parent / "data" / "ep_step_v5e_split2_async.hlo.txt"
 
 
 @pytest.fixture(scope="module")

@@ -293,7 +293,7 @@ def test_package_exports_the_functions_and_the_kernel_modules_stay_importable():
 
 def test_unowned_rows_undefined_matches_on_owned_rows():
   """`unowned_rows="undefined"`: owned rows (and their gradients) as with "zero"; a bad value is
-  refused by name (tests/test_bench_unowned_rows.py: no zero fill is launched)."""
+  refused by name (tests/bench/test_bench_unowned_rows.py: no zero fill is launched)."""
   m, k, n = 96, 32, 128
   sizes = jnp.array([10, 0, 7, 5], jnp.int32)  # 22 rows of 96, the shard holds groups 1..2
   x = random_array(0, (m, k), jnp.float32)
@@ -324,7 +324,7 @@ def test_unowned_rows_undefined_matches_on_owned_rows():
 def test_visit_kernel_with_undefined_rows_is_exact_on_owned_rows():
   """The visit-schedule gmm (tiles with tk < k) under `unowned_rows="undefined"`: owned rows
   and their gradients exact under the TPU simulator (which NaN-poisons what is not written).
-  tests/test_bench_unowned_rows.py: the m-tiles holding no local row cost no grid step."""
+  tests/bench/test_bench_unowned_rows.py: the m-tiles holding no local row cost no grid step."""
   m, k, n = 128, 256, 128
   sizes = jnp.array([10, 0, 7, 5], jnp.int32)  # 22 rows of 128: six 16-row tiles hold none
   x = random_array(0, (m, k), jnp.float32)

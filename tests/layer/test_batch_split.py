@@ -3,7 +3,7 @@
 The split block runs the router once over all of a device's tokens, then sorts, dispatches, runs
 the experts and combines each chunk on its own. Dropless, it must give the unsplit block's
 outputs, aux values and gradients; buffers (and so drops under a capacity factor) are per chunk.
-What the compiled TPU program overlaps is in tests/test_schedule.py (bench's HLO reader).
+What the compiled TPU program overlaps is in tests/bench/test_schedule.py (bench's HLO reader).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def test_libtpu_version_and_its_default():
 
 
 def test_default_chunks_follow_the_model_only_where_the_exchange_is_async():
-  """The library's table (keyed by the layer's dims; tests/test_bench_ep_step.py checks it is
+  """The library's table (keyed by the layer's dims; tests/bench/test_bench_ep_step.py checks it is
   `bench.ep`'s modeled choice) applies only where the exchange compiles async (synchronous
   exchanges hide nothing under chunks): libtpu's default from 0.0.50, else
   `xla_tpu_enable_async_ragged_all_to_all=true`."""

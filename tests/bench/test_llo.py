@@ -16,7 +16,8 @@ from bench import costmodel, impls, llo, shapes
 from bench.shapes import Shape
 from pallas_moe import tiling
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "data", "gmm_rowtile_v5e_final_bundles.txt")
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
+FIXTURE = os.path.join(DATA, "gmm_rowtile_v5e_final_bundles.txt")
 TINY = Shape(name="tiny", tokens=1024, top_k=2, num_groups=4, k=256, n=256)
 
 
