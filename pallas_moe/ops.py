@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -903,6 +903,74 @@ def gmm(
   """
   _refuse_quantized_lhs(lhs)
   implementation, interpret = _check_implementation(implementation, interpret)
+  ops = _check_gmm_operands(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    transpose_rhs=bool(transpose_rhs),
+    preferred_element_type=preferred_element_type,
+    weight_quantization=weight_quantization,
+    activation_quantization=activation_quantization,
+    unowned_rows=unowned_rows,
+  )
+  static = _plan_gmm(
+    ops,
+    tiling=Tiling.of(tiling),
+    interpret=interpret,
+    unowned_rows=unowned_rows,
+    expected_rows=_check_expected_rows(expected_rows),
+  )
+  m, k = lhs.shape
+  _announce(
+    GmmPlan(
+      op="gmm",
+      dims=(m, k, ops.n),
+      num_groups=ops.rhs.shape[0],
+      generation=tiling_lib.current_generation().name,
+      kernels=(("fwd", static.fwd), ("dlhs", static.dlhs), ("drhs", static.drhs)),
+      implementation=implementation,
+    )
+  )
+  return _per_platform(
+    functools.partial(_gmm_on_kernels, static, ops),
+    functools.partial(_gmm_on_xla, static, ops),
+    implementation,
+  )
+
+
+class _GmmOperands(NamedTuple):
+  """gmm's operands once checked: what the plan and both backends read."""
+
+  lhs: jax.Array
+  rhs: jax.Array  # the float weights, or a QuantizedWeights' values
+  qweights: quant.QuantizedWeights | None
+  group_sizes: jax.Array
+  group_offset: jax.Array
+  existing_out: jax.Array | None
+  n: int
+  transpose_rhs: bool
+  out_dtype: Any
+  weight_dtype: Any  # the quantized weights' dtype (None: float weights)
+  activation_dtype: Any  # the forward's quantized lhs dtype (None: float lhs)
+  rhs_for_tiles: jax.Array  # what the tile pickers take as rhs (lhs for quantized weights)
+
+
+def _check_gmm_operands(
+  lhs,
+  rhs,
+  group_sizes,
+  group_offset,
+  existing_out,
+  *,
+  transpose_rhs: bool,
+  preferred_element_type,
+  weight_quantization,
+  activation_quantization,
+  unowned_rows: str,
+) -> _GmmOperands:
+  """gmm's argument checks (each error names the argument and the fix)."""
   common.check_float_array("lhs", lhs, ndim=2)
   qweights = None
   if isinstance(rhs, quant.QuantizedWeights):
@@ -910,7 +978,7 @@ def gmm(
       raise ValueError(
         "`weight_quantization` quantizes a float rhs; rhs is already QuantizedWeights."
       )
-    quant.check_quantized(rhs, transpose_rhs=bool(transpose_rhs))
+    quant.check_quantized(rhs, transpose_rhs=transpose_rhs)
     qweights, rhs = rhs, rhs.values
     weight_dtype = quant.canonical_dtype(rhs.dtype)
   else:
@@ -954,43 +1022,69 @@ def gmm(
     out_dtype = common.result_dtype(lhs, rhs, preferred_element_type)
     rhs_for_tiles = rhs
   common.check_existing_out(existing_out, shape=(m, n), dtype=out_dtype)
-  tilings = Tiling.of(tiling)
-  expected_rows = _check_expected_rows(expected_rows)
+  return _GmmOperands(
+    lhs=lhs,
+    rhs=rhs,
+    qweights=qweights,
+    group_sizes=group_sizes,
+    group_offset=group_offset,
+    existing_out=existing_out,
+    n=n,
+    transpose_rhs=transpose_rhs,
+    out_dtype=out_dtype,
+    weight_dtype=weight_dtype,
+    activation_dtype=activation_dtype,
+    rhs_for_tiles=rhs_for_tiles,
+  )
+
+
+def _plan_gmm(
+  ops: _GmmOperands,
+  *,
+  tiling: Tiling,
+  interpret: common.Interpret,
+  unowned_rows: str,
+  expected_rows: int | None,
+) -> _GmmStatic:
+  """The three kernels (fwd, dlhs, drhs) a gmm call and its VJP run, with their tiles."""
+  lhs, rhs_for_tiles, out_dtype = ops.lhs, ops.rhs_for_tiles, ops.out_dtype
+  (m, k), n = lhs.shape, ops.n
+  activation_dtype, weight_dtype = ops.activation_dtype, ops.weight_dtype
   resolve = functools.partial(
     _resolve_tiles,
-    num_groups=num_local_groups,
+    num_groups=ops.rhs.shape[0],
     interpret=interpret,
     expected_rows=expected_rows,
   )
   # NOTE: existing_out is written whole in the visited tiles, like the zero fill's buffer.
-  gmm_unowned = "existing" if existing_out is not None else unowned_rows
+  gmm_unowned = "existing" if ops.existing_out is not None else unowned_rows
   compute_dtype = jnp.promote_types(lhs.dtype, rhs_for_tiles.dtype)
   # NOTE: with transpose_rhs the weight gradient is [G, n, k]: tgmm's (tk, tn) tile (n, k).
-  if transpose_rhs:
-    drhs_spec = tilings.drhs
+  if ops.transpose_rhs:
+    drhs_spec = tiling.drhs
     if isinstance(drhs_spec, tuple) and len(drhs_spec) == 3:
       drhs_spec = (drhs_spec[0], drhs_spec[2], drhs_spec[1])
     elif callable(drhs_spec):
       drhs_spec = _swap_kn(drhs_spec)
     drhs_dims = (m, n, k)
   else:
-    drhs_spec, drhs_dims = tilings.drhs, (m, k, n)
+    drhs_spec, drhs_dims = tiling.drhs, (m, k, n)
   narrow_dot = activation_dtype is not None and quant.narrow_dot_supported(
     activation_dtype, tiling_lib.current_generation()
   )
   # NOTE: a narrow forward moves and multiplies the 8-bit operands: tiles for those (the other
-  # quantized passes upcast, and take tiles as for lhs's dtype, see above).
+  # quantized passes upcast, and take tiles as for lhs's dtype, see `_check_gmm_operands`).
   fwd_dtypes = (
     (jnp.dtype(activation_dtype), jnp.dtype(weight_dtype), out_dtype)
     if narrow_dot
     else (lhs.dtype, rhs_for_tiles.dtype, out_dtype)
   )
   fill = unowned_rows == "zero"
-  static = _GmmStatic(
+  return _GmmStatic(
     out_dtype=out_dtype,
     fwd=dataclasses.replace(
       resolve(
-        tilings.fwd,
+        tiling.fwd,
         dims=(m, k, n),
         kind="gmm",
         dtypes=fwd_dtypes,
@@ -1002,7 +1096,7 @@ def gmm(
     ),
     dlhs=dataclasses.replace(
       resolve(
-        tilings.dlhs,
+        tiling.dlhs,
         dims=(m, n, k),
         kind="gmm",
         dtypes=(compute_dtype, rhs_for_tiles.dtype, lhs.dtype),
@@ -1019,62 +1113,101 @@ def gmm(
       existing_out=False,
       transpose_lhs=True,
     ),
-    transpose_rhs=bool(transpose_rhs),
+    transpose_rhs=ops.transpose_rhs,
     interpret=interpret,
     weight_dtype=weight_dtype,
     activation_dtype=activation_dtype,
     narrow_dot=narrow_dot,
     expected_rows=expected_rows,
   )
-  _announce(
-    GmmPlan(
-      op="gmm",
-      dims=(m, k, n),
-      num_groups=num_local_groups,
-      generation=tiling_lib.current_generation().name,
-      kernels=(("fwd", static.fwd), ("dlhs", static.dlhs), ("drhs", static.drhs)),
-      implementation=implementation,
-    )
-  )
 
-  def kernels():
-    if qweights is not None:
-      operands = (
-        None if x is None else common.pvary_like(x, lhs, qweights.values, existing_out)
-        for x in (lhs, qweights.values, qweights.scales, group_sizes, group_offset, existing_out)
+
+def _gmm_on_kernels(static: _GmmStatic, ops: _GmmOperands) -> jax.Array:
+  """gmm on the Pallas kernels (Mosaic or interpret mode), through its custom VJP."""
+  lhs, qweights, existing_out = ops.lhs, ops.qweights, ops.existing_out
+  if qweights is not None:
+    operands = (
+      None if x is None else common.pvary_like(x, lhs, qweights.values, existing_out)
+      for x in (
+        lhs,
+        qweights.values,
+        qweights.scales,
+        ops.group_sizes,
+        ops.group_offset,
+        existing_out,
       )
-      return _qgmm_frozen_jit(static, *operands)
-    operands = _vary_together(lhs, rhs, group_sizes, group_offset, existing_out)
-    if weight_dtype is not None:
-      return _qgmm_master_jit(static, *operands)
-    return _gmm_jit(static, *operands)
-
-  def xla():
-    x, w = lhs, rhs if qweights is None else jax.lax.stop_gradient(quant.dequantize(qweights))
-    if weight_dtype is not None and qweights is None:
-      w = _straight_through(w, quant.dequantize(_quantize_master(static, w), dtype=w.dtype))
-    if activation_dtype is not None:
-      values, scales = quant.quantize_rows(x, dtype=activation_dtype)
-      x = _straight_through(x, (values.astype(jnp.float32) * scales).astype(x.dtype))
-    if qweights is not None:
-      w = w.astype(lhs.dtype)
-    out = xla_gmm.gmm_xla(
-      x,
-      w,
-      group_sizes,
-      group_offset,
-      existing_out,
-      transpose_rhs=bool(transpose_rhs),
-      out_dtype=out_dtype,
     )
-    return common.pvary_like(out, lhs, rhs if qweights is None else qweights.values, existing_out)
+    return _qgmm_frozen_jit(static, *operands)
+  operands = _vary_together(lhs, ops.rhs, ops.group_sizes, ops.group_offset, existing_out)
+  if static.weight_dtype is not None:
+    return _qgmm_master_jit(static, *operands)
+  return _gmm_jit(static, *operands)
 
-  return _per_platform(kernels, xla, implementation)
+
+def _gmm_on_xla(static: _GmmStatic, ops: _GmmOperands) -> jax.Array:
+  """gmm on XLA's ragged_dot, quantized operands dequantized, gradients straight-through."""
+  lhs, rhs, qweights = ops.lhs, ops.rhs, ops.qweights
+  x, w = lhs, rhs if qweights is None else jax.lax.stop_gradient(quant.dequantize(qweights))
+  if static.weight_dtype is not None and qweights is None:
+    w = _straight_through(w, quant.dequantize(_quantize_master(static, w), dtype=w.dtype))
+  if static.activation_dtype is not None:
+    values, scales = quant.quantize_rows(x, dtype=static.activation_dtype)
+    x = _straight_through(x, (values.astype(jnp.float32) * scales).astype(x.dtype))
+  if qweights is not None:
+    w = w.astype(lhs.dtype)
+  out = xla_gmm.gmm_xla(
+    x,
+    w,
+    ops.group_sizes,
+    ops.group_offset,
+    ops.existing_out,
+    transpose_rhs=ops.transpose_rhs,
+    out_dtype=ops.out_dtype,
+  )
+  return common.pvary_like(out, lhs, rhs if qweights is None else qweights.values, ops.existing_out)
 
 
 def _straight_through(x: jax.Array, quantized: jax.Array) -> jax.Array:
   """`quantized` in the forward, the identity in the backward (d quantized / dx taken as 1)."""
   return x + jax.lax.stop_gradient(quantized - x)
+
+
+def _tgmm_dims(lhs, rhs, *, transpose_lhs: bool, quantized: bool) -> tuple[int, int, int]:
+  """tgmm's (m, k, n) from lhs ([k, m], or [m, k] with `transpose_lhs`) and rhs [m, n]."""
+  if transpose_lhs and quantized:
+    raise ValueError(
+      "`transpose_lhs=True` takes float operands; pass a quantized lhs as [k, m] with its "
+      "scales (transpose_lhs=False)."
+    )
+  if transpose_lhs:
+    m, k = lhs.shape
+    if rhs.shape[0] != m:
+      raise ValueError(
+        f"m mismatch: with transpose_lhs tgmm's lhs is [m, k] = {tuple(lhs.shape)} and rhs is "
+        f"[m, n] = {tuple(rhs.shape)}; their first dims must both be m."
+      )
+  else:
+    k, m = lhs.shape
+    if rhs.shape[0] != m:
+      raise ValueError(
+        f"m mismatch: tgmm's lhs is [k, m] = {tuple(lhs.shape)} and rhs is [m, n] = "
+        f"{tuple(rhs.shape)}; pass lhs transposed (x.T), or x itself with transpose_lhs=True."
+      )
+  return m, k, rhs.shape[1]
+
+
+def _tgmm_dtypes(lhs, rhs, *, lhs_q: bool, rhs_q: bool, preferred_element_type):
+  """(lhs, rhs) dtypes tgmm computes in, and its output dtype."""
+  # NOTE: a quantized operand computes (and, for tiles and the VMEM estimate, counts) as the
+  # other operand's float dtype, or bf16 when both are quantized: the upcast copy in VMEM.
+  lhs_like = (rhs.dtype if not rhs_q else jnp.bfloat16) if lhs_q else lhs.dtype
+  rhs_like = (lhs.dtype if not lhs_q else jnp.bfloat16) if rhs_q else rhs.dtype
+  if preferred_element_type is None and lhs_q and rhs_q:
+    return lhs_like, rhs_like, jnp.dtype(jnp.float32)
+  out_dtype = common.result_dtype(
+    jax.ShapeDtypeStruct((), lhs_like), jax.ShapeDtypeStruct((), rhs_like), preferred_element_type
+  )
+  return lhs_like, rhs_like, out_dtype
 
 
 def tgmm(
@@ -1144,26 +1277,7 @@ def tgmm(
   rhs_q = _check_tgmm_array("rhs", rhs)
   if not isinstance(transpose_lhs, bool):
     raise TypeError(f"`transpose_lhs` must be a bool, got {type(transpose_lhs).__name__}.")
-  if transpose_lhs and (lhs_q or rhs_q):
-    raise ValueError(
-      "`transpose_lhs=True` takes float operands; pass a quantized lhs as [k, m] with its "
-      "scales (transpose_lhs=False)."
-    )
-  if transpose_lhs:
-    m, k = lhs.shape
-    if rhs.shape[0] != m:
-      raise ValueError(
-        f"m mismatch: with transpose_lhs tgmm's lhs is [m, k] = {tuple(lhs.shape)} and rhs is "
-        f"[m, n] = {tuple(rhs.shape)}; their first dims must both be m."
-      )
-  else:
-    k, m = lhs.shape
-    if rhs.shape[0] != m:
-      raise ValueError(
-        f"m mismatch: tgmm's lhs is [k, m] = {tuple(lhs.shape)} and rhs is [m, n] = "
-        f"{tuple(rhs.shape)}; pass lhs transposed (x.T), or x itself with transpose_lhs=True."
-      )
-  n = rhs.shape[1]
+  m, k, n = _tgmm_dims(lhs, rhs, transpose_lhs=transpose_lhs, quantized=lhs_q or rhs_q)
   _check_tgmm_scales("lhs", lhs, lhs_scales, quantized=lhs_q, channel=(k, 1), token=(1, m))
   _check_tgmm_scales("rhs", rhs, rhs_scales, quantized=rhs_q, channel=(1, n), token=(m, 1))
   group_sizes = common.check_group_sizes(group_sizes, m=m)
@@ -1178,16 +1292,9 @@ def tgmm(
   group_offset = common.check_group_offset(
     group_offset, num_groups_total=num_groups_total, num_local_groups=num_actual_groups
   )
-  # NOTE: a quantized operand computes (and, for tiles and the VMEM estimate, counts) as the
-  # other operand's float dtype, or bf16 when both are quantized: the upcast copy in VMEM.
-  lhs_like = (rhs.dtype if not rhs_q else jnp.bfloat16) if lhs_q else lhs.dtype
-  rhs_like = (lhs.dtype if not lhs_q else jnp.bfloat16) if rhs_q else rhs.dtype
-  if preferred_element_type is None and lhs_q and rhs_q:
-    out_dtype = jnp.dtype(jnp.float32)
-  else:
-    out_dtype = common.result_dtype(
-      jax.ShapeDtypeStruct((), lhs_like), jax.ShapeDtypeStruct((), rhs_like), preferred_element_type
-    )
+  lhs_like, rhs_like, out_dtype = _tgmm_dtypes(
+    lhs, rhs, lhs_q=lhs_q, rhs_q=rhs_q, preferred_element_type=preferred_element_type
+  )
   common.check_existing_out(existing_out, shape=(num_actual_groups, k, n), dtype=out_dtype)
   tiles = _resolve_tiles(
     tiling,
@@ -1218,8 +1325,7 @@ def tgmm(
     lhs_q
     and rhs_q
     and lhs.dtype == rhs.dtype
-    and tuple(lhs_scales.shape) == (k, 1)
-    and tuple(rhs_scales.shape) == (1, n)
+    and (tuple(lhs_scales.shape), tuple(rhs_scales.shape)) == ((k, 1), (1, n))
     and quant.narrow_dot_supported(lhs.dtype, tiling_lib.current_generation())
   )
   operands = _vary_together(lhs, rhs, group_sizes, group_offset, existing_out)

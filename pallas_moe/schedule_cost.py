@@ -9,7 +9,7 @@ and `bench.costmodel` shares `rowtile_manual_dma` with its hooks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -146,6 +146,169 @@ def _pass_cut_pairs(
   return pair_g[keep], pair_t[keep], rows[keep]
 
 
+def _sweep_pairs(
+  *,
+  starts: np.ndarray,
+  ends: np.ndarray,
+  tm: int,
+  sub_m: int,
+  kind: str,
+  tiles_m: int,
+  align: int | None,
+  cuts: dict[str, Any] | None,
+  tail: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+  """The work of one sweep as (tile, group) pairs in kernel order (tiles in order, groups in order
+  within a tile), each with the MXU rows it pushes (`_rowtile_pairs`).
+
+  Returns:
+    (pair_g, pair_t, pair_rows, fin). fin: tgmm: [groups] the tile where each group is finalized
+    (its output write starts after that pair); gmm: None.
+  """
+  nonempty = ends > starts
+  pair_g, pair_t, pair_rows = _rowtile_pairs(
+    starts, ends, tm=tm, sub_m=sub_m, align=align, cuts=cuts, tail=tail
+  )
+  fin = None
+  if kind == "tgmm":
+    # NOTE: tgmm also has a pair without work where an empty group is finalized (its zero output
+    # is still written).
+    fin = np.clip(np.where(nonempty, (ends - 1) // tm, starts // tm), 0, tiles_m - 1)
+    empty = np.flatnonzero(~nonempty)
+    pair_g = np.concatenate([pair_g, empty])
+    pair_t = np.concatenate([pair_t, fin[empty]])
+    pair_rows = np.concatenate([pair_rows, np.zeros(empty.size, np.int64)])
+  order = np.lexsort((pair_g, pair_t))
+  return pair_g[order], pair_t[order], pair_rows[order], fin
+
+
+def _gmm_load_windows(*, pair_g: np.ndarray, pair_t: np.ndarray, tiles_m: int) -> tuple[list, ...]:
+  """gmm's weight-load windows: (within, head_alone, tail_alone, cross), each a list of (first
+  pair, end pair (exclusive), step that waits) over two consecutive sweeps' pairs.
+
+  within: the loads inside a sweep; head_alone: a sweep's first load without sequential sweeps;
+  tail_alone: none (no load is left unwaited at a sweep's end); cross: with sequential sweeps,
+  the next sweep's first load, started in this one.
+  """
+  num_pairs = pair_g.size
+  # NOTE: load r is waited at group r's first pair and started at group r - 1's first pair.
+  # A group's first pair in kernel order is in the tile of its first pass (starts // tm with
+  # fixed tiles; a pass-cut tile's index otherwise).
+  _, first_pair = np.unique(pair_g, return_index=True)
+  loads = first_pair.size
+  within = [(first_pair[r - 1], first_pair[r], pair_t[first_pair[r]]) for r in range(1, loads)]
+  # The first load of a sweep, started where it is waited for.
+  head_alone = [(first_pair[0], first_pair[0], pair_t[first_pair[0]])] if loads else []
+  # With sequential sweeps: started at the previous sweep's last group.
+  cross = (
+    [(first_pair[-1], num_pairs + first_pair[0], tiles_m + pair_t[first_pair[0]])] if loads else []
+  )
+  return within, head_alone, [], cross
+
+
+def _tgmm_write_windows(
+  *, pair_g: np.ndarray, pair_t: np.ndarray, fin: np.ndarray, tiles_m: int
+) -> tuple[list, ...]:
+  """tgmm's output-write windows: (within, head_alone, tail_alone, cross), each a list of (first
+  pair, end pair (exclusive), step that waits) over two consecutive sweeps' pairs.
+
+  within: writes waited for inside their sweep; head_alone: none; tail_alone: a sweep's last two
+  writes, drained at its end without sequential sweeps; cross: with sequential sweeps, the same
+  two, waited for in the next sweep.
+  """
+  num_groups = fin.size
+  num_pairs = pair_g.size
+  pair_key = pair_t * num_groups + pair_g
+  # NOTE: write g is started after its finalize pair and waited at write g + 2's finalize
+  # (after that pair's work), or at the drain after the sweep's (or the grid's) last pair.
+  fin_pair = np.searchsorted(pair_key, fin * num_groups + np.arange(num_groups))
+  within = [
+    (fin_pair[g] + 1, fin_pair[g + 2] + 1, pair_t[fin_pair[g + 2]]) for g in range(num_groups - 2)
+  ]
+  last_two = range(max(num_groups - 2, 0), num_groups)
+  tail_alone = [(fin_pair[g] + 1, num_pairs, tiles_m - 1) for g in last_two]
+  if num_groups >= 2:
+    cross = [
+      (
+        fin_pair[g] + 1,
+        num_pairs + fin_pair[g + 2 - num_groups] + 1,
+        tiles_m + pair_t[fin_pair[g + 2 - num_groups]],
+      )
+      for g in last_two
+    ]
+  else:
+    # NOTE: a single group waits for the write two sweeps back; counted as if one sweep back.
+    cross = [(fin_pair[0] + 1, 2 * num_pairs, 2 * tiles_m - 1)] if num_groups else []
+  return within, [], tail_alone, cross
+
+
+def _spread_windows(
+  *,
+  windows: tuple[list, ...],
+  pair_t: np.ndarray,
+  pair_rows: np.ndarray,
+  tiles_m: int,
+  block_bytes: float,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Per list of DMA windows: ([2 * tiles_m] overlapped, [2 * tiles_m] exposed) bytes over two
+  consecutive sweeps' steps. A window's bytes are spread over its pairs in proportion to their
+  MXU rows, or exposed in the step that waits where its pairs do no work."""
+  # NOTE: two consecutive sweeps, for DMAs that cross from one into the next.
+  step2 = np.concatenate([pair_t, pair_t + tiles_m])
+  cum2 = np.concatenate([[0], np.cumsum(np.concatenate([pair_rows, pair_rows]))]).astype(np.float64)
+  rows2 = np.concatenate([pair_rows, pair_rows]).astype(np.float64)
+  spread = []
+  for dmas in windows:
+    over = np.zeros(2 * tiles_m)
+    exposed = np.zeros(2 * tiles_m)
+    for i, j, wait_step in dmas:
+      work = cum2[j] - cum2[i]
+      if work > 0:
+        np.add.at(over, step2[i:j], block_bytes * rows2[i:j] / work)
+      else:
+        exposed[wait_step] += block_bytes
+    spread.append((over, exposed))
+  return spread
+
+
+def _sweeps_dma_bytes(
+  *,
+  within: tuple[np.ndarray, np.ndarray],
+  head_alone: tuple[np.ndarray, np.ndarray],
+  tail_alone: tuple[np.ndarray, np.ndarray],
+  cross: tuple[np.ndarray, np.ndarray],
+  sweeps: int,
+  tiles_m: int,
+  sequential_sweeps: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+  """(overlapped, exposed), each [sweeps, tiles_m]: the spread windows (`_spread_windows`) laid
+  over the grid's sweeps."""
+  w_over, w_exp = within
+  h_over, h_exp = head_alone
+  t_over, t_exp = tail_alone
+  c_over, c_exp = cross
+  over = np.zeros((sweeps, tiles_m))
+  exposed = np.zeros((sweeps, tiles_m))
+  over += w_over[:tiles_m]
+  exposed += w_exp[:tiles_m]
+  if not sequential_sweeps:
+    # NOTE: every sweep is a chain of its own: its first load and its last writes stand alone.
+    over += h_over[:tiles_m] + t_over[:tiles_m]
+    exposed += h_exp[:tiles_m] + t_exp[:tiles_m]
+  else:
+    # NOTE: one chain over the grid: only the grid's first load and last writes stand alone;
+    # the others cross from a sweep into the next (their second half counted there).
+    over[0] += h_over[:tiles_m]
+    exposed[0] += h_exp[:tiles_m]
+    over[-1] += t_over[:tiles_m]
+    exposed[-1] += t_exp[:tiles_m]
+    over[:-1] += c_over[:tiles_m]
+    exposed[:-1] += c_exp[:tiles_m]
+    over[1:] += c_over[tiles_m:]
+    exposed[1:] += c_exp[tiles_m:]
+  return over, exposed
+
+
 def rowtile_manual_dma(
   *,
   starts,
@@ -201,104 +364,37 @@ def rowtile_manual_dma(
     raise ValueError("tail (the widened last pass) is gmm's only; pass tail=0 for kind='tgmm'.")
   starts = np.asarray(starts, np.int64)
   ends = np.asarray(ends, np.int64)
-  num_groups = starts.size
   if cuts is None:
     tiles_m = max(1, -(-m // tm))
   else:
     tiles_m = int(np.asarray(cuts["num_tiles"]).reshape(-1)[0])
-  nonempty = ends > starts
-  # NOTE: the work of one sweep as (tile, group) pairs in kernel order (tiles in order, groups in
-  # order within a tile), each with the MXU rows it pushes; tgmm also has a pair without work
-  # where an empty group is finalized.
-  pair_g, pair_t, pair_rows = _rowtile_pairs(
-    starts, ends, tm=tm, sub_m=sub_m, align=align, cuts=cuts, tail=tail
+  pair_g, pair_t, pair_rows, fin = _sweep_pairs(
+    starts=starts,
+    ends=ends,
+    tm=tm,
+    sub_m=sub_m,
+    kind=kind,
+    tiles_m=tiles_m,
+    align=align,
+    cuts=cuts,
+    tail=tail,
   )
-  fin = None
-  if kind == "tgmm":
-    fin = np.clip(np.where(nonempty, (ends - 1) // tm, starts // tm), 0, tiles_m - 1)
-    empty = np.flatnonzero(~nonempty)
-    pair_g = np.concatenate([pair_g, empty])
-    pair_t = np.concatenate([pair_t, fin[empty]])
-    pair_rows = np.concatenate([pair_rows, np.zeros(empty.size, np.int64)])
-  order = np.lexsort((pair_g, pair_t))
-  pair_g, pair_t, pair_rows = pair_g[order], pair_t[order], pair_rows[order]
-  num_pairs = pair_g.size
-  pair_key = pair_t * num_groups + pair_g
-  # Two consecutive sweeps, for DMAs that cross from one into the next.
-  step2 = np.concatenate([pair_t, pair_t + tiles_m])
-  cum2 = np.concatenate([[0], np.cumsum(np.concatenate([pair_rows, pair_rows]))]).astype(np.float64)
-  rows2 = np.concatenate([pair_rows, pair_rows]).astype(np.float64)
-
-  def spread(windows):
-    """windows: (first pair, end pair (exclusive), step that waits) over two sweeps."""
-    over = np.zeros(2 * tiles_m)
-    exposed = np.zeros(2 * tiles_m)
-    for i, j, wait_step in windows:
-      work = cum2[j] - cum2[i]
-      if work > 0:
-        np.add.at(over, step2[i:j], block_bytes * rows2[i:j] / work)
-      else:
-        exposed[wait_step] += block_bytes
-    return over, exposed
-
   if kind == "gmm":
-    # NOTE: load r is waited at group r's first pair and started at group r - 1's first pair.
-    # A group's first pair in kernel order is in the tile of its first pass (starts // tm with
-    # fixed tiles; a pass-cut tile's index otherwise).
-    _, first_pair = np.unique(pair_g, return_index=True)
-    loads = first_pair.size
-    within = [(first_pair[r - 1], first_pair[r], pair_t[first_pair[r]]) for r in range(1, loads)]
-    # The first load of a sweep, started where it is waited for.
-    head_alone = [(first_pair[0], first_pair[0], pair_t[first_pair[0]])] if loads else []
-    # With sequential sweeps: started at the previous sweep's last group.
-    cross = (
-      [(first_pair[-1], num_pairs + first_pair[0], tiles_m + pair_t[first_pair[0]])]
-      if loads
-      else []
-    )
-    tail_alone = []
+    windows = _gmm_load_windows(pair_g=pair_g, pair_t=pair_t, tiles_m=tiles_m)
   else:
-    # NOTE: write g is started after its finalize pair and waited at write g + 2's finalize
-    # (after that pair's work), or at the drain after the sweep's (or the grid's) last pair.
-    fin_pair = np.searchsorted(pair_key, fin * num_groups + np.arange(num_groups))
-    within = [
-      (fin_pair[g] + 1, fin_pair[g + 2] + 1, pair_t[fin_pair[g + 2]]) for g in range(num_groups - 2)
-    ]
-    last_two = range(max(num_groups - 2, 0), num_groups)
-    tail_alone = [(fin_pair[g] + 1, num_pairs, tiles_m - 1) for g in last_two]
-    head_alone = []
-    if num_groups >= 2:
-      cross = [
-        (
-          fin_pair[g] + 1,
-          num_pairs + fin_pair[g + 2 - num_groups] + 1,
-          tiles_m + pair_t[fin_pair[g + 2 - num_groups]],
-        )
-        for g in last_two
-      ]
-    else:
-      # NOTE: a single group waits for the write two sweeps back; counted as if one sweep back.
-      cross = [(fin_pair[0] + 1, 2 * num_pairs, 2 * tiles_m - 1)] if num_groups else []
-  w_over, w_exp = spread(within)
-  h_over, h_exp = spread(head_alone)
-  t_over, t_exp = spread(tail_alone)
-  c_over, c_exp = spread(cross)
-  over = np.zeros((sweeps, tiles_m))
-  exposed = np.zeros((sweeps, tiles_m))
-  over += w_over[:tiles_m]
-  exposed += w_exp[:tiles_m]
-  if not sequential_sweeps:
-    over += h_over[:tiles_m] + t_over[:tiles_m]
-    exposed += h_exp[:tiles_m] + t_exp[:tiles_m]
-  else:
-    over[0] += h_over[:tiles_m]
-    exposed[0] += h_exp[:tiles_m]
-    over[-1] += t_over[:tiles_m]
-    exposed[-1] += t_exp[:tiles_m]
-    over[:-1] += c_over[:tiles_m]
-    exposed[:-1] += c_exp[:tiles_m]
-    over[1:] += c_over[tiles_m:]
-    exposed[1:] += c_exp[tiles_m:]
+    windows = _tgmm_write_windows(pair_g=pair_g, pair_t=pair_t, fin=fin, tiles_m=tiles_m)
+  within, head_alone, tail_alone, cross = _spread_windows(
+    windows=windows, pair_t=pair_t, pair_rows=pair_rows, tiles_m=tiles_m, block_bytes=block_bytes
+  )
+  over, exposed = _sweeps_dma_bytes(
+    within=within,
+    head_alone=head_alone,
+    tail_alone=tail_alone,
+    cross=cross,
+    sweeps=sweeps,
+    tiles_m=tiles_m,
+    sequential_sweeps=sequential_sweeps,
+  )
   return over.reshape(-1), exposed.reshape(-1)
 
 
@@ -408,6 +504,251 @@ def rowtile_row_dma(
   return over, exposed
 
 
+class _RowtileGrid(NamedTuple):
+  """A row-tile kernel's grid over its local groups, as `rowtile_step_costs` models it."""
+
+  kind: str
+  starts: np.ndarray  # [groups] first local row of each group
+  ends: np.ndarray  # [groups] end row of each group
+  m: int  # local rows: sum(group_sizes)
+  end: int  # the operands' rows (the buffer's, when it has slack)
+  tm: int
+  sub_m: int
+  align: int  # the passes' alignment (`gmm_pass_align`, `tgmm_pass_align`)
+  cuts: dict[str, Any] | None  # gmm's pass-cut tiles; None: fixed m-tiles
+  tiles_m: int  # grid steps per sweep: visited m-tiles or pass-cut tiles
+  tail: int  # gmm's widened last pass (`metadata.merge_tail_rows`; 0: none)
+  rows_stationary: bool  # the MXU orientation the kernel runs (`rows_stationary_pays`)
+
+
+def _rowtile_grid(
+  *,
+  group_sizes,
+  buffer_rows: int | None,
+  kind: str,
+  tm: int,
+  tk: int,
+  tn: int,
+  gen: TpuGeneration,
+  lhs_itemsize: int,
+  rhs_itemsize: int,
+  out_itemsize: int,
+  unowned_rows: str,
+  fixed_tiles: bool,
+  transpose_lhs: bool,
+) -> _RowtileGrid:
+  """The local groups' rows, the kernel's passes and its m-tiles (`rowtile_step_costs`' args)."""
+  sub = pass_rows(tm, gen, kind=kind, tn=tn)
+  gs = np.maximum(np.asarray(group_sizes, np.int64), 0)
+  ends = np.cumsum(gs)
+  starts = ends - gs
+  m = int(ends[-1]) if gs.size else 0
+  tiles_m = max(1, -(-m // tm))
+  end = m if buffer_rows is None else max(m, buffer_rows)
+  cuts = None
+  if kind == "tgmm":
+    align = tgmm_pass_align(
+      sub_m=sub,
+      tm=tm,
+      lhs_itemsize=lhs_itemsize,
+      rhs_itemsize=rhs_itemsize,
+      transpose_lhs=transpose_lhs,
+    )
+  else:
+    align = gmm_pass_align(sub_m=sub, tm=tm, lhs_itemsize=lhs_itemsize, out_itemsize=out_itemsize)
+    if not fixed_tiles and gs.size and uses_pass_cuts(m=end, tm=tm, sub_m=sub, align=align):
+      # NOTE: as `metadata.make_pass_cut_tiles` on the local rows [0, m): the first visited
+      # fixed tile is tile 0, and the fixed tiles visited end at cdiv(m, tm) * tm (at least one
+      # tile), clipped at the buffer's end.
+      cuts = pass_cut_rows(
+        starts=starts,
+        ends=ends,
+        first_row=0,
+        fixed_end=min(tiles_m * tm, end),
+        m=end,
+        tm=tm,
+        sub_m=sub,
+        align=align,
+        write_whole_tiles=unowned_rows != "undefined",
+        xp=np,
+      )
+      tiles_m = int(cuts["num_tiles"][0])
+  swap = rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen)
+  tail = 0
+  if kind == "gmm":
+    tail = merge_tail_rows(sub_m=sub, tm=tm, align=align, rows_stationary=swap)
+  return _RowtileGrid(
+    kind=kind,
+    starts=starts,
+    ends=ends,
+    m=m,
+    end=end,
+    tm=tm,
+    sub_m=sub,
+    align=align,
+    cuts=cuts,
+    tiles_m=tiles_m,
+    tail=tail,
+    rows_stationary=swap,
+  )
+
+
+def _rowtile_mxu_seconds(
+  *, grid: _RowtileGrid, k: int, tk: int, tn: int, gen: TpuGeneration, peak_flops: float | None
+) -> np.ndarray:
+  """[tiles_m] MXU seconds of one sweep's steps: each (group, tile) pair's passes
+  (`_rowtile_pairs`) at the cost of one sub-block dot in the orientation the kernel runs."""
+  sub = grid.sub_m
+  _, t, pair_rows = _rowtile_pairs(
+    grid.starts,
+    grid.ends,
+    tm=grid.tm,
+    sub_m=sub,
+    align=grid.align,
+    cuts=grid.cuts,
+    tail=grid.tail,
+  )
+  # NOTE: gmm's widened last passes (`metadata.merge_tail_rows`) cost their rows, as a pass of
+  # at least the MXU's minimum rows does.
+  hits = pair_rows / sub
+  swap = grid.rows_stationary
+  if grid.kind == "gmm":
+    shape = dict(rows=tn, contract=k, cols=sub) if swap else dict(rows=sub, contract=k, cols=tn)
+  else:
+    shape = dict(rows=tn, contract=sub, cols=tk) if swap else dict(rows=tk, contract=sub, cols=tn)
+  macs = _dot_macs(**shape, mxu=gen.mxu_size, min_rows=min_pass_rows(gen))
+  peak = gen.peak_bf16_flops if peak_flops is None else peak_flops
+  return np.bincount(t, hits * 2.0 * macs, grid.tiles_m) / peak
+
+
+def _tile_row_ranges(*, grid: _RowtileGrid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(row0, lo, hi), each [tiles_m]: each step's tile's first row and the rows [lo, hi) its row
+  blocks hold, relative to it (`tile_rows_moved`'s arguments)."""
+  tiles_m, cuts = grid.tiles_m, grid.cuts
+  # NOTE: the row blocks move the tile's local rows [0, m) rounded out to the granule and
+  # clipped at the operands' end (the buffer's, when it has slack); a pass-cut tile's lhs the
+  # rows its passes reach (past its end where it computes rows carried over to the next).
+  if cuts is None:
+    row0 = np.arange(tiles_m) * grid.tm
+    return row0, np.zeros(tiles_m, np.int64), np.minimum(grid.m - row0, grid.tm)
+  row0 = cuts["tile_start"][:tiles_m]
+  return row0, np.zeros(tiles_m, np.int64), cuts["tile_reach"][:tiles_m] - row0
+
+
+def _gmm_row_blocks(
+  *,
+  grid: _RowtileGrid,
+  k: int,
+  tn: int,
+  sweeps: int,
+  lhs_itemsize: int,
+  rhs_itemsize: int,
+  out_itemsize: int,
+  unowned_rows: str,
+) -> tuple[list, np.ndarray, float, float | None]:
+  """gmm's (fetches, writes, block_bytes, ramp_bytes): its lhs row blocks and output
+  write-backs per step (`rowtile_row_dma`), the bytes of one weight load, and its ramp's chunk
+  (`gmm_ramp_bytes`)."""
+  tm, end, tiles_m = grid.tm, grid.end, grid.tiles_m
+  row0, lo, hi = _tile_row_ranges(grid=grid)
+
+  def moved(g, hi=hi):
+    # NOTE: gmm pads its lhs and output rows to the granule (when the granule divides tm).
+    return tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=_padded(end, g, tm), granule=g)
+
+  out_granule = row_granule_of(out_itemsize)
+  if grid.cuts is not None:
+    # NOTE: a pass-cut tile writes its rows [tile_start[t], tile_start[t + 1]): the local rows,
+    # or (written whole) the visited fixed tiles' rows, cut the same way.
+    out_rows = moved(out_granule, hi=grid.cuts["tile_start"][1 : tiles_m + 1] - row0)
+  elif unowned_rows == "undefined":
+    out_rows = moved(out_granule)
+  else:
+    out_rows = np.minimum(_padded(end, out_granule, tm) - row0, tm)
+  tile = np.tile(np.arange(tiles_m), sweeps)
+  fetches = [(np.tile(moved(row_granule_of(lhs_itemsize)) * k * lhs_itemsize, sweeps), tile)]
+  writes = np.tile(out_rows * tn * out_itemsize, sweeps)
+  ramp_bytes = gmm_ramp_bytes(tm=tm, sub_m=grid.sub_m, k=k, lhs_itemsize=lhs_itemsize)
+  return fetches, writes, k * tn * rhs_itemsize, ramp_bytes
+
+
+def _tgmm_row_blocks(
+  *,
+  grid: _RowtileGrid,
+  tk: int,
+  tn: int,
+  sweeps: int,
+  lhs_itemsize: int,
+  rhs_itemsize: int,
+  out_itemsize: int,
+  transpose_lhs: bool,
+) -> tuple[list, np.ndarray, float, None]:
+  """tgmm's (fetches, writes, block_bytes, ramp_bytes): its lhs and rhs row blocks per step
+  (`rowtile_row_dma`; no row writes), the bytes of one output write, and no ramp."""
+  row0, lo, hi = _tile_row_ranges(grid=grid)
+
+  def moved(g):
+    return tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=grid.tm, m=grid.end, granule=g)
+
+  # NOTE: tgmm fetches both every step (a single visited tile too: its k and n windows change
+  # with the sweep).
+  every = np.arange(sweeps * grid.tiles_m)
+  lhs_rows = moved(row_granule_of(lhs_itemsize, lanes=not transpose_lhs))
+  rhs_rows = moved(row_granule_of(rhs_itemsize))
+  fetches = [
+    (np.tile(lhs_rows * tk * lhs_itemsize, sweeps), every),
+    (np.tile(rhs_rows * tn * rhs_itemsize, sweeps), every),
+  ]
+  return fetches, np.zeros(sweeps * grid.tiles_m), tk * tn * out_itemsize, None
+
+
+def _rowtile_dma_bytes(
+  *,
+  grid: _RowtileGrid,
+  k: int,
+  tk: int,
+  tn: int,
+  sweeps: int,
+  gen: TpuGeneration,
+  lhs_itemsize: int,
+  rhs_itemsize: int,
+  out_itemsize: int,
+  unowned_rows: str,
+  transpose_lhs: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+  """(overlapped, exposed) bytes, each [sweeps * tiles_m] in grid-step order: the row blocks'
+  (`rowtile_row_dma`) plus the per-group weight loads' / output writes' (`rowtile_manual_dma`)."""
+  itemsizes = dict(lhs_itemsize=lhs_itemsize, rhs_itemsize=rhs_itemsize, out_itemsize=out_itemsize)
+  if grid.kind == "gmm":
+    fetches, writes, block, ramp_bytes = _gmm_row_blocks(
+      grid=grid, k=k, tn=tn, sweeps=sweeps, **itemsizes, unowned_rows=unowned_rows
+    )
+  else:
+    fetches, writes, block, ramp_bytes = _tgmm_row_blocks(
+      grid=grid, tk=tk, tn=tn, sweeps=sweeps, **itemsizes, transpose_lhs=transpose_lhs
+    )
+  # NOTE: the kernels' `sequential_sweeps` follows the generation, as in `pallas_moe.ops`.
+  seq = sequential_sweeps(gen)
+  row_over, row_exposed = rowtile_row_dma(
+    fetches=fetches, writes=writes, sweeps=sweeps, sequential_sweeps=seq, ramp_bytes=ramp_bytes
+  )
+  over, exposed = rowtile_manual_dma(
+    starts=grid.starts,
+    ends=grid.ends,
+    m=grid.m,
+    tm=grid.tm,
+    sub_m=grid.sub_m,
+    kind=grid.kind,
+    sweeps=sweeps,
+    block_bytes=block,
+    sequential_sweeps=seq,
+    align=grid.align,
+    cuts=grid.cuts,
+    tail=grid.tail,
+  )
+  return over + row_over, exposed + row_exposed
+
+
 def rowtile_step_costs(
   *,
   group_sizes,
@@ -476,135 +817,34 @@ def rowtile_step_costs(
       f"unowned_rows must be 'zero', 'undefined' or 'existing', got {unowned_rows!r}"
     )
   gen = get_generation(generation)
-  mxu = gen.mxu_size
-  sub = pass_rows(tm, gen, kind=kind, tn=tn)
-  gs = np.maximum(np.asarray(group_sizes, np.int64), 0)
-  ends = np.cumsum(gs)
-  starts = ends - gs
-  m = int(ends[-1]) if gs.size else 0
-  tiles_m = max(1, -(-m // tm))
-  align = None
-  end = m if buffer_rows is None else max(m, buffer_rows)
-  cuts = None
-  if kind == "tgmm":
-    align = tgmm_pass_align(
-      sub_m=sub,
-      tm=tm,
-      lhs_itemsize=lhs_itemsize,
-      rhs_itemsize=rhs_itemsize,
-      transpose_lhs=transpose_lhs,
-    )
-  if kind == "gmm":
-    align = gmm_pass_align(sub_m=sub, tm=tm, lhs_itemsize=lhs_itemsize, out_itemsize=out_itemsize)
-    if not fixed_tiles and gs.size and uses_pass_cuts(m=end, tm=tm, sub_m=sub, align=align):
-      # NOTE: as `metadata.make_pass_cut_tiles` on the local rows [0, m): the first visited
-      # fixed tile is tile 0, and the fixed tiles visited end at cdiv(m, tm) * tm (at least one
-      # tile), clipped at the buffer's end.
-      cuts = pass_cut_rows(
-        starts=starts,
-        ends=ends,
-        first_row=0,
-        fixed_end=min(tiles_m * tm, end),
-        m=end,
-        tm=tm,
-        sub_m=sub,
-        align=align,
-        write_whole_tiles=unowned_rows != "undefined",
-        xp=np,
-      )
-      tiles_m = int(cuts["num_tiles"][0])
-  # NOTE: one sub-block dot in the orientation the kernel runs (`rows_stationary_pays`); gmm's
-  # widened last passes (`metadata.merge_tail_rows`) cost their rows, as a pass of at least the
-  # MXU's minimum rows does.
-  swap = rows_stationary_pays(kind=kind, sub_m=sub, tk=tk, tn=tn, generation=gen)
-  tail = 0
-  if kind == "gmm":
-    tail = merge_tail_rows(sub_m=sub, tm=tm, align=align, rows_stationary=swap)
-  _, t, pair_rows = _rowtile_pairs(
-    starts, ends, tm=tm, sub_m=sub, align=align, cuts=cuts, tail=tail
-  )
-  hits = pair_rows / sub
-  if kind == "gmm":
-    shape = dict(rows=tn, contract=k, cols=sub) if swap else dict(rows=sub, contract=k, cols=tn)
-  else:
-    shape = dict(rows=tn, contract=sub, cols=tk) if swap else dict(rows=tk, contract=sub, cols=tn)
-  macs = _dot_macs(**shape, mxu=mxu, min_rows=min_pass_rows(gen))
-  peak = gen.peak_bf16_flops if peak_flops is None else peak_flops
-  mxu_s = np.bincount(t, hits * 2.0 * macs, tiles_m) / peak
-  # NOTE: the row blocks move the tile's local rows [0, m) rounded out to the granule and
-  # clipped at the operands' end (the buffer's, when it has slack); a pass-cut tile's lhs the
-  # rows its passes reach (past its end where it computes rows carried over to the next).
-  if cuts is None:
-    row0 = np.arange(tiles_m) * tm
-    lo, hi = np.zeros(tiles_m, np.int64), np.minimum(m - row0, tm)
-  else:
-    row0 = cuts["tile_start"][:tiles_m]
-    lo, hi = np.zeros(tiles_m, np.int64), cuts["tile_reach"][:tiles_m] - row0
-
-  def moved(g):
-    # NOTE: gmm pads its lhs and output rows to the granule (when the granule divides tm).
-    padded = _padded(end, g, tm) if kind == "gmm" else end
-    return tile_rows_moved(row0=row0, lo=lo, hi=hi, tm=tm, m=padded, granule=g)
-
-  tiles_k, tiles_n = k // tk, n // tn
-  sweeps = tiles_k * tiles_n
-  tile = np.tile(np.arange(tiles_m), sweeps)
-  if kind == "gmm":
-    out_granule = row_granule_of(out_itemsize)
-    if cuts is not None:
-      # NOTE: a pass-cut tile writes its rows [tile_start[t], tile_start[t + 1]): the local
-      # rows, or (written whole) the visited fixed tiles' rows, cut the same way.
-      out_rows = tile_rows_moved(
-        row0=row0,
-        lo=lo,
-        hi=cuts["tile_start"][1 : tiles_m + 1] - row0,
-        tm=tm,
-        m=_padded(end, out_granule, tm),
-        granule=out_granule,
-      )
-    elif unowned_rows == "undefined":
-      out_rows = moved(out_granule)
-    else:
-      out_rows = np.minimum(_padded(end, out_granule, tm) - row0, tm)
-    fetches = [(np.tile(moved(row_granule_of(lhs_itemsize)) * k * lhs_itemsize, sweeps), tile)]
-    writes = np.tile(out_rows * tn * out_itemsize, sweeps)
-    block = k * tn * rhs_itemsize
-    ramp_bytes = gmm_ramp_bytes(tm=tm, sub_m=sub, k=k, lhs_itemsize=lhs_itemsize)
-  else:
-    # NOTE: tgmm fetches both every step (a single visited tile too: its k and n windows
-    # change with the sweep).
-    every = np.arange(sweeps * tiles_m)
-    fetches = [
-      (
-        np.tile(
-          moved(row_granule_of(lhs_itemsize, lanes=not transpose_lhs)) * tk * lhs_itemsize, sweeps
-        ),
-        every,
-      ),
-      (np.tile(moved(row_granule_of(rhs_itemsize)) * tn * rhs_itemsize, sweeps), every),
-    ]
-    writes = np.zeros(sweeps * tiles_m)
-    block = tk * tn * out_itemsize
-    ramp_bytes = None
-  seq = sequential_sweeps(gen)
-  row_over, row_exposed = rowtile_row_dma(
-    fetches=fetches, writes=writes, sweeps=sweeps, sequential_sweeps=seq, ramp_bytes=ramp_bytes
-  )
-  over, exposed = rowtile_manual_dma(
-    starts=starts,
-    ends=ends,
-    m=m,
-    tm=tm,
-    sub_m=sub,
+  itemsizes = dict(lhs_itemsize=lhs_itemsize, rhs_itemsize=rhs_itemsize, out_itemsize=out_itemsize)
+  grid = _rowtile_grid(
+    group_sizes=group_sizes,
+    buffer_rows=buffer_rows,
     kind=kind,
-    sweeps=sweeps,
-    block_bytes=block,
-    sequential_sweeps=seq,
-    align=align,
-    cuts=cuts,
-    tail=tail,
+    tm=tm,
+    tk=tk,
+    tn=tn,
+    gen=gen,
+    **itemsizes,
+    unowned_rows=unowned_rows,
+    fixed_tiles=fixed_tiles,
+    transpose_lhs=transpose_lhs,
   )
-  return np.tile(mxu_s, sweeps), over + row_over, exposed + row_exposed
+  mxu_s = _rowtile_mxu_seconds(grid=grid, k=k, tk=tk, tn=tn, gen=gen, peak_flops=peak_flops)
+  sweeps = (k // tk) * (n // tn)
+  over, exposed = _rowtile_dma_bytes(
+    grid=grid,
+    k=k,
+    tk=tk,
+    tn=tn,
+    sweeps=sweeps,
+    gen=gen,
+    **itemsizes,
+    unowned_rows=unowned_rows,
+    transpose_lhs=transpose_lhs,
+  )
+  return np.tile(mxu_s, sweeps), over, exposed
 
 
 def rowtile_fill_bytes(
