@@ -672,7 +672,7 @@ def test_moe_layer_weight_quantization_shard_map():
   """int8 weights and activations, EP=4 on a (2, 4) CPU mesh (shard_map): forward and gradients
   match the dense float reference on the dequantized expert weights (weights pre-snapped to the
   int8 grid, so quantizing them again inside the block is exact)."""
-  from test_moe import SMALL, _assert_close, _block_grads, _mesh, _ref_grads, _setup
+  from layer_testing import SMALL, _assert_close, _block_grads, _mesh, _ref_grads, _setup
 
   config = MoEConfig(
     **SMALL, weight_quantization="int8", activation_quantization="int8", norm_topk_prob=True
