@@ -1228,11 +1228,9 @@ def rowtile_hooks(
       granule = tiling_lib.row_granule_of(out_itemsize)
       padded = -(-rows // granule) * granule if tm % granule == 0 else rows
       out_rows = np.maximum(np.minimum(padded - row0, tm), 0)
-    ramp = tiling_lib.gmm_ramp_bytes(tm=tm, sub_m=sub_m, k=tk, lhs_itemsize=lhs_itemsize)
     return dict(
       fetches=[(lhs_rows * tk * lhs_itemsize * manual_dma("in0"), tile)],
       writes=out_rows * tn * out_itemsize * manual_dma("out0"),
-      ramp_bytes=ramp if manual_dma("in0") else None,
     )
 
   return scale, manual

@@ -542,14 +542,11 @@ class KernelCounts:
       widened last pass), if not `per_group`.
     empty_groups: executions of the once-per-group regions that store and (almost) do not load
       (the row-tile tgmm's zeroing, for empty groups only), if not `per_group`.
-    segments: the row-tile gmm's pass segments, a loop level between its group and sub-block
-      loops when the compiled kernel has one (its first lhs block ramped in chunks).
   """
 
   steps: int
   loop_levels: tuple[float | tuple[float, ...], ...]
   per_group: float | None = None
-  segments: float | None = None
   group_starts: float | None = None
   empty_groups: float | None = None
 
@@ -601,11 +598,6 @@ def kernel_counts(*, kernel: str, ctx, case) -> KernelCounts:
         group_starts=first,
         empty_groups=empty * sweeps,
       )
-    # NOTE: where the gmm ramps its first lhs block, a group's passes run in segments (a while
-    # loop around the sub-block loop): one per group iteration but in a chain's first step,
-    # where a segment also ends at each lhs chunk still in flight (at most one more per chunk,
-    # not counted).
-    segments = group_iters if kernel.startswith("pallas_moe_gmm_rowtile") else None
     passes = getattr(case, "gmm_passes", None)
     widened = None
     if kernel.startswith("pallas_moe_gmm_rowtile") and passes is not None:
@@ -617,7 +609,6 @@ def kernel_counts(*, kernel: str, ctx, case) -> KernelCounts:
       steps=steps,
       loop_levels=(group_iters, hits),
       per_group=groups * sweeps,
-      segments=segments,
       group_starts=widened,
     )
   if kernel.startswith(("pallas_moe_gmm", "pallas_moe_tgmm")):
@@ -670,8 +661,6 @@ def trip_counts(root: Node, counts: KernelCounts) -> dict[int, float]:
 
   find(root, 0)
   loop_levels = counts.loop_levels
-  if counts.segments is not None and len(levels) == len(loop_levels) + 1:
-    loop_levels = (loop_levels[0], counts.segments, *loop_levels[1:])
   if len(levels) > len(loop_levels):
     raise ValueError(
       f"{len(levels)} levels of dynamic loops in the schedule, the kernel's metadata "

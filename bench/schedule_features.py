@@ -7,8 +7,6 @@ switched off by replacing the helper that turns it on, in every loaded `pallas_m
 module that holds it (the kernels, `pallas_moe.ops`, the picker, `schedule_cost` and the bench's
 cost-model hooks all read the same helpers):
 
-- ramp: `metadata.ramp_chunk_rows` -> 0 (no ramped first lhs block: the kernel fetches it whole,
-  the model exposes all of it);
 - pass_cuts: `metadata.uses_pass_cuts` -> False (fixed m-tiles; `rowtile_pass_cuts_pay` and the
   picker then never cut);
 - merge_tail: `metadata.merge_tail_rows` -> 0 (sub_m-row passes only);
@@ -91,7 +89,6 @@ def _switches() -> dict[str, list[tuple[str, object]]]:
 
   rs = [("rows_stationary_pays", lambda **kw: False)]
   return {
-    "ramp": [("ramp_chunk_rows", lambda **kw: 0)],
     "pass_cuts": [("uses_pass_cuts", lambda **kw: False)],
     "merge_tail": [("merge_tail_rows", lambda **kw: 0)],
     "rows_stationary": rs,
@@ -284,8 +281,6 @@ def active_at(feature: str, *, impl: str, op: str, shape, chip: str, tiling) -> 
   if kind != "gmm":
     return False
   align = schedule_cost.gmm_pass_align(sub_m=sub, tm=tm, lhs_itemsize=2, out_itemsize=2)
-  if feature == "ramp":
-    return metadata.ramp_chunk_rows(tm=tm, sub_m=sub, granule=schedule_cost.row_granule_of(2)) > 0
   if feature == "merge_tail":
     return metadata.merge_tail_rows(sub_m=sub, tm=tm, align=align, rows_stationary=rs) > 0
   if feature == "pass_cuts":
@@ -534,39 +529,15 @@ def feature_tables(records: list[dict], features) -> str:
 
 
 # (feature, case, impl, op, chip, tiles): a dense case is (shape, tokens), an EP case (model, ep,
-# tokens, policy, routing). The features' largest modeled gains, and the ramp's: 10 of its 34 EP
-# cases >= 2% at the same tiles (the largest first) and its dense best.
+# tokens, policy, routing). The features' largest modeled gains.
 LLO_CHECKS = (
   ("merge_tail", ("deepseek-v2-lite", 4096), "pallas_moe", "fwd", "v5e", (3072, 2048, 1408)),
   ("rows_stationary", ("deepseek-v2-lite", 16384), "pallas_moe", "drhs", "v6e", (4096, 2048, 1408)),
   ("rows_stationary", ("deepseek-v2-lite", 16384), "pallas_moe", "fwd", "v6e", (6144, 2048, 1408)),
   ("pass_cuts", ("deepseek-v2-lite", 16384), "pallas_moe", "fwd", "v6e", (6144, 2048, 1408)),
   ("sequential_sweeps", ("mixtral-8x7b", 4096), "pallas_moe", "drhs", "v6e", (4096, 2048, 2048)),
-  ("ramp", ("deepseek-v2-lite", 16384), "pallas_moe", "fwd", "v6e", (6144, 2048, 1408)),
-  ("ramp", ("deepseek-v2-lite", 8, 4096, "exact", "uniform"), "pallas_moe", "fwd", "v6e",
-   (4096, 2048, 1408)),
-  ("ramp", ("deepseek-v2-lite", 8, 4096, "exact", "uniform"), "pallas_moe-moe", "fwd", "v6e",
-   (3072, 2048, 1408)),
-  ("ramp", ("qwen3-30b-a3b", 8, 4096, "cf1.25", "zipf"), "pallas_moe-moe", "fwd", "v6e",
-   (6144, 2048, 768)),
-  ("ramp", ("qwen3-30b-a3b", 8, 4096, "exact", "uniform"), "pallas_moe-moe", "dlhs", "v6e",
-   (5120, 768, 2048)),
-  ("ramp", ("qwen3-30b-a3b", 8, 4096, "cf1.25", "zipf"), "pallas_moe", "dlhs", "v6e",
-   (6144, 768, 2048)),
-  ("ramp", ("qwen3-30b-a3b", 8, 4096, "cf1.25", "uniform"), "pallas_moe", "dlhs", "v6e",
-   (6144, 768, 2048)),
-  ("ramp", ("qwen3-30b-a3b", 8, 4096, "exact", "uniform"), "pallas_moe", "dlhs", "v6e",
-   (5120, 768, 2048)),
-  ("ramp", ("deepseek-v2-lite", 8, 4096, "cf1.25", "uniform"), "pallas_moe", "dlhs", "v6e",
-   (4096, 1408, 2048)),
-  ("ramp", ("deepseek-v2-lite", 8, 4096, "cf1.25", "uniform"), "pallas_moe", "fwd", "v6e",
-   (3072, 2048, 1408)),
-  ("ramp", ("qwen3-30b-a3b", 8, 4096, "cf1.25", "zipf"), "pallas_moe", "fwd", "v6e",
-   (6144, 2048, 768)),
 )  # fmt: skip
 ENGINE_CHECKS = (
-  ("ramp", ("deepseek-v2-lite", 8, 4096, "exact", "uniform"), "pallas_moe", "fwd", "v6e",
-   (4096, 2048, 1408)),
   ("pass_cuts", ("deepseek-v2-lite", 8, 4096, "cf1.25", "uniform"), "pallas_moe", "fwd", "v6e",
    (3072, 2048, 1408)),
   ("merge_tail", ("deepseek-v2-lite", 8, 4096, "exact", "uniform"), "pallas_moe", "dlhs", "v5e",

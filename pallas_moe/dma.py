@@ -99,9 +99,7 @@ def wait(copies: Iterable[Any]) -> None:
   _run(copies, wait=True)
 
 
-def fetch_ahead(
-  fetch: Callable[[Any, Any], Any], *, chain: Chain, prefetch: Any = None, own: bool = True
-) -> None:
+def fetch_ahead(fetch: Callable[[Any, Any], Any], *, chain: Chain, prefetch: Any = None) -> None:
   """Starts the fetches of chain steps index + j: j = 0 (the step's own, at the chain's start
   only) and j = 1 (the next step's, into the other slot).
 
@@ -111,9 +109,8 @@ def fetch_ahead(
     fetch: the loop body (j, carry) -> carry that starts chain step index + j's fetches.
     chain: the step's `Chain`.
     prefetch: whether there is a next step to fetch (default: the chain goes on).
-    own: whether the chain's first step fetches its own block here (False: it does elsewhere).
   """
-  first = jnp.where(chain.index == 0, 0, 1) if own else 1
+  first = jnp.where(chain.index == 0, 0, 1)
   if prefetch is None:
     prefetch = chain.index + 1 < chain.length
   lax.fori_loop(first, jnp.where(prefetch, 2, 1), fetch, 0)

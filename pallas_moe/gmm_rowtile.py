@@ -2,8 +2,8 @@
 
 `gmm.py`'s module docstring describes the schedule. The kernel is built from named parts:
 
-- `RowTilePlan`: every static choice of a call (tiles, pass alignment, ramp chunks, pass cuts,
-  which operands are present, the kernel's flags), made in plain Python before any tracing.
+- `RowTilePlan`: every static choice of a call (tiles, pass alignment, pass cuts, which
+  operands are present, the kernel's flags), made in plain Python before any tracing.
 - `RowTileMetadata`: the scalar-prefetch arrays, one pytree; `RowTileIndexMaps` its index maps.
 - `RowTileInputs`, `RowTileScratch`: the operands and the VMEM / semaphore scratch by name.
 - `_Step`: one grid step's positions (tile, chain, slots) and the DMA descriptors of its lhs rows,
@@ -154,8 +154,6 @@ class RowTilePlan:
     lhs_rows, out_rows: rows of lhs and of the output buffer, padded to their granules.
     align: the pass alignment (`metadata.pass_align`): a group's passes start at a multiple.
     tail: rows a group's widened last pass adds (`metadata.merge_tail_rows`; 0: none).
-    ramp_rows, ramp_chunks: rows per ramp chunk and chunks per tile (`metadata.ramp_chunk_rows`;
-      0: no ramp).
     pass_cuts: m-tiles cut on the groups' pass grids (`metadata.make_pass_cut_tiles`).
     transpose_rhs: rhs is [G, n, k].
     quantized, lhs_quantized: rhs / lhs come with f32 scales.
@@ -188,8 +186,6 @@ class RowTilePlan:
   out_rows: int
   align: int
   tail: int
-  ramp_rows: int
-  ramp_chunks: int
   pass_cuts: bool
   transpose_rhs: bool
   quantized: bool
@@ -311,7 +307,6 @@ def plan_rowtile(
       f"tile, and no lhs_scales (m={m}, tm={tm}, sub_m={sub_m}, pass alignment {align}); "
       "pass pass_cuts=None."
     )
-  ramp_rows = metadata.ramp_chunk_rows(tm=tm, sub_m=sub_m, granule=lhs_granule)
   # NOTE: the output is padded (and the result sliced back to m rows) for the TPU simulator,
   # whose aliased outputs must not have a ragged last block (jax 0.10.2: "Out-of-bounds block
   # index"), and to a multiple of the output's DMA granule: Mosaic rejects a write-back from a
@@ -343,8 +338,6 @@ def plan_rowtile(
     out_rows=out_rows,
     align=align,
     tail=tail,
-    ramp_rows=ramp_rows,
-    ramp_chunks=metadata.cdiv(tm, ramp_rows) if ramp_rows else 0,
     pass_cuts=pass_cuts,
     transpose_rhs=transpose_rhs,
     quantized=rhs_scales is not None,
@@ -436,8 +429,6 @@ class RowTileScratch(NamedTuple):
     lhs: [2, tm, k] the two lhs slots.
     out: [2, tm, tn] the two output slots.
     io_sems: the lhs slots' semaphores (0, 1) and the output slots' (2, 3).
-    ramp_sems: the ramp's chunk semaphores.
-    ramp_ready: [1] SMEM: how many ramp chunks the passes have waited for.
   """
 
   weights: Any
@@ -447,12 +438,10 @@ class RowTileScratch(NamedTuple):
   lhs: Any
   out: Any
   io_sems: Any
-  ramp_sems: Any
-  ramp_ready: Any
 
 
 def _scratch_shapes(plan: RowTilePlan) -> RowTileScratch:
-  q, p, r = plan.quantized, plan.prepare, plan.ramp_chunks
+  q, p = plan.quantized, plan.prepare
   prep_block = (plan.tn, plan.k) if plan.rows_stationary else plan.weight_block
   return RowTileScratch(
     weights=pltpu.VMEM((2, *plan.weight_block), plan.rhs_dtype),
@@ -467,9 +456,6 @@ def _scratch_shapes(plan: RowTilePlan) -> RowTileScratch:
     lhs=pltpu.VMEM((2, plan.tm, plan.k), plan.lhs_dtype),
     out=pltpu.VMEM((2, plan.tm, plan.tn), plan.out_dtype),
     io_sems=pltpu.SemaphoreType.DMA((4,)),
-    # NOTE: the ramp's chunk semaphores and how many chunks the passes have waited for.
-    ramp_sems=pltpu.SemaphoreType.DMA((r,)) if r else None,
-    ramp_ready=pltpu.SMEM((1,), jnp.int32) if r else None,
   )
 
 
@@ -558,20 +544,13 @@ class _Step:
 
   # --- DMA descriptors -------------------------------------------------------------------------
 
-  def lhs_copies(self, tile, into, chunk=None):
+  def lhs_copies(self, tile, into):
     plan, scratch = self.plan, self.scratch
     r0, lo, hi = self.local_rows(tile)
-    sem = scratch.io_sems.at[into]
-    if chunk is not None:
-      # NOTE: ramp chunk `chunk` of the tile: its rows [chunk, chunk + 1) x ramp_rows, clipped
-      # to the local ones (an empty range moves nothing), on its own semaphore.
-      lo = jnp.maximum(lo, chunk * plan.ramp_rows)
-      hi = jnp.minimum(hi, (chunk + 1) * plan.ramp_rows)
-      sem = scratch.ramp_sems.at[chunk]
     return common.tile_row_copies(
       hbm_rows=lambda start, size: self.ins.lhs.at[pl.ds(start, size)],
       vmem_rows=lambda off, size: scratch.lhs.at[into, pl.ds(off, size)],
-      sem=sem,
+      sem=scratch.io_sems.at[into],
       row0=r0,
       lo=lo,
       hi=hi,
@@ -639,7 +618,7 @@ class _Step:
 
   def start_fetches(self) -> None:
     """Starts this step's lhs fetch (the chain's first step only) and the next step's."""
-    plan, meta, chain = self.plan, self.meta, self.chain
+    meta, chain = self.meta, self.chain
 
     def fetch(j, carry):
       # NOTE: the fetch for chain step chain + j (j = 0 only at the chain's start, j = 1 the
@@ -650,31 +629,7 @@ class _Step:
       return carry
 
     prefetch = (self.num_steps > 1) & (chain.index + 1 < chain.length)
-    if not plan.ramp_chunks:
-      dma.fetch_ahead(fetch, chain=chain, prefetch=prefetch)
-      return
-
-    # NOTE: the chain's first tile is fetched in chunks of ramp_rows rows, each waited for by
-    # the first pass that reads it (`run_passes`), so the MXU starts after one chunk instead of
-    # the whole block. Issue order is the order of need: the first chunk, the first group's
-    # weights (loaded here rather than when that group starts, `load_group`), the other chunks,
-    # then the next tile's prefetch.
-    def start_chunk(c, carry):
-      dma.start(self.lhs_copies(self.t, 0, chunk=c))
-      return carry
-
-    @pl.when(chain.index == 0)
-    def _ramp():
-      start_chunk(0, 0)
-
-      @pl.when(meta.num_loads[0] > 0)
-      def _first_load():
-        self.start_load(0, self.n_i)
-
-      lax.fori_loop(1, plan.ramp_chunks, start_chunk, 0)
-
-    self.scratch.ramp_ready[0] = jnp.where(chain.index == 0, 0, plan.ramp_chunks)
-    dma.fetch_ahead(fetch, chain=chain, prefetch=prefetch, own=False)
+    dma.fetch_ahead(fetch, chain=chain, prefetch=prefetch)
 
   def init_out_block(self) -> None:
     """Starts the output block as existing_out's rows (or zeros); each group overwrites its rows.
@@ -776,18 +731,9 @@ class _Step:
     counts[n_i, t, 3] = end - first
 
   def wait_lhs(self) -> None:
-    # NOTE: a ramped first tile is waited for chunk by chunk in `run_passes`.
-    fetched = self.fetched
-    if self.plan.ramp_chunks:
-      fetched = fetched & (self.chain.index > 0)
-
-    @pl.when(fetched)
+    @pl.when(self.fetched)
     def _wait_lhs():
       dma.wait(self.lhs_copies(self.t, self.lhs_slot))
-
-  def wait_chunk(self, c, carry):
-    dma.wait(self.lhs_copies(self.t, 0, chunk=c))
-    return carry
 
   def write_back(self) -> None:
     """Starts this step's output write-back; waits for the previous step's (and at the chain's
@@ -862,10 +808,7 @@ class _Step:
     exposed_first = rank == 0
     if plan.sequential_sweeps:
       exposed_first = exposed_first & (n_i == 0)
-    # NOTE: with a ramp, the chain's first step started this load with its first lhs chunk
-    # (the rank-0 group starts in the chain's first tile).
-    if not plan.ramp_chunks:
-      pl.when(exposed_first)(lambda: self.start_load(rank, n_i))
+    pl.when(exposed_first)(lambda: self.start_load(rank, n_i))
     pl.when(rank + 1 < meta.num_loads[0])(lambda: self.start_load(rank + 1, n_i))
     if plan.sequential_sweeps:
       next_sweep = (rank + 1 == meta.num_loads[0]) & (n_i + 1 < plan.tiles_n)
@@ -916,11 +859,8 @@ class _Step:
     out[rows, :] = jnp.where(mine, prod.astype(plan.out_dtype), out[rows, :])
 
   def run_passes(self, first_row, regular, **group) -> None:
-    """The group's `regular` passes of sub_m rows from tile row `first_row`.
-
-    With a ramp, the passes wait for the lhs chunks holding their rows first (`segment`).
-    """
-    plan, ready_ref = self.plan, self.scratch.ramp_ready
+    """The group's `regular` passes of sub_m rows from tile row `first_row`."""
+    plan = self.plan
 
     def pass_body(p, c):
       r0, rows = common.pass_block(
@@ -929,29 +869,7 @@ class _Step:
       self.multiply(r0, rows, plan.sub_m, **group)
       return c
 
-    if not plan.ramp_chunks:
-      lax.fori_loop(0, regular, pass_body, 0)
-      return
-
-    def segment(p):
-      # NOTE: waits for the chunks holding pass p's rows (as `pass_body` places the pass),
-      # then runs every pass from p whose rows those chunks (and the ones before) hold:
-      # all of the group's passes once the whole block is in (every step but the chain's
-      # first), so the pass loop itself never waits.
-      r0, _ = common.pass_block(
-        first_row + p * plan.sub_m, sub_m=plan.sub_m, tm=plan.tm, align=plan.align
-      )
-      ready = ready_ref[0]
-      need = jnp.minimum(metadata.cdiv(r0 + plan.sub_m, plan.ramp_rows), plan.ramp_chunks)
-      lax.fori_loop(ready, need, self.wait_chunk, 0)
-      covered = jnp.maximum(ready, need)
-      ready_ref[0] = covered
-      fit = (covered * plan.ramp_rows - plan.sub_m - first_row) // plan.sub_m + 1
-      end = jnp.where(covered >= plan.ramp_chunks, regular, jnp.clip(fit, p + 1, regular))
-      lax.fori_loop(p, end, pass_body, 0)
-      return end
-
-    lax.while_loop(lambda p: p < regular, segment, 0)
+    lax.fori_loop(0, regular, pass_body, 0)
 
   def run_widened_pass(self, first_row, passes, merged, **group) -> None:
     """Where `merged`, the group's last two passes as one of sub_m + tail rows.
@@ -959,18 +877,11 @@ class _Step:
     NOTE: the widened pass starts at the second-to-last pass's first row, moved back to end at
     the tile's end like a pass that would cross it (rows it recomputes get the same values).
     """
-    plan, ready_ref = self.plan, self.scratch.ramp_ready
+    plan = self.plan
     size = plan.sub_m + plan.tail
     wide_r0 = pl.multiple_of(
       jnp.minimum(first_row + (passes - 2) * plan.sub_m, plan.tm - size), plan.align
     )
-    if plan.ramp_chunks:
-      # NOTE: waits for the chunks holding the widened pass's rows (none once the block is
-      # in), outside its region, which then holds only the dot.
-      last = metadata.cdiv(wide_r0 + plan.sub_m + plan.tail, plan.ramp_rows)
-      need = jnp.where(merged, jnp.minimum(last, plan.ramp_chunks), 0)
-      lax.fori_loop(ready_ref[0], need, self.wait_chunk, 0)
-      ready_ref[0] = jnp.maximum(ready_ref[0], need)
     pl.when(merged)(lambda: self.multiply(wide_r0, pl.ds(wide_r0, size), size, **group))
 
 
@@ -991,10 +902,6 @@ def _kernel(
     step.count_moved_rows()
   step.wait_lhs()
   lax.fori_loop(meta.first_group[step.t], meta.last_group[step.t] + 1, step.group_body, 0)
-  if plan.ramp_chunks:
-    # NOTE: chunks no pass read (none, as passes cover the fetched rows; kept so that no DMA
-    # is left pending).
-    lax.fori_loop(scratch.ramp_ready[0], plan.ramp_chunks, step.wait_chunk, 0)
   step.write_back()
 
 
@@ -1030,10 +937,7 @@ def gmm_rowtile_pallas(
   """Runs the row-tile gmm kernel on validated arguments.
 
   The kernel moves lhs row blocks, group weights and output blocks by manual DMA, each
-  double-buffered. The first lhs block of a chain of grid steps (which nothing overlaps) arrives
-  in chunks (`metadata.ramp_chunk_rows`: at most 8 per tile, at least one pass each), and each
-  pass waits only for the chunks holding its rows, so the MXU starts after one chunk and the
-  first group's weights, not after the whole block.
+  double-buffered.
 
   Args:
     lhs: [m, k].

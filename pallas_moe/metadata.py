@@ -467,24 +467,6 @@ def group_pass_rows(
   return passes * sub_m - merged * (sub_m - tail)
 
 
-RAMP_MAX_CHUNKS = 8
-
-
-def ramp_chunk_rows(*, tm: int, sub_m: int, granule: int) -> int:
-  """Rows per chunk of the row-tile gmm's ramp (0: no ramp).
-
-  The first m-tile of a chain of grid steps has nothing to overlap its lhs fetch with. The
-  kernel fetches it in chunks and each pass waits only for the chunks holding its rows, so the
-  MXU starts after one chunk: of at least one pass (sub_m rows) and at most RAMP_MAX_CHUNKS per
-  tile, rounded up to the lhs DMA granule. No ramp for a tile of one pass or a tm the granule
-  does not divide (the tile then moves whole).
-  """
-  if tm % granule or tm < 2 * sub_m:
-    return 0
-  rows = max(sub_m, -(-tm // RAMP_MAX_CHUNKS))
-  return -(-rows // granule) * granule
-
-
 def uses_pass_cuts(*, m: int, tm: int, sub_m: int, align: int) -> bool:
   """Whether the row-tile gmm cuts its m-tiles at pass boundaries (`make_pass_cut_tiles`).
 

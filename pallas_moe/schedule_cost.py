@@ -26,7 +26,6 @@ from pallas_moe.metadata import (
   merge_tail_rows,
   pass_align,
   pass_cut_rows,
-  ramp_chunk_rows,
   uses_pass_cuts,
 )
 
@@ -404,13 +403,6 @@ def row_granule_of(itemsize: int, *, lanes: bool = False) -> int:
   return 128 if lanes else 8 * max(1, 4 // int(itemsize))
 
 
-def gmm_ramp_bytes(*, tm: int, sub_m: int, k: int, lhs_itemsize: int) -> float | None:
-  """Bytes of one chunk of the row-tile gmm's ramped first lhs block (`metadata.ramp_chunk_rows`
-  rows of a [tm, k] block): what `rowtile_row_dma(ramp_bytes=)` exposes; None: no ramp."""
-  rows = ramp_chunk_rows(tm=tm, sub_m=sub_m, granule=row_granule_of(lhs_itemsize))
-  return rows * k * lhs_itemsize if rows else None
-
-
 def gmm_pass_align(*, sub_m: int, tm: int, lhs_itemsize: int, out_itemsize: int) -> int:
   """`metadata.pass_align` of the row-tile gmm, whose passes slice its lhs and output rows:
   the larger of their row granules (`row_granule_of`)."""
@@ -454,7 +446,6 @@ def rowtile_row_dma(
   writes,
   sweeps: int,
   sequential_sweeps: bool,
-  ramp_bytes: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Per grid step: bytes of the row-tile kernels' manual row-block DMAs (gmm's lhs and output,
   tgmm's lhs and rhs), split into overlapped and exposed.
@@ -473,9 +464,6 @@ def rowtile_row_dma(
     writes: [steps] bytes written back after each step (zeros: none).
     sweeps: chains of equal length without `sequential_sweeps` (the grid's other axes).
     sequential_sweeps: the kernels' option.
-    ramp_bytes: gmm's ramp (`metadata.ramp_chunk_rows`): the chain's first block arrives in
-      chunks and the first pass waits only for its own, so at most these bytes (one chunk) are
-      exposed and the rest overlap the first step's work. None: no ramp.
 
   Returns:
     (overlapped, exposed), each [steps] in grid-step order.
@@ -495,9 +483,7 @@ def rowtile_row_dma(
     moved = first.copy()
     moved[1:] |= key[1:] != key[:-1]
     b = np.where(moved, nbytes, 0.0)
-    head = b if ramp_bytes is None else np.minimum(b, ramp_bytes)
-    exposed += np.where(first, head, 0.0)
-    over += np.where(first, b - head, 0.0)
+    exposed += np.where(first, b, 0.0)
     over[:-1] += np.where(first[1:], 0.0, b[1:])
   exposed += np.where(last, writes, 0.0)
   over[1:] += np.where(last[:-1], 0.0, writes[:-1])
@@ -645,10 +631,9 @@ def _gmm_row_blocks(
   rhs_itemsize: int,
   out_itemsize: int,
   unowned_rows: str,
-) -> tuple[list, np.ndarray, float, float | None]:
-  """gmm's (fetches, writes, block_bytes, ramp_bytes): its lhs row blocks and output
-  write-backs per step (`rowtile_row_dma`), the bytes of one weight load, and its ramp's chunk
-  (`gmm_ramp_bytes`)."""
+) -> tuple[list, np.ndarray, float]:
+  """gmm's (fetches, writes, block_bytes): its lhs row blocks and output write-backs per step
+  (`rowtile_row_dma`), and the bytes of one weight load."""
   tm, end, tiles_m = grid.tm, grid.end, grid.tiles_m
   row0, lo, hi = _tile_row_ranges(grid=grid)
 
@@ -668,8 +653,7 @@ def _gmm_row_blocks(
   tile = np.tile(np.arange(tiles_m), sweeps)
   fetches = [(np.tile(moved(row_granule_of(lhs_itemsize)) * k * lhs_itemsize, sweeps), tile)]
   writes = np.tile(out_rows * tn * out_itemsize, sweeps)
-  ramp_bytes = gmm_ramp_bytes(tm=tm, sub_m=grid.sub_m, k=k, lhs_itemsize=lhs_itemsize)
-  return fetches, writes, k * tn * rhs_itemsize, ramp_bytes
+  return fetches, writes, k * tn * rhs_itemsize
 
 
 def _tgmm_row_blocks(
@@ -682,9 +666,9 @@ def _tgmm_row_blocks(
   rhs_itemsize: int,
   out_itemsize: int,
   transpose_lhs: bool,
-) -> tuple[list, np.ndarray, float, None]:
-  """tgmm's (fetches, writes, block_bytes, ramp_bytes): its lhs and rhs row blocks per step
-  (`rowtile_row_dma`; no row writes), the bytes of one output write, and no ramp."""
+) -> tuple[list, np.ndarray, float]:
+  """tgmm's (fetches, writes, block_bytes): its lhs and rhs row blocks per step
+  (`rowtile_row_dma`; no row writes), and the bytes of one output write."""
   row0, lo, hi = _tile_row_ranges(grid=grid)
 
   def moved(g):
@@ -699,7 +683,7 @@ def _tgmm_row_blocks(
     (np.tile(lhs_rows * tk * lhs_itemsize, sweeps), every),
     (np.tile(rhs_rows * tn * rhs_itemsize, sweeps), every),
   ]
-  return fetches, np.zeros(sweeps * grid.tiles_m), tk * tn * out_itemsize, None
+  return fetches, np.zeros(sweeps * grid.tiles_m), tk * tn * out_itemsize
 
 
 def _rowtile_dma_bytes(
@@ -720,17 +704,17 @@ def _rowtile_dma_bytes(
   (`rowtile_row_dma`) plus the per-group weight loads' / output writes' (`rowtile_manual_dma`)."""
   itemsizes = dict(lhs_itemsize=lhs_itemsize, rhs_itemsize=rhs_itemsize, out_itemsize=out_itemsize)
   if grid.kind == "gmm":
-    fetches, writes, block, ramp_bytes = _gmm_row_blocks(
+    fetches, writes, block = _gmm_row_blocks(
       grid=grid, k=k, tn=tn, sweeps=sweeps, **itemsizes, unowned_rows=unowned_rows
     )
   else:
-    fetches, writes, block, ramp_bytes = _tgmm_row_blocks(
+    fetches, writes, block = _tgmm_row_blocks(
       grid=grid, tk=tk, tn=tn, sweeps=sweeps, **itemsizes, transpose_lhs=transpose_lhs
     )
   # NOTE: the kernels' `sequential_sweeps` follows the generation, as in `pallas_moe.ops`.
   seq = sequential_sweeps(gen)
   row_over, row_exposed = rowtile_row_dma(
-    fetches=fetches, writes=writes, sweeps=sweeps, sequential_sweeps=seq, ramp_bytes=ramp_bytes
+    fetches=fetches, writes=writes, sweeps=sweeps, sequential_sweeps=seq
   )
   over, exposed = rowtile_manual_dma(
     starts=grid.starts,

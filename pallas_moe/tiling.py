@@ -30,7 +30,6 @@ from pallas_moe.generations import (
 )
 from pallas_moe.schedule_cost import (
   gmm_pass_align,
-  gmm_ramp_bytes,
   row_granule_of,
   rows_stationary_pays,
   rowtile_fill_bytes,
@@ -65,7 +64,6 @@ __all__ = [
   "row_granule_of",
   "gmm_pass_align",
   "tgmm_pass_align",
-  "gmm_ramp_bytes",
   "narrow_peak",
   "min_pass_rows",
   "pass_granule",

@@ -8,7 +8,7 @@ from kernel_testing import pushed_rows_per_tile
 
 from bench import costmodel as cm
 from bench.shapes import Shape
-from pallas_moe import metadata, tiling
+from pallas_moe import tiling
 
 # NOTE: 700 real rows in a buffer of 1024 (slack) or 700 (slack 1); the last visited tile of
 # tm = 256 holds 188 of them, 192 once rounded to bf16's 16-row granule.
@@ -52,25 +52,6 @@ def test_row_dma_chain_by_hand():
     sequential_sweeps=True,
   )  # fmt: skip
   assert over.sum() == 0 and exposed.tolist() == [10, 0]
-  # gmm's ramp: a chain's first block exposes one chunk; the rest overlaps the first step.
-  over, exposed = tiling.rowtile_row_dma(
-    fetches=[(fetch, key)], writes=write, sweeps=2, sequential_sweeps=False, ramp_bytes=4
-  )
-  np.testing.assert_allclose(over, [20 + 6, 31, 2, 20 + 6, 31, 2])
-  np.testing.assert_allclose(exposed, [4, 0, 3, 4, 0, 3])
-
-
-def test_ramp_chunks_by_hand():
-  """One pass (sub_m rows) at least, at most 8 chunks a tile, rounded up to the granule; none for
-  a one-pass tile or a tile the granule does not divide."""
-  rows = lambda tm, sub_m=128, granule=16: metadata.ramp_chunk_rows(  # noqa: E731
-    tm=tm, sub_m=sub_m, granule=granule
-  )
-  assert [rows(tm) for tm in (256, 768, 1024, 4096, 8192)] == [128, 128, 128, 512, 1024]
-  assert rows(1792) == 224 and rows(1280) == 160
-  assert rows(96, sub_m=32) == 32 and rows(200, sub_m=64, granule=16) == 0
-  assert rows(128) == 0 and rows(256, sub_m=256) == 0
-  assert rows(16, sub_m=8, granule=8) == 8
 
 
 def _closed_form(kind, *, buffer_rows, unowned_rows, generation="v6e", tm=256):

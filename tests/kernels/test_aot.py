@@ -211,7 +211,7 @@ def test_use_generation_picks_that_generations_tiles(gen):
   assert fill.params["name"] == "pallas_moe_zero_fill"
   # NOTE: lhs and the output move by manual DMA: the tiles are the shapes of their VMEM slots,
   # the kernel's last multi-dimensional scratch refs [2, tm, k] and [2, tm, tn] (after them
-  # only semaphore arrays and the ramp's SMEM counter).
+  # only semaphore arrays).
   shapes = [v.aval.shape for v in eqn.params["jaxpr"].invars]
   while len(shapes[-1]) < 3:
     shapes.pop()
