@@ -14,6 +14,7 @@ program with JAX's own `jax.lax.ragged_all_to_all` does not compile on CPU: asse
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -196,8 +197,13 @@ def test_maxtext_tiling_is_not_used_unless_asked(chip):
     return _kernels(plans)
 
   with pallas_moe.tiling.use_generation(chip):
-    own = _kernels([pallas_moe.gmm_plan(x, w, gs)])
-    honoured = _kernels([pallas_moe.gmm_plan(x, w, gs, None, mblx.maxtext_tiling(tuned))])
+    # NOTE: the plan of the call the switch makes: MaxText's f32 output, and the rows past
+    # sum(group_sizes) undefined since w holds every group (`maxtext._unowned_rows`).
+    plan = functools.partial(
+      pallas_moe.gmm_plan, preferred_element_type=F32, unowned_rows="undefined"
+    )
+    own = _kernels([plan(x, w, gs)])
+    honoured = _kernels([plan(x, w, gs, tiling=mblx.maxtext_tiling(tuned))])
     assert traced(mblx.gmm, MAXTEXT_BASE_TILES) == own
     assert traced(mblx.gmm, tuned) == own  # non-default values are not a request either
     assert traced(mblx.gmm, tuned, honour_tiling=True) == honoured
