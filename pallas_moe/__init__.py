@@ -13,6 +13,7 @@ from pallas_moe.collectives import (
 )
 from pallas_moe.config import MoEConfig, MoEModel, MoERun
 from pallas_moe.hf import from_hf, to_hf
+from pallas_moe.mesh import make_mesh
 from pallas_moe.moe import (
   dropless_buffer_rows,
   init_params,
@@ -43,6 +44,7 @@ __all__ = [
   "gmm",
   "gmm_plan",
   "init_params",
+  "make_mesh",
   "moe_block",
   "moe_layer",
   "place_experts",

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_moe import batch_split as batch_split_lib
-from pallas_moe import collectives, ops
+from pallas_moe import collectives, ops, sharding
 from pallas_moe import dedup as dedup_lib
 from pallas_moe import tiling as tiling_lib
 from pallas_moe.config import MoEConfig
@@ -42,6 +42,8 @@ class BlockPlan:
   Attributes:
     tokens_per_device: T, the device's tokens.
     expert_parallelism: ep, the expert-axis size.
+    tensor_parallelism: tp, the tensor-axis size: the device's expert gmms are over f / tp of
+      the MLP width.
     num_local_experts: E_l = E / ep, the experts whose weights the device holds.
     batch_split: S, chunks of T / S tokens each routed, exchanged and computed on their own.
     exchange: "none" (ep = 1), "plain" (one row per (token, choice)) or "dedup" (one row per
@@ -60,6 +62,7 @@ class BlockPlan:
   tokens_per_device: int
   expert_parallelism: int
   num_local_experts: int
+  tensor_parallelism: int = 1
   batch_split: int
   exchange: str
   buffer_rows: int
@@ -94,7 +97,9 @@ class BlockPlan:
     expected = "" if self.expected_rows is None else f", {self.expected_rows} expected real"
     lines = [
       f"MoE block: T={self.tokens_per_device} tokens per device, ep={self.expert_parallelism}, "
-      f"E_l={self.num_local_experts} local experts, tiles for {self.generation}",
+      f"E_l={self.num_local_experts} local experts"
+      + (f", 1/{self.tensor_parallelism} of the MLP width" if self.tensor_parallelism > 1 else "")
+      + f", tiles for {self.generation}",
       f"  exchange: {self.exchange} ({why.get('exchange', '')})",
       f"  batch_split: {self.batch_split} chunk(s) of {self.chunk_tokens} tokens "
       f"({why.get('batch_split', '')})",
@@ -121,6 +126,7 @@ def plan_block(
   *,
   tokens_per_device: int,
   expert_parallelism: int,
+  tensor_parallelism: int = 1,
   buffer_rows: int | None = None,
   async_exchange: bool | None = None,
 ) -> BlockPlan:
@@ -130,6 +136,7 @@ def plan_block(
     config: the layer config; its explicit choices win over every rule below.
     tokens_per_device: T.
     expert_parallelism: ep, the expert-axis size (1: no exchange).
+    tensor_parallelism: tp, the tensor-axis size (the MLP width is split over it).
     buffer_rows: an explicit receive-buffer row count per chunk (e.g. `dropless_buffer_rows`).
     async_exchange: whether the exchange compiles async (decides the default batch split);
       None: the installed libtpu and `LIBTPU_INIT_ARGS` (`batch_split.async_exchange_enabled`).
@@ -138,9 +145,11 @@ def plan_block(
     The plan; `moe_block(..., plan=)` runs it.
 
   Raises:
-    ValueError: E not divisible by ep, or a batch split that does not divide T.
+    ValueError: E not divisible by ep, a batch split that does not divide T, or a tensor axis
+      that does not split the MLP widths into gate/up pairs.
   """
   t, ep, k = tokens_per_device, expert_parallelism, config.top_k
+  sharding.check_tensor_split(config, tensor_parallelism)
   if config.num_experts % ep:
     raise ValueError(
       f"num_experts={config.num_experts} is not divisible by the expert axis size {ep}."
@@ -161,11 +170,14 @@ def plan_block(
   expert_rows = rows if ep > 1 else max(1, tc * k)
   expected = tc * k if 0 < tc * k < expert_rows else None
   num_local = config.num_experts // ep
-  wi, wo = _expert_gmm_plans(config, rows=expert_rows, num_local=num_local, expected=expected)
+  wi, wo = _expert_gmm_plans(
+    config, rows=expert_rows, num_local=num_local, expected=expected, tp=tensor_parallelism
+  )
   return BlockPlan(
     tokens_per_device=t,
     expert_parallelism=ep,
     num_local_experts=num_local,
+    tensor_parallelism=tensor_parallelism,
     batch_split=split,
     exchange=exchange,
     buffer_rows=rows,
@@ -178,12 +190,14 @@ def plan_block(
   )
 
 
-def _expert_gmm_plans(config: MoEConfig, *, rows: int, num_local: int, expected: int | None):
+def _expert_gmm_plans(
+  config: MoEConfig, *, rows: int, num_local: int, expected: int | None, tp: int = 1
+):
   """The `GmmPlan`s of the experts' two grouped matmuls (gate/up, down) over `rows` rows."""
   if config.gmm_impl == "ragged_dot":
     return None, None
   dt = config.compute_dtype
-  f, d = config.expert_ffn_dim, config.d_model
+  f, d = config.expert_ffn_dim // tp, config.d_model
   sizes = jax.ShapeDtypeStruct((num_local,), jnp.int32)
   kw = dict(
     preferred_element_type=dt,

@@ -6,7 +6,7 @@ and Hugging Face DeepSeek/Qwen configs (`n_routed_experts`, `moe_intermediate_si
 `hidden_size`, ...) use for the same things. Rules:
 
 - Every alias maps to exactly one field (with a value conversion where the ecosystems differ).
-  MaxText's "unset" values (`capacity_factor=-1`, `ici_expert_parallelism=-1`) set nothing, so
+  MaxText's "unset" values (`capacity_factor=-1`, `n_routing_groups=-1`) set nothing, so
   the field keeps its default (e.g. `buffer_factor=None`: dropless) unless another key sets it.
 - Two aliases of one field with different (converted) values raise, naming both keys.
 - Keys that are valid in those ecosystems but describe other parts of the model (attention,
@@ -277,9 +277,23 @@ class MoERun:
       `jax.lax.ragged_dot` (MaxText's `megablox: false`), no quantized weights.
     wi_tiling: gmm tiles for the gate/up projection (`Tiling` or None for the heuristic).
     wo_tiling: gmm tiles for the down projection.
-    data_axis: mesh axis the batch is split over (besides the expert axis).
-    expert_axis: mesh axis the experts are split over.
-    expert_parallelism: expected size of the expert axis (checked against the mesh), or None.
+    data_axis: mesh axis the batch is split over (besides the fsdp and expert axes), or None
+      (the mesh has none).
+    fsdp_axis: mesh axis the batch and every weight are split over (fully sharded data
+      parallelism: the routed experts' model dimension, the router's and the shared experts'),
+      gathered inside the layer, gradients reduce-scattered; None (default): no such axis.
+    tensor_axis: mesh axis the expert MLP width (the routed and shared experts' `f` / `s`) is
+      split over; tokens are replicated over it and the layer sums its partial outputs over it
+      once. None (default): no such axis.
+    expert_axis: mesh axis the experts are split over (and the batch).
+    data_parallelism, fsdp_parallelism, tensor_parallelism, expert_parallelism: each axis's size
+      within a slice (MaxText's `ici_*_parallelism`; the mesh axis is that times the axis's
+      `dcn_parallelism`), checked against the mesh when known; -1: whatever devices are left
+      (`pallas_moe.mesh.make_mesh` fills it, as MaxText does); None: not said (1 in
+      `make_mesh`, any size on a given mesh).
+    dcn_parallelism: ((role, size), ...) or a dict: the part of an axis that spans slices
+      (MaxText's `dcn_*_parallelism`), role one of "data", "fsdp", "tensor", "expert";
+      -1 fills the slices. `make_mesh` puts that part outermost. Empty (default): one slice.
     dtype: activation and matmul dtype name.
     weight_quantization: None, "int8" or "fp8": the routed experts' gmms quantize their float
       weights on the fly (per-expert, per-output-channel scales; straight-through gradients; see
@@ -325,9 +339,15 @@ class MoERun:
   gmm_impl: str = "pallas"
   wi_tiling: Tiling | None = None
   wo_tiling: Tiling | None = None
-  data_axis: str = "data"
+  data_axis: str | None = "data"
+  fsdp_axis: str | None = None
+  tensor_axis: str | None = None
   expert_axis: str = "expert"
+  data_parallelism: int | None = None
+  fsdp_parallelism: int | None = None
+  tensor_parallelism: int | None = None
   expert_parallelism: int | None = None
+  dcn_parallelism: tuple[tuple[str, int], ...] = ()
   dtype: str = "float32"
   weight_quantization: str | None = None
   activation_quantization: str | None = None
@@ -384,8 +404,7 @@ class MoERun:
         "exchange's packed rows: leave dedup_dispatch None (or True), or set "
         "dispatch_quantization=None."
       )
-    if self.data_axis == self.expert_axis:
-      raise ValueError(f"data_axis and expert_axis must differ, both are {self.data_axis!r}.")
+    _check_axes(self)
     if self.expert_placement is not None:
       # NOTE: frozen dataclass: store a tuple so the config stays hashable (jit keys); the
       # permutation is checked against num_experts by `MoEConfig`.
@@ -394,6 +413,16 @@ class MoERun:
   @property
   def compute_dtype(self):
     return jnp.dtype(self.dtype)
+
+  @property
+  def batch_axes(self) -> tuple[str, ...]:
+    """The axes the tokens are split over, major to minor: data, fsdp, expert (those set)."""
+    return tuple(a for a in (self.data_axis, self.fsdp_axis, self.expert_axis) if a is not None)
+
+  @property
+  def mesh_axes(self) -> dict[str, str]:
+    """role -> axis name of every axis the layer uses, in MaxText's mesh order."""
+    return {r: getattr(self, f"{r}_axis") for r in MESH_ROLES if getattr(self, f"{r}_axis")}
 
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MoEModel))
@@ -500,8 +529,12 @@ class MoEConfig:
         put(field, value, "model_type")
     # NOTE: MaxText reads batch_split_factor only when use_batch_split_schedule is true.
     split_off = "use_batch_split_schedule" in d and not d["use_batch_split_schedule"]
+    for field, value in maxtext_keys.mesh_fields(d).items():
+      put(field, value, "ici_*/dcn_*_parallelism")
     for key, raw in d.items():
-      if key in IGNORED_KEYS or (split_off and key == "batch_split_factor"):
+      if key in IGNORED_KEYS or key in maxtext_keys.MESH_KEYS:
+        continue
+      if split_off and key == "batch_split_factor":
         continue
       if key == "seq_aux":
         continue  # NOTE: picks the aux-loss definition of aux_loss_alpha (below).
@@ -663,6 +696,60 @@ def check_expert_placement(placement, *, num_experts: int) -> tuple[int, ...]:
   return tuple(got)
 
 
+MESH_ROLES = maxtext_keys.MESH_ROLES
+
+
+def _check_axes(run: MoERun) -> None:
+  """Axis names distinct, sizes None / -1 / positive, sizes > 1 only on axes that exist."""
+  if not isinstance(run.expert_axis, str):
+    raise ValueError(f"MoEConfig.expert_axis must be a mesh axis name, got {run.expert_axis!r}.")
+  names = {}
+  for role in MESH_ROLES:
+    axis = getattr(run, f"{role}_axis")
+    if axis is not None and not isinstance(axis, str):
+      raise ValueError(f"MoEConfig.{role}_axis must be a mesh axis name or None, got {axis!r}.")
+    if axis is not None and axis in names:
+      raise ValueError(
+        f"MoEConfig.{names[axis]}_axis and {role}_axis must differ, both are {axis!r}."
+      )
+    if axis is not None:
+      names[axis] = role
+    size = getattr(run, f"{role}_parallelism")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+      raise ValueError(
+        f"MoEConfig.{role}_parallelism must be None, -1 or a positive int, got {size!r}."
+      )
+    if size is not None and size != -1 and size < 1:
+      raise ValueError(
+        f"MoEConfig.{role}_parallelism must be None, -1 or a positive int, got {size!r}."
+      )
+    if axis is None and size not in (None, 1):
+      raise ValueError(
+        f"MoEConfig.{role}_parallelism={size} needs a {role} axis: set {role}_axis (MaxText "
+        f"names it {role!r})."
+      )
+  dcn = run.dcn_parallelism
+  if isinstance(dcn, Mapping):
+    dcn = tuple(dcn.items())
+  try:
+    dcn = tuple(sorted((str(r), int(v)) for r, v in dcn if int(v) != 1))
+  except (TypeError, ValueError):
+    raise ValueError(
+      f"MoEConfig.dcn_parallelism must be pairs (role, size) or a dict, got "
+      f"{run.dcn_parallelism!r}."
+    ) from None
+  for role, size in dcn:
+    if role not in MESH_ROLES:
+      raise ValueError(f"MoEConfig.dcn_parallelism names {role!r}; roles are {MESH_ROLES}.")
+    if size != -1 and size < 1:
+      raise ValueError(f"MoEConfig.dcn_parallelism[{role!r}]={size} must be -1 or positive.")
+    if getattr(run, f"{role}_axis") is None:
+      raise ValueError(
+        f"MoEConfig.dcn_parallelism spans slices over {role!r}, which has no axis: set {role}_axis."
+      )
+  object.__setattr__(run, "dcn_parallelism", dcn)
+
+
 def _check_choice(name: str, value, choices) -> None:
   if value not in choices:
     raise ValueError(f"MoEConfig.{name} must be one of {choices}, got {value!r}.")
@@ -727,7 +814,7 @@ def _shown(key: str, d: Mapping[str, Any], field: str, value) -> str:
 
 
 def _unknown_key_message(key: str) -> str:
-  valid = sorted(_FIELDS | set(_ALIASES) | maxtext_keys.TILE_KEYS)
+  valid = sorted(_FIELDS | set(_ALIASES) | maxtext_keys.TILE_KEYS | maxtext_keys.MESH_KEYS)
   close = difflib.get_close_matches(key, valid + sorted(IGNORED_KEYS), n=1, cutoff=0.6)
   hint = f" Did you mean {close[0]!r}?" if close else ""
   return (

@@ -1,7 +1,8 @@
 """MaxText's config keys for the MoE layer: what each means as a `MoEConfig` field.
 
 `MoEConfig.from_dict` reads these beside Hugging Face's (`pallas_moe.hf_keys`). MaxText writes -1
-for "unset" (`capacity_factor`, `ici_expert_parallelism`, `n_routing_groups`): those set nothing.
+for "unset" (`capacity_factor`, `n_routing_groups`): those set nothing; in its mesh keys
+(`ici_*_parallelism`, `dcn_*_parallelism`, `mesh_fields`) -1 means "the devices that are left".
 Its 18 `{wi,wo}_tile_{fwd,dlhs,drhs}_{batch_seq,embed_dim,mlp_dim}` keys are megablox's tiles,
 read into a `Tiling` only when asked (`from_dict(..., honour_tiling=True)`).
 """
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from pallas_moe import keys
 from pallas_moe.tiles import Tiling
@@ -60,10 +63,6 @@ def maxtext_quantization(v):
   return MAXTEXT_QUANTIZATION[v][0]
 
 
-def parallelism(v):
-  return None if v is None or int(v) <= 0 else int(v)
-
-
 # MaxText key -> (field, value conversion).
 ALIASES: dict[str, tuple[str, keys.Conversion]] = {
   "num_experts_per_tok": ("top_k", int),
@@ -81,7 +80,6 @@ ALIASES: dict[str, tuple[str, keys.Conversion]] = {
   "ragged_buffer_factor": ("buffer_factor", dropless_if_nonpositive),
   "megablox": ("gmm_impl", lambda v: "pallas" if v else "ragged_dot"),
   "sparse_matmul": ("gmm_impl", true_only("sparse_matmul")),
-  "ici_expert_parallelism": ("expert_parallelism", parallelism),
   "load_balance_loss_weight": ("aux_loss_coef", float),
   "max_target_length": ("aux_loss_seq_len", int),
   "quantization": ("weight_quantization", maxtext_quantization),
@@ -152,3 +150,44 @@ def tiling_from_maxtext(tiles: dict[str, int], *, proj: str) -> Tiling | None:
   if all(v is None for v in per_pass.values()):
     return None
   return Tiling(**per_pass)
+
+
+# MaxText's mesh: axis names (its `mesh_axes`) of the roles the MoE layer uses, and their keys.
+MESH_ROLES = ("data", "fsdp", "tensor", "expert")
+MESH_KEYS = frozenset(
+  f"{scope}_{role}_parallelism" for scope in ("ici", "dcn") for role in MESH_ROLES
+)
+
+
+def mesh_fields(d) -> dict:
+  """The mesh fields MaxText's `ici_*_parallelism` / `dcn_*_parallelism` keys in `d` mean.
+
+  Each role whose axis is sharded (a size other than 1 in either scope, -1 meaning "the devices
+  that are left") gets its axis, named as MaxText names it; `{role}_parallelism` takes the ici
+  size (per slice), `dcn_parallelism` the sizes across slices.
+  """
+  fields: dict = {}
+  dcn = []
+  for role in MESH_ROLES:
+    sizes = {}
+    for scope in ("ici", "dcn"):
+      key = f"{scope}_{role}_parallelism"
+      if key not in d:
+        continue
+      v = d[key]
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or (v < 1 and v != -1):
+        raise ValueError(
+          f"MoEConfig.from_dict: {key!r}={v!r} must be a positive int or -1 (the devices left)."
+        )
+      sizes[scope] = int(v)
+    if not sizes:
+      continue
+    if "ici" in sizes:
+      fields[f"{role}_parallelism"] = sizes["ici"]
+    if sizes.get("dcn", 1) != 1:
+      dcn.append((role, sizes["dcn"]))
+    if any(v != 1 for v in sizes.values()):
+      fields[f"{role}_axis"] = role
+  if dcn:
+    fields["dcn_parallelism"] = tuple(dcn)
+  return fields

@@ -69,8 +69,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_moe import collectives
+from pallas_moe import collectives, sharding
 from pallas_moe import dedup as dedup_lib
+from pallas_moe import mesh as mesh_lib
 from pallas_moe.block_plan import (
   BlockPlan,
   batch_split_for,
@@ -180,7 +181,14 @@ def trainable(params: dict) -> tuple[dict, dict]:
 
 
 def param_specs(config: MoEConfig, params: dict | None = None) -> dict[str, P]:
-  """PartitionSpecs of the parameters: expert weights split over the expert axis, rest replicated.
+  """PartitionSpecs of the parameters over the config's mesh axes.
+
+  The routed experts are split over the expert axis (experts), the fsdp axis (the model
+  dimension d) and the tensor axis (the MLP width: `wi`'s 2f columns, `wo`'s f rows); the
+  shared experts over fsdp (d) and tensor (their width); the router and the shared gate over
+  fsdp (d). The correction bias (E floats of state) is replicated. No weight is replicated
+  over an fsdp axis. Axes the config does not have are left out, so with only data and expert
+  axes this is experts split, the rest replicated.
 
   Args:
     config: the layer config.
@@ -190,7 +198,7 @@ def param_specs(config: MoEConfig, params: dict | None = None) -> dict[str, P]:
     A dict of `PartitionSpec`s with the params' keys.
   """
   keys = params.keys() if params is not None else _param_keys(config)
-  return {k: (P(config.expert_axis) if k in EXPERT_KEYS else P()) for k in keys}
+  return sharding.weight_specs(config, keys)
 
 
 def _param_keys(config: MoEConfig) -> tuple[str, ...]:
@@ -301,7 +309,9 @@ def swiglu(h: jax.Array) -> jax.Array:
   return jax.nn.silu(h[..., :f]) * h[..., f:]
 
 
-def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig, expected_rows=None):
+def _grouped_matmul(
+  rows, w, group_sizes, *, tiling, config: MoEConfig, expected_rows=None, scale_axis=None
+):
   if config.gmm_impl == "ragged_dot":
     return jax.lax.ragged_dot(rows, w, group_sizes, preferred_element_type=rows.dtype)
   implementation = None if config.gmm_impl == "pallas" else config.gmm_impl
@@ -318,6 +328,7 @@ def _grouped_matmul(rows, w, group_sizes, *, tiling, config: MoEConfig, expected
     unowned_rows="undefined",
     expected_rows=expected_rows,
     implementation=implementation,
+    weight_scale_axis=scale_axis if config.weight_quantization is not None else None,
   )
 
 
@@ -331,6 +342,7 @@ def expert_mlp(
   expected_rows: int | None = None,
   row_weights: jax.Array | None = None,
   tilings: tuple[Tiling | None, Tiling | None] | None = None,
+  tensor_axis: str | None = None,
 ) -> jax.Array:
   """SwiGLU experts over rows sorted by (local) expert.
 
@@ -354,6 +366,10 @@ def expert_mlp(
       gradient for w needs the activation the backward recomputes, not the [B, d] output.
     tilings: the (gate/up, down) gmms' tiles, as a `BlockPlan` resolved them; None:
       `config.wi_tiling` / `config.wo_tiling` (None there: gmm's pickers).
+    tensor_axis: the mesh axis the MLP width is split over (bound, size > 1): wi / wo hold
+      this device's share (`sharding`), its [gate | up] columns are paired across the axis
+      (`sharding.pair_gate_up`), quantized `wo` scales span the whole width, and the output is
+      this device's partial sum. None: the width is whole.
 
   Returns:
     [B, d] expert outputs (scaled by `row_weights`).
@@ -361,17 +377,23 @@ def expert_mlp(
   wi_tiling, wo_tiling = tilings or (config.wi_tiling, config.wo_tiling)
   kw = dict(config=config, expected_rows=expected_rows)
   h = _grouped_matmul(rows, wi, group_sizes, tiling=wi_tiling, **kw)
+  if tensor_axis is not None:
+    h = sharding.pair_gate_up(h, axis=tensor_axis, size=jax.lax.axis_size(tensor_axis))
   if row_weights is None:
-    return _grouped_matmul(swiglu(h), wo, group_sizes, tiling=wo_tiling, **kw)
+    return _grouped_matmul(
+      swiglu(h), wo, group_sizes, tiling=wo_tiling, scale_axis=tensor_axis, **kw
+    )
 
   def down(h, wo, group_sizes, row_weights):
     act = (swiglu(h).astype(jnp.float32) * row_weights[:, None]).astype(h.dtype)
-    return _grouped_matmul(act, wo, group_sizes, tiling=wo_tiling, **kw)
+    return _grouped_matmul(act, wo, group_sizes, tiling=wo_tiling, scale_axis=tensor_axis, **kw)
 
   return jax.checkpoint(down)(h, wo, group_sizes, row_weights)
 
 
-def shared_mlp(x, wi, wo, *, gate=None, float32_gate: bool = True) -> jax.Array:
+def shared_mlp(
+  x, wi, wo, *, gate=None, float32_gate: bool = True, tensor_axis: str | None = None
+) -> jax.Array:
   """Dense SwiGLU MLP (the shared experts): `swiglu(x @ wi) @ wo`, optionally gated per token.
 
   Args:
@@ -382,11 +404,15 @@ def shared_mlp(x, wi, wo, *, gate=None, float32_gate: bool = True) -> jax.Array:
       by `sigmoid(x @ gate)`.
     float32_gate: the gate's logit `x @ gate` in f32 (like the router's, `float32_gate_logits`);
       else in x's dtype. The sigmoid and the product are in f32 either way.
+    tensor_axis: see `expert_mlp` (wi / wo then hold this device's share of the width s).
 
   Returns:
     [T, d] f32.
   """
-  out = jnp.dot(swiglu(jnp.dot(x, wi)), wo).astype(jnp.float32)
+  h = jnp.dot(x, wi)
+  if tensor_axis is not None:
+    h = sharding.pair_gate_up(h, axis=tensor_axis, size=jax.lax.axis_size(tensor_axis))
+  out = jnp.dot(swiglu(h), wo).astype(jnp.float32)
   if gate is None:
     return out
   # NOTE: Hugging Face's Qwen2-MoE applies this Linear(d, 1) and the sigmoid in the model dtype.
@@ -568,24 +594,37 @@ def moe_block(
   dt = config.compute_dtype
   k = config.top_k
   ep = _axis_size(config.expert_axis) or 1
-  axes = tuple(a for a in (config.data_axis, config.expert_axis) if _axis_size(a) is not None)
-  t = x.shape[0]
+  fsdp = _axis_size(config.fsdp_axis) or 1
+  tp = _axis_size(config.tensor_axis) or 1
+  axes = tuple(a for a in config.batch_axes if _axis_size(a) is not None)
+  t, d = x.shape
   if plan is None:
-    plan = plan_block(config, tokens_per_device=t, expert_parallelism=ep, buffer_rows=buffer_rows)
-  _check_plan(plan, tokens_per_device=t, expert_parallelism=ep)
-  if params["wi"].shape[0] != plan.num_local_experts:
-    raise ValueError(
-      f"params['wi'] holds {params['wi'].shape[0]} experts on this device, expected "
-      f"{plan.num_local_experts} = num_experts / expert-axis size; shard it over "
-      f"{config.expert_axis!r}."
+    plan = plan_block(
+      config,
+      tokens_per_device=t,
+      expert_parallelism=ep,
+      tensor_parallelism=tp,
+      buffer_rows=buffer_rows,
     )
+  _check_plan(plan, tokens_per_device=t, expert_parallelism=ep, tensor_parallelism=tp)
+  _check_local_weights(params, config, plan=plan, tp=tp)
   split, tc, rows_b = plan.batch_split, plan.chunk_tokens, plan.buffer_rows
   tilings = (plan.wi_tiling, plan.wo_tiling)
   x = x.astype(dt)
+  # NOTE: weights split over fsdp are gathered whole here (cast first: fewer bytes to move);
+  # nothing below waits for the tokens to reach them, so the gathers overlap the routing.
+  params = sharding.gather_model_dim(
+    params,
+    d=d,
+    axis=config.fsdp_axis if fsdp > 1 else None,
+    size=fsdp,
+    dtypes={key: dt for key in ("wi", "wo", "shared_wi", "shared_wo")},
+  )
+  tensor = config.tensor_axis if tp > 1 else None
   routing = route(x, params["router"], config=config, bias=params.get(BIAS_KEY))
   # NOTE: routing in original ids; from here on rows go to weight slots (`expert_slots`).
   slot_ids = expert_slots(routing.expert_ids, placement=config.expert_placement)
-  wi, wo = params["wi"].astype(dt), params["wo"].astype(dt)
+  wi, wo = params["wi"], params["wo"]
   chunks = [
     _Chunk(
       x=x[c * tc : (c + 1) * tc],
@@ -603,13 +642,15 @@ def moe_block(
   if plan.exchange == "none":
     for c, ch in enumerate(chunks):
       with _chunk_scope(c, split):
-        ch.out = expert_mlp(ch.rows, wi, wo, ch.group_sizes, config=config, tilings=tilings)
+        ch.out = expert_mlp(
+          ch.rows, wi, wo, ch.group_sizes, config=config, tilings=tilings, tensor_axis=tensor
+        )
         ch.dropped = ch.dropped_exchange = jnp.zeros((), jnp.int32)
         ch.needed = jnp.asarray(tc * k, jnp.int32)
   elif plan.dedup:
-    _pipelined_dedup_exchange(chunks, wi, wo, config=config, plan=plan)
+    _pipelined_dedup_exchange(chunks, wi, wo, config=config, plan=plan, tensor_axis=tensor)
   else:
-    _pipelined_exchange(chunks, wi, wo, config=config, plan=plan)
+    _pipelined_exchange(chunks, wi, wo, config=config, plan=plan, tensor_axis=tensor)
   ys = []
   for c, ch in enumerate(chunks):
     with _chunk_scope(c, split):
@@ -633,11 +674,16 @@ def moe_block(
     gate = params["shared_gate"] if config.shared_expert_gate else None
     y = y + shared_mlp(
       x,
-      params["shared_wi"].astype(dt),
-      params["shared_wo"].astype(dt),
+      params["shared_wi"],
+      params["shared_wo"],
       gate=gate,
       float32_gate=config.float32_gate_logits,
+      tensor_axis=tensor,
     )
+  if tp > 1:
+    # NOTE: the one tensor reduction of the layer: routed and shared partial outputs together,
+    # in the output dtype (the bytes the reduction moves).
+    y = jax.lax.psum(y.astype(dt), config.tensor_axis)
   aux = {
     "aux_loss": load_balance_loss(
       probs=aux_loss_probs(routing, x, params["router"], config=config),
@@ -659,13 +705,39 @@ def moe_block(
   return y.astype(dt), aux
 
 
-def _check_plan(plan: BlockPlan, *, tokens_per_device: int, expert_parallelism: int) -> None:
-  if (plan.tokens_per_device, plan.expert_parallelism) != (tokens_per_device, expert_parallelism):
+def _check_plan(
+  plan: BlockPlan, *, tokens_per_device: int, expert_parallelism: int, tensor_parallelism: int
+) -> None:
+  made = (plan.tokens_per_device, plan.expert_parallelism, plan.tensor_parallelism)
+  if made != (tokens_per_device, expert_parallelism, tensor_parallelism):
     raise ValueError(
-      f"moe_block(plan=) was made for T={plan.tokens_per_device} tokens per device and "
-      f"ep={plan.expert_parallelism}, but the block runs T={tokens_per_device} with "
-      f"ep={expert_parallelism}; make it with plan_block / plan_layer for this call."
+      f"moe_block(plan=) was made for T={plan.tokens_per_device} tokens per device, "
+      f"ep={plan.expert_parallelism}, tp={plan.tensor_parallelism}, but the block runs "
+      f"T={tokens_per_device} with ep={expert_parallelism}, tp={tensor_parallelism}; make it "
+      "with plan_block / plan_layer for this call."
     )
+
+
+def _check_local_weights(params: dict, config: MoEConfig, *, plan: BlockPlan, tp: int) -> None:
+  """This device's expert count and MLP widths are the mesh's shares (the model dim is checked
+  where it is gathered, `sharding.gather_model_dim`)."""
+  if params["wi"].shape[0] != plan.num_local_experts:
+    raise ValueError(
+      f"params['wi'] holds {params['wi'].shape[0]} experts on this device, expected "
+      f"{plan.num_local_experts} = num_experts / expert-axis size; shard it over "
+      f"{config.expert_axis!r} (moe.param_specs(config))."
+    )
+  widths = {"wi": 2 * config.expert_ffn_dim, "wo": config.expert_ffn_dim}
+  if config.shared_width:
+    widths |= {"shared_wi": 2 * config.shared_width, "shared_wo": config.shared_width}
+  for key, width in widths.items():
+    got = params[key].shape[sharding.WIDTH_DIM[key]]
+    if got * tp != width:
+      axis = f"its {config.tensor_axis!r} share " if tp > 1 else ""
+      raise ValueError(
+        f"params[{key!r}] {params[key].shape} holds {got} on its MLP width, expected "
+        f"{axis}{width // tp}; place it with moe.param_specs(config)."
+      )
 
 
 @dataclasses.dataclass
@@ -742,7 +814,7 @@ def _fence(send, done):
 
 
 def _pipelined_dedup_exchange(
-  chunks: list[_Chunk], wi, wo, *, config: MoEConfig, plan: BlockPlan
+  chunks: list[_Chunk], wi, wo, *, config: MoEConfig, plan: BlockPlan, tensor_axis=None
 ) -> None:
   """`_pipelined_exchange` with deduplicated rows (`pallas_moe.dedup`); fills y, the drops, needed.
 
@@ -825,6 +897,7 @@ def _pipelined_dedup_exchange(
         expected_rows=plan.expected_rows,
         row_weights=weight,
         tilings=tilings,
+        tensor_axis=tensor_axis,
       )
       y_u = dedup_lib.reduce_rows(y_rows, src=src, weight=None, valid=valid, num_rows=unique_rows)
       with jax.named_scope("combine"):
@@ -841,7 +914,9 @@ def _pipelined_dedup_exchange(
       ch.dropped_exchange, ch.needed = ch.plan.num_dropped, ch.plan.needed_rows
 
 
-def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, plan: BlockPlan):
+def _pipelined_exchange(
+  chunks: list[_Chunk], wi, wo, *, config: MoEConfig, plan: BlockPlan, tensor_axis=None
+) -> None:
   """Dispatch -> experts -> combine for every chunk; fills out, the drops, needed.
 
   Traced in pipeline order: all plans, dispatch 0, then for each chunk c: dispatch c+1, experts
@@ -884,6 +959,7 @@ def _pipelined_exchange(chunks: list[_Chunk], wi, wo, *, config: MoEConfig, plan
         config=config,
         expected_rows=plan.expected_rows,
         tilings=tilings,
+        tensor_axis=tensor_axis,
       )
       with jax.named_scope("combine"):
         back = collectives.combine(
@@ -915,19 +991,6 @@ def _global(v, axes, reduce):
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_mesh(mesh, config: MoEConfig) -> int:
-  for a in (config.data_axis, config.expert_axis):
-    if a not in mesh.shape:
-      raise ValueError(f"mesh axes {tuple(mesh.shape)} lack {a!r} (from the MoEConfig).")
-  ep = mesh.shape[config.expert_axis]
-  if config.expert_parallelism is not None and config.expert_parallelism != ep:
-    raise ValueError(
-      f"config.expert_parallelism={config.expert_parallelism} but the mesh's "
-      f"{config.expert_axis!r} axis has size {ep}."
-    )
-  return ep
-
-
 def plan_layer(
   config: MoEConfig, mesh: jax.sharding.Mesh, *, tokens: int, buffer_rows: int | None = None
 ) -> BlockPlan:
@@ -937,22 +1000,26 @@ def plan_layer(
 
   Args:
     config: the layer config.
-    mesh: a mesh with `config.data_axis` and `config.expert_axis`.
-    tokens: global tokens (divisible by the mesh's data * expert size).
+    mesh: a mesh with the config's axes (`pallas_moe.make_mesh(config)` builds one).
+    tokens: global tokens (divisible by the mesh's data x fsdp x expert size).
     buffer_rows: see `moe_block`.
 
   Returns:
     The plan of each device's block (all devices run the same one).
   """
-  ep = _check_mesh(mesh, config)
-  devices = mesh.shape[config.data_axis] * ep
+  sizes = mesh_lib.check_mesh(mesh, config)
+  devices = sizes.batch_devices
   if tokens % devices:
     raise ValueError(
-      f"moe_layer: {tokens} tokens do not split over the mesh's {config.data_axis!r} x "
-      f"{config.expert_axis!r} = {devices} devices; pad the batch to a multiple of {devices}."
+      f"moe_layer: {tokens} tokens do not split over the mesh's batch axes "
+      f"{config.batch_axes} = {devices} devices; pad the batch to a multiple of {devices}."
     )
   return plan_block(
-    config, tokens_per_device=tokens // devices, expert_parallelism=ep, buffer_rows=buffer_rows
+    config,
+    tokens_per_device=tokens // devices,
+    expert_parallelism=sizes.expert,
+    tensor_parallelism=sizes.tensor,
+    buffer_rows=buffer_rows,
   )
 
 
@@ -966,21 +1033,22 @@ def moe_layer(
 ):
   """`moe_block` under `jax.shard_map` over `mesh`.
 
-  Specs: x [tokens, d] split over (data, expert) on tokens; `wi`/`wo` split over the expert axis
-  (replicated over data); router and shared weights replicated. y like x; aux replicated.
+  Specs: x [tokens, d] split over the batch axes (data, fsdp, expert) on tokens, replicated over
+  tensor; the weights as `param_specs` splits them (experts over expert, d over fsdp, the MLP
+  width over tensor). y like x; aux replicated.
 
   Args:
-    params: see `init_params`.
-    x: [tokens, d] global tokens; tokens must divide by the mesh's data * expert size.
+    params: see `init_params` (global arrays: the same params on any mesh).
+    x: [tokens, d] global tokens; tokens must divide by the mesh's data x fsdp x expert size.
     config: the layer config.
-    mesh: a mesh with `config.data_axis` and `config.expert_axis`.
+    mesh: a mesh with the config's axes (`pallas_moe.make_mesh(config)` builds one).
     buffer_rows: see `moe_block`.
 
   Returns:
     `(y, aux)` as `moe_block`, y global [tokens, d].
   """
   plan = plan_layer(config, mesh, tokens=x.shape[0], buffer_rows=buffer_rows)
-  tok = P((config.data_axis, config.expert_axis))
+  tok = mesh_lib.token_spec(config)
   fn = functools.partial(moe_block, config=config, plan=plan)
   aux_keys = (
     "aux_loss",
@@ -1000,10 +1068,14 @@ def moe_layer(
 
 
 def _receive_counts(expert_ids: np.ndarray, *, num_experts: int, data: int, ep: int) -> np.ndarray:
-  """[data, ep] rows each device receives, from global [tokens, k] expert ids (host numpy)."""
-  # NOTE: tokens are split over (data, expert) with data major: device (a, b) holds token block
-  # a * ep + b. It receives every row, from the ep devices of its data slice, whose expert is one of
-  # its E_l experts [b * E_l, (b + 1) * E_l), i.e. whose expert // E_l == b.
+  """[data, ep] rows each device receives, from global [tokens, k] expert ids (host numpy).
+
+  `data` counts the devices of the batch axes above the expert axis (data x fsdp).
+  """
+  # NOTE: tokens are split over (data, fsdp, expert), expert minor: device (a, b) (a the data x
+  # fsdp index) holds token block a * ep + b. It receives every row, from the ep devices of its
+  # slice a, whose expert is one of its E_l experts [b * E_l, (b + 1) * E_l), i.e. whose
+  # expert // E_l == b.
   ids = expert_ids.reshape(data, -1) // (num_experts // ep)
   return np.stack([np.bincount(row, minlength=ep) for row in ids])
 
@@ -1029,8 +1101,8 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
   """
   from pallas_moe.common import host_value
 
-  ep = _check_mesh(mesh, config)
-  data = mesh.shape[config.data_axis]
+  sizes = mesh_lib.check_mesh(mesh, config)
+  ep, data = sizes.expert, sizes.data * sizes.fsdp
   # NOTE: on a mesh over several processes the ids span them: host_value gathers them to every
   # process (a collective; every process calls this helper, as it calls the step).
   ids = host_value(_router_ids(config, mesh)(params["router"], params.get(BIAS_KEY), x))
@@ -1058,15 +1130,17 @@ def dropless_buffer_rows(params: dict, x, config: MoEConfig, mesh, *, multiple_o
 
 @functools.lru_cache(maxsize=16)
 def _router_ids(config: MoEConfig, mesh):
-  tok = P((config.data_axis, config.expert_axis))
+  tok = mesh_lib.token_spec(config)
 
   def ids(router, bias, x):
     return route(x.astype(config.compute_dtype), router, config=config, bias=bias).expert_ids
 
+  # NOTE: the router enters whole (P()): jit gathers an fsdp-split one first.
   return jax.jit(jax.shard_map(ids, mesh=mesh, in_specs=(P(), P(), tok), out_specs=tok))
 
 
 def shardings(config: MoEConfig, mesh, params: dict | None = None):
   """NamedShardings `(params, x)` matching `moe_layer`'s specs (for device_put / AOT lowering)."""
+  mesh_lib.check_mesh(mesh, config)
   ps = {k: NamedSharding(mesh, s) for k, s in param_specs(config, params).items()}
-  return ps, NamedSharding(mesh, P((config.data_axis, config.expert_axis)))
+  return ps, NamedSharding(mesh, mesh_lib.token_spec(config))

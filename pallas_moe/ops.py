@@ -344,6 +344,7 @@ class _GmmStatic:
   activation_dtype: str | None = None  # lhs quantized per row in the forward (same as weights).
   narrow_dot: bool = False  # The forward multiplies the narrow values on the MXU (see gmm).
   expected_rows: int | None = None  # The kernels' cost estimates count these rows (see gmm).
+  weight_scale_axis: str | None = None  # Mesh axis the contraction is also split over (gmm).
 
 
 def _swap_kn(fn: TileFn) -> TileFn:
@@ -582,7 +583,12 @@ _qgmm_frozen_jit = jax.jit(_qgmm_frozen, static_argnums=(0,))
 
 
 def _quantize_master(static, w):
-  return quant.quantize(w, dtype=static.weight_dtype, axis=2 if static.transpose_rhs else 1)
+  return quant.quantize(
+    w,
+    dtype=static.weight_dtype,
+    axis=2 if static.transpose_rhs else 1,
+    axis_name=static.weight_scale_axis,
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -837,6 +843,7 @@ def gmm(
   unowned_rows: str = "zero",
   expected_rows: int | None = None,
   implementation: str | None = None,
+  weight_scale_axis: str | None = None,
 ) -> jax.Array:
   """Grouped matmul: out[rows of g] = lhs[rows of g] @ rhs[g - group_offset]. Differentiable.
 
@@ -897,11 +904,24 @@ def gmm(
       Pallas interpret mode) or "xla" (`jax.lax.ragged_dot`, with the same contract and
       gradients; quantized operands dequantized, straight-through); None: Mosaic when lowering
       for TPU, XLA for a GPU, interpret mode elsewhere (CPU).
+    weight_scale_axis: with `weight_quantization`, inside `shard_map` where k is split over
+      this mesh axis (tensor parallelism: each device holds some of k and the caller sums the
+      partial outputs): each weight scale is the absmax over the whole k (a pmax over the
+      axis), so the split contraction quantizes exactly as the whole one. None: over the k
+      this call holds.
 
   Returns:
     [m, n] array of `preferred_element_type`.
   """
   _refuse_quantized_lhs(lhs)
+  if weight_scale_axis is not None and (
+    weight_quantization is None or not isinstance(weight_scale_axis, str)
+  ):
+    raise ValueError(
+      f"`weight_scale_axis`={weight_scale_axis!r} names the mesh axis a quantized contraction "
+      "is split over: it needs weight_quantization (a float rhs quantized on the fly) and an "
+      "axis name."
+    )
   implementation, interpret = _check_implementation(implementation, interpret)
   ops = _check_gmm_operands(
     lhs,
@@ -922,6 +942,8 @@ def gmm(
     unowned_rows=unowned_rows,
     expected_rows=_check_expected_rows(expected_rows),
   )
+  if weight_scale_axis is not None:
+    static = dataclasses.replace(static, weight_scale_axis=weight_scale_axis)
   m, k = lhs.shape
   _announce(
     GmmPlan(

@@ -98,13 +98,17 @@ def _contraction_axis(axis: int) -> int:
   return axis % 3
 
 
-def quantize(w: jax.Array, *, dtype: Any = "int8", axis: int = 1) -> QuantizedWeights:
+def quantize(
+  w: jax.Array, *, dtype: Any = "int8", axis: int = 1, axis_name: str | None = None
+) -> QuantizedWeights:
   """Symmetric absmax quantization with one scale per (group, output channel).
 
   Args:
     w: [G, k, n] float weights (or [G, n, k] with axis=2).
     dtype: "int8" or "float8_e4m3fn" (alias "fp8").
     axis: the contraction axis k that each scale spans: 1 for [G, k, n], 2 for [G, n, k].
+    axis_name: inside `shard_map`, a mesh axis k is split over: the scale spans the whole k
+      (the absmax is a pmax over the axis). None: the k of `w`.
 
   Returns:
     `QuantizedWeights` with values of `dtype` and f32 scales of w's shape with `axis` reduced to 1.
@@ -120,6 +124,9 @@ def quantize(w: jax.Array, *, dtype: Any = "int8", axis: int = 1) -> QuantizedWe
   w32 = jnp.asarray(w).astype(jnp.float32)
   qmax = _QMAX[name]
   absmax = jnp.max(jnp.abs(w32), axis=axis, keepdims=True)
+  if axis_name is not None:
+    # NOTE: scales carry no gradient (straight-through), and pmax has no differentiation rule.
+    absmax = jax.lax.pmax(jax.lax.stop_gradient(absmax), axis_name)
   # NOTE: an all-zero channel gets scale 1 (its values are all 0 either way), never a 0 divisor.
   scales = jnp.where(absmax > 0, absmax / qmax, 1.0).astype(jnp.float32)
   return QuantizedWeights(values=_quantize_values(w32, scales, name), scales=scales)
