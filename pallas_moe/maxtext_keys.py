@@ -110,6 +110,12 @@ IGNORED_KEYS = frozenset(
     "rope_truncate",
     "rope_attention_scaling",
     "model_name",
+    # NOTE: how MaxText runs its own layer, not what the layer computes: its ring-of-experts
+    # exchange (this layer picks its own exchange), the combine weights' sum in f32 (this layer
+    # always sums in f32) and its pre-fused wi_0 | wi_1 (this layer's wi is fused).
+    "use_ring_of_experts",
+    "float32_weight_sum",
+    "prefuse_moe_weights",
   }
 )
 

@@ -108,7 +108,8 @@ def make_mesh(config: MoEConfig, devices=None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
   roles = [r for r in MESH_ROLES if getattr(config, f"{r}_axis") is not None]
   dcn_given = dict(config.dcn_parallelism)
-  granule = "slice" if hasattr(devices[0], "slice_index") else "process"
+  has_slices = all(getattr(d, "slice_index", None) is not None for d in devices)
+  granule = "slice" if has_slices else "process"
   if granule == "slice":
     slices = len({d.slice_index for d in devices})
   else:

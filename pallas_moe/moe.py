@@ -621,7 +621,8 @@ def moe_block(
     dtypes={key: dt for key in ("wi", "wo", "shared_wi", "shared_wo")},
   )
   tensor = config.tensor_axis if tp > 1 else None
-  routing = route(x, params["router"], config=config, bias=params.get(BIAS_KEY))
+  with jax.named_scope("route"):
+    routing = route(x, params["router"], config=config, bias=params.get(BIAS_KEY))
   # NOTE: routing in original ids; from here on rows go to weight slots (`expert_slots`).
   slot_ids = expert_slots(routing.expert_ids, placement=config.expert_placement)
   wi, wo = params["wi"], params["wo"]

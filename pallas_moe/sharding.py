@@ -100,7 +100,9 @@ def gather_model_dim(params: dict, *, d: int, axis: str | None, size: int, dtype
     if w.shape[dim] == d:
       out[key] = w
     elif axis is not None and w.shape[dim] * size == d:
-      out[key] = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+      # NOTE: the scope names the gathers in the compiled program's op_name metadata.
+      with jax.named_scope("fsdp_gather"):
+        out[key] = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
     else:
       share = "" if axis is None else f" or d / {size} = {d // size} (its {axis!r} share)"
       raise ValueError(

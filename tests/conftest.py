@@ -8,6 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -42,3 +43,63 @@ settings.register_profile(
   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+# Deep cases: parametrizations that repeat a code path another case of the same test already
+# runs (more chips, meshes, shapes, modes). Marked `slow`: the default run deselects them (the
+# summary says how many); `python -m pytest -m slow` runs them, `-m "slow or not slow"` all.
+SLOW_CASES = tuple(
+  f"tests/{case}"
+  for case in (
+    # AOT: one shape per chip compiles by default (v4 mixtral, v6e qwen3, tpu7x v2-lite).
+    "kernels/test_aot.py::test_grad_compiles[v6e-mixtral-8x7b]",
+    "kernels/test_aot.py::test_grad_compiles[v6e-deepseek-v3]",
+    "kernels/test_aot.py::test_grad_compiles[v6e-deepseek-v2-lite]",
+    "kernels/test_aot.py::test_grad_compiles[v5e-deepseek-v3]",
+    "kernels/test_aot.py::test_grad_compiles[v5e-qwen3-30b-a3b]",
+    "kernels/test_aot.py::test_grad_compiles[v5p-mixtral-8x7b]",
+    "kernels/test_aot.py::test_grad_compiles[tpu7x-mixtral-8x7b]",
+    "kernels/test_aot.py::test_rowtile_estimate_covers_mosaic[tpu7x-fwd-",
+    "kernels/test_aot.py::test_rowtile_estimate_covers_mosaic[v6e-drhs-",
+    "kernels/test_aot.py::test_over_default_tiling_gets_a_raised_limit[v5e-gmm-",
+    "kernels/test_aot.py::test_over_default_tiling_gets_a_raised_limit[v6e-gmm-",
+    "kernels/test_quant.py::test_activation_quantized_gmm_compiles_aot[v6e-",
+    "kernels/test_quant.py::test_activation_quantized_gmm_compiles_aot[v5e-float8_e4m3fn]",
+    "kernels/test_quant.py::test_activation_quantized_gmm_compiles_aot[v4-",
+    "kernels/test_quant.py::test_quantized_gmm_compiles_aot[v6e-",
+    "kernels/test_quant.py::test_quantized_gmm_compiles_aot[v5e-float8_e4m3fn]",
+    "bench/test_schedule.py::test_unsplit_step_exchanges[v6e]",
+    "bench/test_schedule.py::test_split_step_overlaps_chunks[v6e]",
+    "bench/test_schedule.py::test_dedup_split_step_compiles_for_tpu_and_overlaps_chunks[v6e]",
+    # Interpret mode: the same kernel path at another size or offset.
+    "kernels/test_rowtile.py::test_gmm_rowtile_matches_references[m300k128n256tm128g9l9]",
+    "kernels/test_rowtile.py::test_gmm_rowtile_moves_only_local_rows[one-tile]",
+    "kernels/test_rowtile.py::test_gmm_rowtile_passes_start_at_each_group[plain]",
+    "kernels/test_ops.py::test_shard_map_check_vma_forward_and_grads[hlo]",
+    "kernels/test_ops.py::test_sharded_grads_chain_to_unsharded[True]",
+    "bench/test_bench_rowtile.py::test_tgmm_rowtile_interior_runs[odd-2-",
+    "bench/test_bench_rowtile.py::test_tgmm_rowtile_interior_runs[whole-tiles-2-",
+    "integrations/test_maxtext_rows.py::test_other_shards_rows_are_exact_zeros_in_output_and_lhs_gradient[offset0-float]",
+    "integrations/test_maxtext_rows.py::test_other_shards_rows_are_exact_zeros_in_output_and_lhs_gradient[offset2-int8-weights]",
+    # Each Hugging Face family on the 2 x 4 mesh; the 1 x 8 mesh for two of them.
+    "integrations/test_hf.py::test_family_matches_hf_forward_and_grads[1-8-True-mixtral]",
+    "integrations/test_hf.py::test_family_matches_hf_forward_and_grads[1-8-True-qwen2_moe]",
+    "integrations/test_hf.py::test_family_matches_hf_forward_and_grads[1-8-True-deepseek_v2]",
+    # The layer on a third mesh (1 x 8: every device one expert group) where 2 x 4 and 8 x 1 run.
+    "layer/test_moe.py::test_block_matches_dense_reference[1-8-float32]",
+    "layer/test_moe.py::test_adversarial_routing_dropless[static_bound]",
+    "layer/test_routing.py::test_ep_block_matches_float64_dense_reference[v2-1x8]",
+    "layer/test_routing.py::test_ep_block_matches_float64_dense_reference[v3-1x8]",
+    "layer/test_batch_split.py::test_split_block_equals_unsplit[8-1-4-pallas]",
+    "layer/test_dedup.py::test_dedup_equals_plain_block[1x8]",
+    "layer/test_placement.py::test_placed_block_equals_unplaced[1x8-greedy]",
+  )
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+  """Marks the `SLOW_CASES` (before `-m` deselects by marker)."""
+  for item in items:
+    if item.nodeid.startswith(SLOW_CASES):
+      item.add_marker(pytest.mark.slow)

@@ -804,3 +804,56 @@ def test_seed_scenario_jax_ragged_all_to_all_fails_on_cpu():
   moe = jax.jit(lambda p, t: _moe(p, t, num_ep=4, ragged_all_to_all=jax.lax.ragged_all_to_all))
   with pytest.raises(Exception, match="(?s)UNIMPLEMENTED.*ragged-all-to-all"):
     jax.block_until_ready(moe(params, x))
+
+
+# MaxText's base.yml mesh keys under the seed's `ici_expert_parallelism=4`: fsdp takes the rest.
+SEED_MESH = dict(
+  ici_data_parallelism=1,
+  ici_fsdp_parallelism=-1,
+  ici_tensor_parallelism=1,
+  ici_expert_parallelism=4,
+  dcn_data_parallelism=-1,
+  dcn_fsdp_parallelism=1,
+  dcn_tensor_parallelism=1,
+  dcn_expert_parallelism=1,
+)
+
+
+def test_seed_configuration_runs_sharded_as_maxtext_shards_it():
+  """The seed's config with base.yml's mesh keys: `make_mesh` builds fsdp 2 x expert 4 on the 8
+  devices, every weight is split over fsdp (the experts over expert too), the tokens over both;
+  the layer's forward and gradients equal the dense reference's."""
+  config = pallas_moe.MoEConfig.from_dict({**CONFIG, **SEED_MESH})
+  mesh = pallas_moe.make_mesh(config)
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "expert": 4}
+  params, x = _params_and_tokens()
+  ours = {
+    "router": params["gate"],
+    "wi": jnp.concatenate([params["w0"], params["w1"]], axis=-1),
+    "wo": params["wo"],
+  }
+  p_shard, x_shard = pallas_moe.moe.shardings(config, mesh, ours)
+  assert {k: s.spec for k, s in p_shard.items()} == {
+    "router": P("fsdp"),
+    "wi": P("expert", "fsdp"),
+    "wo": P("expert", None, "fsdp"),
+  }
+  assert x_shard.spec == P(("data", "fsdp", "expert"))
+
+  def layer(p, x):
+    y, _ = pallas_moe.moe_layer(p, x.reshape(-1, x.shape[-1]), config, mesh)
+    return y.reshape(x.shape)
+
+  (value, y), grads = jax.jit(jax.value_and_grad(_loss(layer), argnums=(0, 1), has_aux=True))(
+    jax.device_put(ours, p_shard), x
+  )
+  (value_ref, y_ref), (g_ref, gx_ref) = jax.value_and_grad(
+    _loss(_dense), argnums=(0, 1), has_aux=True
+  )(params, x)
+  _close(y, y_ref)
+  _close(value, value_ref, tol=1e-5)
+  _close(grads[1], gx_ref)
+  _close(grads[0]["router"], g_ref["gate"])
+  _close(grads[0]["wi"], jnp.concatenate([g_ref["w0"], g_ref["w1"]], axis=-1))
+  _close(grads[0]["wo"], g_ref["wo"])
+  assert grads[0]["wi"].sharding.spec == P("expert", "fsdp")
