@@ -13,8 +13,7 @@ add to it).
 
 "Before" meshes are what the layer could do without fsdp: experts split over the expert axis,
 every weight replicated over the data axis. "After" meshes split every weight over fsdp too.
-The schedule of each compiled step says whether the fsdp gathers are async and what runs
-under them (`gather_overlap`).
+The schedule of each compiled step says where its fsdp collectives run (`fsdp_collectives`).
 """
 
 from __future__ import annotations
@@ -65,6 +64,7 @@ CASES = {
   "v6e-32 ep32": ("v6e:4x8", dict(expert=32)),
   "v6e-32 fsdp4 x ep8": ("v6e:4x8", dict(fsdp=4, expert=8)),
   "v5p-256 data4 x ep64 (before)": ("v5p:4x8x8", dict(data=4, expert=64)),
+  "v5p-256 ep256 (before)": ("v5p:4x8x8", dict(expert=256)),
   "v5p-256 fsdp4 x ep64": ("v5p:4x8x8", dict(fsdp=4, expert=64)),
 }
 
@@ -117,39 +117,42 @@ def compile_case(topology: str, sizes: dict, *, tokens_per_device: int, buffer_f
     return lowered.compile(), config
 
 
-def gather_overlap(text: str) -> dict:
-  """The fsdp all-gathers of the compiled step: how many are async, and what runs under them.
+def fsdp_collectives(text: str) -> dict:
+  """Where the compiled step runs its fsdp collectives (the gathers and their transposes).
+
+  Args:
+    text: `compiled.as_text()` of a step whose weights are split over an fsdp axis.
 
   Returns:
-    dict: `all_gathers` (count in the entry computation), `async` (of them), `under` (for the
-    async ones, the instructions scheduled between start and done: total, and how many are
-    fusions, custom calls (kernels), other collectives' starts).
+    dict: `gathers` / `reduce_scatters`: how many in the entry computation; `asynchronous`:
+    how many of them are start/done pairs; `before_dispatch`: gathers scheduled before the
+    first dispatch exchange starts (nothing token-dependent waits on them there);
+    `under_exchange`: synchronous ones issued while an async exchange is in flight (their
+    link time overlaps the exchange's); `instructions`: the entry's instruction count.
   """
   sched = hlo_schedule.parse_schedule(text)
   entry = sched.computations[sched.entry]
-  gathers_async = [
-    a
+  windows = [
+    (a.start_index, a.done_index)
     for a in sched.async_collectives
-    if a.kind == "all-gather" and a.computation == sched.entry and "fsdp_gather" in a.op_name
+    if a.computation == sched.entry and a.kind == "ragged-all-to-all"
   ]
-  gathers_sync = [
-    s
-    for s in sched.sync_collectives
-    if s.kind == "all-gather" and s.computation == sched.entry and "fsdp_gather" in s.op_name
-  ]
-  under = dict(instructions=0, fusions=0, kernels=0, collective_starts=0)
-  for a in gathers_async:
-    mids = entry[a.start_index + 1 : a.done_index]
-    under["instructions"] += len(mids)
-    under["fusions"] += sum(i.opcode == "fusion" for i in mids)
-    under["kernels"] += sum(i.kernel is not None for i in mids)
-    under["collective_starts"] += sum(
-      i.opcode.endswith("-start") and i.opcode[: -len("-start")] in hlo_schedule.COLLECTIVE_KINDS
-      for i in mids
-    )
-  return dict(
-    all_gathers=len(gathers_async) + len(gathers_sync), asynchronous=len(gathers_async), under=under
-  )
+  dispatch = min(
+    (a.start_index for a in sched.async_collectives
+     if a.computation == sched.entry and hlo_schedule.exchange_of(a.op_name) == "dispatch"),
+    default=len(entry),
+  )  # fmt: skip
+  out = dict(gathers=0, reduce_scatters=0, asynchronous=0, before_dispatch=0, under_exchange=0)
+  for i, inst in enumerate(entry):
+    kind = inst.opcode.removesuffix("-start")
+    if kind not in ("all-gather", "reduce-scatter") or "fsdp_gather" not in inst.op_name:
+      continue
+    out["gathers" if kind == "all-gather" else "reduce_scatters"] += 1
+    out["asynchronous"] += inst.opcode.endswith("-start")
+    out["before_dispatch"] += kind == "all-gather" and i < dispatch
+    out["under_exchange"] += any(s < i < d for s, d in windows)
+  out["instructions"] = len(entry)
+  return out
 
 
 def run_case(name: str, *, tokens_per_device: int, buffer_factor: float) -> dict:
@@ -181,7 +184,7 @@ def run_case(name: str, *, tokens_per_device: int, buffer_factor: float) -> dict
     layer_gb=round((args + out - alias + temp) * gb, 3),
     model_gb=round((MOE_LAYERS * args + temp) * gb, 2),
     hbm_gb=HBM_GB[chip],
-    gathers=gather_overlap(compiled.as_text()),
+    fsdp=fsdp_collectives(compiled.as_text()),
   )
   rec["layer_fits"] = rec["layer_gb"] <= HBM_GB[chip]
   rec["model_fits"] = rec["model_gb"] <= HBM_GB[chip]
@@ -190,22 +193,21 @@ def run_case(name: str, *, tokens_per_device: int, buffer_factor: float) -> dict
 
 def table(records: list[dict]) -> str:
   head = (
-    "| case | state (args) GB | temp GB | one layer GB | 58 layers GB | HBM | fits (layer / "
-    "58) | fsdp gathers async | under them |\n|---|---|---|---|---|---|---|---|---|"
+    "| case | state (args) GB | temp GB | one layer GB | 58 layers GB | HBM | fits (layer / 58) "
+    "| fsdp gathers / reduce-scatters (async) | gathers before dispatch | under the exchange "
+    "|\n|---|---|---|---|---|---|---|---|---|---|"
   )
   rows = [head]
   for r in records:
     if "error" in r:
-      rows.append(f"| {r['case']} | does not compile: {r['error'][:80]} |||||||")
+      rows.append(f"| {r['case']} | does not compile: {r['error'][:80]} ||||||||")
       continue
-    g = r["gathers"]
-    under = g["under"]
+    f = r["fsdp"]
     rows.append(
       f"| {r['case']} | {r['argument_gb']:.1f} | {r['temp_gb']:.1f} | {r['layer_gb']:.1f} | "
       f"{r['model_gb']:.0f} | {r['hbm_gb']:.0f} | {'yes' if r['layer_fits'] else 'no'} / "
-      f"{'yes' if r['model_fits'] else 'no'} | {g['asynchronous']} of {g['all_gathers']} | "
-      f"{under['instructions']} instr. ({under['fusions']} fusions, {under['kernels']} kernels, "
-      f"{under['collective_starts']} collectives) |"
+      f"{'yes' if r['model_fits'] else 'no'} | {f['gathers']} / {f['reduce_scatters']} "
+      f"({f['asynchronous']}) | {f['before_dispatch']} | {f['under_exchange']} |"
     )
   return "\n".join(rows)
 

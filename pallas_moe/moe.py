@@ -26,6 +26,12 @@ with all of its token's choices on that device).
 `config.dispatch_quantization` ("int8" | "fp8") sends those rows in 8 bits with their scales in
 the same row (`dedup.quantized_dispatch`); the combine and the backward stay in `dtype`.
 
+Weights split over fsdp and tensor axes (`config.fsdp_axis`, `config.tensor_axis`; see
+`pallas_moe.sharding` and `pallas_moe.mesh`): the block gathers each weight's model dimension
+over fsdp where it is split, pairs its gate/up columns across the tensor axis after the gate/up
+gmm, and sums the layer's output over the tensor axis once, after the combine. Tokens are split
+over (data, fsdp, expert) and replicated over tensor.
+
 Expert placement (`config.expert_placement`, a permutation `placement` of range(E)): weight slot
 j (device j // E_l) holds global expert placement[j]; `place_experts` stores `wi`/`wo` that way.
 The router (weights, correction bias, DeepSeek's groups) keeps the original ids; right after the
@@ -528,7 +534,9 @@ def aux_loss_probs(routing: Routing, x, router, *, config: MoEConfig):
 # ---------------------------------------------------------------------------------------------
 
 
-def _axis_size(name: str) -> int | None:
+def _axis_size(name: str | None) -> int | None:
+  if name is None:
+    return None
   try:
     return int(jax.lax.axis_size(name))
   except NameError:
