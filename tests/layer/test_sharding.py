@@ -25,6 +25,8 @@ MESHES = {
   "fsdp4-ep2": dict(fsdp=4, expert=2),
   "fsdp2-tp2-ep2": dict(fsdp=2, tensor=2, expert=2),
   "data2-tp2-ep2": dict(data=2, tensor=2, expert=2),
+  # NOTE: tensor 4 pairs gate/up columns with two exchanges (tensor 2 keeps one on the device).
+  "tp4-ep2": dict(tensor=4, expert=2),
 }
 
 
