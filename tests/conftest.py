@@ -103,3 +103,12 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.nodeid.startswith(SLOW_CASES):
       item.add_marker(pytest.mark.slow)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+  """Says what the default `-m 'not slow'` left out (pytest-xdist's summary does not count it)."""
+  if config.option.markexpr == "not slow":
+    terminalreporter.write_line(
+      f"deselected by default: the deep cases matching tests/conftest.py SLOW_CASES "
+      f"({len(SLOW_CASES)} patterns, marked slow); run them with -m slow"
+    )
