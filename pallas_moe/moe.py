@@ -616,7 +616,7 @@ def moe_block(
     )
   _check_plan(plan, tokens_per_device=t, expert_parallelism=ep, tensor_parallelism=tp)
   _check_local_weights(params, config, plan=plan, tp=tp)
-  split, tc, rows_b = plan.batch_split, plan.chunk_tokens, plan.buffer_rows
+  split, tc = plan.batch_split, plan.chunk_tokens
   tilings = (plan.wi_tiling, plan.wo_tiling)
   x = x.astype(dt)
   # NOTE: weights split over fsdp are gathered whole here (cast first: fewer bytes to move);
@@ -669,16 +669,7 @@ def moe_block(
       # NOTE: inverse[r] is where flat row r = t * k + j sits in sorted order.
       per_choice = ch.out[ch.inverse].reshape(tc, k, -1).astype(jnp.float32)
       ys.append(jnp.einsum("tk,tkd->td", ch.weights, per_choice, precision=_HIGHEST))
-  sizes = [ch.group_sizes for ch in chunks]
-  dropped = [ch.dropped for ch in chunks]
-  dropped_exchange = [ch.dropped_exchange for ch in chunks]
-  needed = [ch.needed for ch in chunks]
   y = ys[0] if split == 1 else jnp.concatenate(ys, axis=0)
-  # NOTE: the chunks' group sizes are per slot; the aux loss pairs them with the router's probs
-  # and `update_routed_bias` with its bias, both in original expert order.
-  group_sizes = slot_counts_to_experts(
-    functools.reduce(jnp.add, sizes), placement=config.expert_placement
-  )
   if config.shared_width:
     gate = params["shared_gate"] if config.shared_expert_gate else None
     y = y + shared_mlp(
@@ -693,25 +684,37 @@ def moe_block(
     # NOTE: the one tensor reduction of the layer: routed and shared partial outputs together,
     # in the output dtype (the bytes the reduction moves).
     y = jax.lax.psum(y.astype(dt), config.tensor_axis)
-  aux = {
+  aux = _block_aux(chunks, routing, x, params["router"], config=config, axes=axes, plan=plan)
+  return y.astype(dt), aux
+
+
+def _block_aux(chunks, routing: Routing, x, router, *, config: MoEConfig, axes, plan) -> dict:
+  """The block's aux outputs (see `moe_block`), global over the batch `axes`."""
+  # NOTE: the chunks' group sizes are per slot; the aux loss pairs them with the router's probs
+  # and `update_routed_bias` with its bias, both in original expert order.
+  group_sizes = slot_counts_to_experts(
+    functools.reduce(jnp.add, [ch.group_sizes for ch in chunks]),
+    placement=config.expert_placement,
+  )
+  dropped = functools.reduce(jnp.add, [ch.dropped for ch in chunks])
+  dropped_exchange = functools.reduce(jnp.add, [ch.dropped_exchange for ch in chunks])
+  needed = functools.reduce(jnp.maximum, [ch.needed for ch in chunks])
+  return {
     "aux_loss": load_balance_loss(
-      probs=aux_loss_probs(routing, x, params["router"], config=config),
+      probs=aux_loss_probs(routing, x, router, config=config),
       group_sizes=group_sizes,
-      top_k=k,
+      top_k=config.top_k,
       axes=axes,
       definition=config.aux_loss_definition,
       expert_ids=routing.expert_ids,
       seq_len=config.aux_loss_seq_len,
     ),
-    "dropped_rows": _global(functools.reduce(jnp.add, dropped), axes, jax.lax.psum),
-    "dropped_exchange_rows": _global(
-      functools.reduce(jnp.add, dropped_exchange), axes, jax.lax.psum
-    ),
-    "needed_rows": _global(functools.reduce(jnp.maximum, needed), axes, jax.lax.pmax),
-    "buffer_rows": jnp.asarray(rows_b, jnp.int32),
+    "dropped_rows": _global(dropped, axes, jax.lax.psum),
+    "dropped_exchange_rows": _global(dropped_exchange, axes, jax.lax.psum),
+    "needed_rows": _global(needed, axes, jax.lax.pmax),
+    "buffer_rows": jnp.asarray(plan.buffer_rows, jnp.int32),
     "expert_load": _global(group_sizes, axes, jax.lax.psum),
   }
-  return y.astype(dt), aux
 
 
 def _check_plan(
