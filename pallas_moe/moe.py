@@ -380,6 +380,23 @@ def expert_mlp(
   Returns:
     [B, d] expert outputs (scaled by `row_weights`).
   """
+  with jax.named_scope("experts"):
+    return _expert_mlp(
+      rows,
+      wi,
+      wo,
+      group_sizes,
+      config=config,
+      expected_rows=expected_rows,
+      row_weights=row_weights,
+      tilings=tilings,
+      tensor_axis=tensor_axis,
+    )
+
+
+def _expert_mlp(
+  rows, wi, wo, group_sizes, *, config, expected_rows, row_weights, tilings, tensor_axis
+):
   wi_tiling, wo_tiling = tilings or (config.wi_tiling, config.wo_tiling)
   kw = dict(config=config, expected_rows=expected_rows)
   h = _grouped_matmul(rows, wi, group_sizes, tiling=wi_tiling, **kw)
@@ -643,7 +660,8 @@ def moe_block(
     for c in range(split)
   ]
   for c, ch in enumerate(chunks):
-    with _chunk_scope(c, split):
+    # NOTE: the scopes name the layer's stages in the compiled program (`bench.decode_ops`).
+    with _chunk_scope(c, split), jax.named_scope("sort"):
       if plan.dedup:
         _layout_chunk(ch, config=config, ep=ep)
       else:
@@ -662,7 +680,7 @@ def moe_block(
     _pipelined_exchange(chunks, wi, wo, config=config, plan=plan, tensor_axis=tensor)
   ys = []
   for c, ch in enumerate(chunks):
-    with _chunk_scope(c, split):
+    with _chunk_scope(c, split), jax.named_scope("unsort"):
       if ch.y is not None:
         ys.append(ch.y)
         continue
@@ -845,7 +863,7 @@ def _pipelined_dedup_exchange(
   # NOTE: at the static worst case nothing can overflow: no clipping, no second all_gather.
   may_drop = buffer_rows < ep * tc * min(k, num_local)
   for c, ch in enumerate(chunks):
-    with _chunk_scope(c, split):
+    with _chunk_scope(c, split), jax.named_scope("exchange_plan"):
       ch.plan, ch.delivered = dedup_lib.plan(
         ch.layout,
         axis_name=axis,
@@ -942,7 +960,7 @@ def _pipelined_exchange(
   buffer_rows = plan.buffer_rows
   tilings = (plan.wi_tiling, plan.wo_tiling)
   for c, ch in enumerate(chunks):
-    with _chunk_scope(c, split):
+    with _chunk_scope(c, split), jax.named_scope("exchange_plan"):
       ch.plan = collectives.plan_from_group_sizes(
         ch.group_sizes, axis_name=axis, buffer_rows=buffer_rows
       )

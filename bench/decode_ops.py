@@ -1,0 +1,125 @@
+"""How many XLA instructions a decode-size MoE layer compiles to, and where they come from.
+
+  python -m bench.decode_ops [--tokens_per_device 8] [--topology v6e:2x2] [--ep 4]
+
+At decode sizes (a few tokens per device) the layer's time is its fixed costs: one launch per
+XLA instruction and Mosaic call beside the weight reads. This compiles the forward of
+`moe_layer` (Qwen3-30B-A3B's MoE dims: 128 experts top-8, d 2048, f 768, bf16; only y is
+returned, so the aux-loss bookkeeping is dead code XLA drops) ahead of time for a TPU topology,
+and counts the top-level instructions of the entry computation (fusions count once; their
+bodies are not top-level), grouped by opcode and by the layer's named scopes in their op_name
+(route, sort, exchange_plan, dispatch, experts, combine, unsort, fsdp_gather; the rest is
+"other").
+"""
+
+from __future__ import annotations
+
+import os
+
+if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/accel0"):
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench import hlo_schedule  # noqa: E402
+from pallas_moe import moe, tiling  # noqa: E402
+from pallas_moe.config import MoEConfig  # noqa: E402
+from pallas_moe.mesh import make_mesh  # noqa: E402
+
+QWEN3_30B_A3B = dict(
+  num_experts=128,
+  top_k=8,
+  d_model=2048,
+  expert_ffn_dim=768,
+  norm_topk_prob=True,
+  dtype="bfloat16",
+  weight_dtype="bfloat16",
+)
+# NOTE: bookkeeping instructions that cost no launch (operands, tuples, views).
+FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant"}
+SCOPES = (
+  "route",
+  "sort",
+  "exchange_plan",
+  "dispatch",
+  "experts",
+  "combine",
+  "unsort",
+  "fsdp_gather",
+)
+
+
+def scope_of(op_name: str) -> str:
+  """The layer scope an instruction comes from (the last of `SCOPES` in its op_name)."""
+  parts = op_name.split("/")
+  for part in reversed(parts):
+    for scope in SCOPES:
+      if part == scope:
+        return scope
+  return "other"
+
+
+def compile_decode(*, topology: str, ep: int, tokens_per_device: int, **fields):
+  from jax.experimental import topologies
+
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+  devices = topo.devices
+  data = len(devices) // ep
+  config = MoEConfig(**{**QWEN3_30B_A3B, **fields}, data_parallelism=data, expert_parallelism=ep)
+  mesh = make_mesh(config, devices)
+  shapes = jax.eval_shape(lambda: moe.init_params(jax.random.key(0), config))
+  p_shard, x_shard = moe.shardings(config, mesh, shapes)
+  params = {
+    k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=p_shard[k]) for k, v in shapes.items()
+  }
+  x = jax.ShapeDtypeStruct(
+    (tokens_per_device * len(devices), config.d_model), jnp.bfloat16, sharding=x_shard
+  )
+
+  def forward(p, x):
+    return moe.moe_layer(p, x, config, mesh)[0]
+
+  with jax.default_device(devices[0]), tiling.use_generation(topology.split(":")[0]):
+    return jax.jit(forward).lower(params, x).compile()
+
+
+def count(text: str) -> dict:
+  """Top-level instruction counts of the entry computation: total, costed, by opcode, by scope."""
+  sched = hlo_schedule.parse_schedule(text)
+  entry = sched.computations[sched.entry]
+  costed = [i for i in entry if i.opcode not in FREE]
+  return dict(
+    total=len(entry),
+    costed=len(costed),
+    mosaic=sum(i.kernel is not None for i in costed),
+    by_opcode=collections.Counter(i.opcode for i in costed).most_common(),
+    by_scope=collections.Counter(scope_of(i.op_name) for i in costed).most_common(),
+  )
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--topology", default="v6e:2x2")
+  parser.add_argument("--ep", type=int, default=4)
+  parser.add_argument("--tokens_per_device", type=int, default=8)
+  args = parser.parse_args(argv)
+  compiled = compile_decode(
+    topology=args.topology, ep=args.ep, tokens_per_device=args.tokens_per_device
+  )
+  c = count(compiled.as_text())
+  print(
+    f"{args.topology} EP {args.ep}, {args.tokens_per_device} tokens per device: "
+    f"{c['total']} top-level instructions, {c['costed']} beside parameters / tuples / "
+    f"bitcasts / constants, {c['mosaic']} Mosaic calls"
+  )
+  print("by scope:", ", ".join(f"{k} {v}" for k, v in c["by_scope"]))
+  print("by opcode:", ", ".join(f"{k} {v}" for k, v in c["by_opcode"]))
+
+
+if __name__ == "__main__":
+  main()
