@@ -200,3 +200,91 @@ def check_quantized(q: Any, *, transpose_rhs: bool | None = None) -> None:
       f"QuantizedWeights.scales has shape {tuple(scales.shape)} but values {tuple(values.shape)} "
       f"need scales of shape {want} (one per group and output channel)."
     )
+
+
+# NOTE: DeepSeek-V3's checkpoints store expert weights as float8_e4m3fn with one f32 scale per
+# 128 x 128 block (`weight_scale_inv`, which multiplies: w ~= values * scale).
+BLOCK = 128
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockQuantizedWeights:
+  """Expert weights with one scale per `block` x `block` tile: `values * scales` (each scale
+  repeated over its tile) approximates the float weights.
+
+  Attributes:
+    values: [G, k, n] int8 or float8_e4m3fn.
+    scales: [G, k / block, n / block] f32.
+    block: the tile edge (128 in DeepSeek-V3's checkpoints); k and n are multiples of it.
+  """
+
+  values: jax.Array
+  scales: jax.Array
+  block: int = dataclasses.field(default=BLOCK, metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.values.shape)
+
+  @property
+  def dtype(self):
+    return self.values.dtype
+
+
+def quantize_blocks(
+  w: jax.Array, *, dtype: Any = "fp8", block: int = BLOCK
+) -> BlockQuantizedWeights:
+  """Symmetric absmax quantization with one scale per (group, block x block tile), the layout of
+  DeepSeek-V3's fp8 checkpoints.
+
+  Args:
+    w: [G, k, n] float weights; k and n multiples of `block`.
+    dtype: "fp8" (float8_e4m3fn, as DeepSeek-V3 stores them) or "int8".
+    block: the tile edge.
+
+  Returns:
+    `BlockQuantizedWeights`.
+  """
+  name = canonical_dtype(dtype)
+  if not hasattr(w, "ndim") or w.ndim != 3:
+    raise ValueError(f"`w` must be a 3-d [G, k, n] array, got {getattr(w, 'shape', type(w))}.")
+  g, k, n = w.shape
+  if k % block or n % block:
+    raise ValueError(
+      f"`w` of shape {tuple(w.shape)}: k and n must be multiples of block={block} for block "
+      "scales; use quantize(...) (per-channel scales) for other shapes."
+    )
+  w32 = jnp.asarray(w).astype(jnp.float32).reshape(g, k // block, block, n // block, block)
+  absmax = jnp.max(jnp.abs(w32), axis=(2, 4))
+  scales = jnp.where(absmax > 0, absmax / _QMAX[name], 1.0).astype(jnp.float32)
+  values = _quantize_values(w32, scales[:, :, None, :, None], name).reshape(g, k, n)
+  return BlockQuantizedWeights(values=values, scales=scales, block=block)
+
+
+def dequantize_blocks(q: BlockQuantizedWeights, *, dtype: Any = jnp.float32) -> jax.Array:
+  """`values * scales` with each scale repeated over its tile, in `dtype` (f32 by default)."""
+  check_block_quantized(q)
+  s = jnp.repeat(jnp.repeat(q.scales, q.block, axis=1), q.block, axis=2)
+  return (q.values.astype(jnp.float32) * s).astype(dtype)
+
+
+def check_block_quantized(q: Any) -> None:
+  """Checks a `BlockQuantizedWeights`: dtypes, rank and the scales' shape."""
+  if not isinstance(q, BlockQuantizedWeights):
+    raise TypeError(f"Expected a BlockQuantizedWeights, got {type(q).__name__}.")
+  if jnp.dtype(q.values.dtype).name not in _DTYPES:
+    raise TypeError(
+      f"BlockQuantizedWeights.values must be int8 or float8_e4m3fn, got {q.values.dtype}."
+    )
+  if jnp.dtype(q.scales.dtype) != jnp.float32:
+    raise TypeError(f"BlockQuantizedWeights.scales must be float32, got {q.scales.dtype}.")
+  if q.values.ndim != 3:
+    raise ValueError(f"BlockQuantizedWeights.values must be 3-d, got {tuple(q.values.shape)}.")
+  g, k, n = q.values.shape
+  want = (g, -(-k // q.block), -(-n // q.block))
+  if k % q.block or n % q.block or tuple(q.scales.shape) != want:
+    raise ValueError(
+      f"BlockQuantizedWeights: values {tuple(q.values.shape)} need k, n multiples of "
+      f"block={q.block} and scales of shape {want}, got {tuple(q.scales.shape)}."
+    )
