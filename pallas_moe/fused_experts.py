@@ -476,11 +476,6 @@ def _check(x, wi, wo, group_sizes, row_weights) -> tuple[int, int, int]:
   f = f2 // 2
   if tuple(wo.shape) != (e, f, d):
     raise ValueError(f"wo must be [E={e}, f={f}, d={d}] to match wi, got {tuple(wo.shape)}.")
-  if weight_kind(wi) != weight_kind(wo):
-    raise TypeError(
-      f"wi and wo must be of the same kind, got {weight_kind(wi)} and {weight_kind(wo)}; "
-      "quantize both the same way."
-    )
   common.check_group_sizes(group_sizes, m=m)
   if group_sizes.shape != (e,):
     raise ValueError(
@@ -523,6 +518,11 @@ def fused_experts(
   Returns:
     [m, d] of `out_dtype`.
   """
+  if weight_kind(wi) != weight_kind(wo):
+    raise TypeError(
+      f"wi and wo must be of the same kind, got {weight_kind(wi)} and {weight_kind(wo)}; "
+      "quantize both the same way."
+    )
   wi_v, wi_s = _split(wi, "wi")
   wo_v, wo_s = _split(wo, "wo")
   group_sizes = jnp.asarray(group_sizes)

@@ -1,0 +1,218 @@
+"""The fused expert kernel against float64 numpy: float, per-channel and 128 x 128 block-scaled
+weights, decode-size row counts, empty experts, both interpret modes, the race detector, and AOT
+compiles for each TPU generation."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_moe import fused_experts as fe
+from pallas_moe import quant, tiling
+from tests.kernel_testing import (
+  RACE_PARAMS,
+  examples,
+  group_sizes_strategy,
+  no_races_or_oob,
+  random_array,
+)
+
+F32 = jnp.float32
+
+
+def np_experts(x, wi, wo, group_sizes, row_weights=None):
+  """float64 SwiGLU experts over rows sorted by expert; rows past the groups are zero."""
+  x, wi, wo = (np.asarray(a, np.float64) for a in (x, wi, wo))
+  out = np.zeros((x.shape[0], wo.shape[2]))
+  f = wi.shape[2] // 2
+  r = 0
+  for e, g in enumerate(np.asarray(group_sizes)):
+    h = x[r : r + g] @ wi[e]
+    act = h[:, :f] / (1 + np.exp(-h[:, :f])) * h[:, f:]
+    if row_weights is not None:
+      act = act * np.asarray(row_weights, np.float64)[r : r + g, None]
+    out[r : r + g] = act @ wo[e]
+    r += g
+  return out
+
+
+def _weights(kind: str, *, e: int, d: int, f: int, seed: int = 1):
+  """(wi, wo) of `kind` and their float64 values as the kernel multiplies them."""
+  wi = random_array(seed, (e, d, 2 * f), F32) / np.sqrt(d)
+  wo = random_array(seed + 1, (e, f, d), F32) / np.sqrt(f)
+  if kind == "float":
+    return wi, wo, wi, wo
+  if kind in ("int8", "fp8"):
+    qi, qo = quant.quantize(wi, dtype=kind), quant.quantize(wo, dtype=kind)
+    return qi, qo, quant.dequantize(qi), quant.dequantize(qo)
+  dtype = kind.split("-")[1]
+  qi, qo = quant.quantize_blocks(wi, dtype=dtype), quant.quantize_blocks(wo, dtype=dtype)
+  return qi, qo, quant.dequantize_blocks(qi), quant.dequantize_blocks(qo)
+
+
+def _check(out, want, *, atol=2e-5):
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=atol, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kind", ["float", "int8", "fp8", "block-fp8", "block-int8"])
+@pytest.mark.parametrize("mode", ["hlo", "tpu"])
+def test_kinds_at_decode_sizes(kind, mode):
+  """One and eight tokens' rows (top-2 over 4 local experts), one expert empty, two chunks."""
+  d, f, e = 256, 256, 4
+  wi, wo, wi64, wo64 = _weights(kind, e=e, d=d, f=f)
+  interpret = True if mode == "hlo" else pltpu.InterpretParams()
+  for gs in ([1, 0, 1, 0], [5, 0, 3, 8]):
+    gs = jnp.asarray(gs, jnp.int32)
+    m = int(gs.sum())
+    x = random_array(3, (m, d), F32)
+    rw = jnp.asarray(np.random.default_rng(4).uniform(0.1, 1.0, m), F32)
+    out = fe.fused_experts(x, wi, wo, gs, row_weights=rw, chunk=128, interpret=interpret)
+    _check(out, np_experts(x, wi64, wo64, gs, rw))
+
+
+@given(data=st.data())
+@examples(0.5)
+def test_group_sizes_property(data):
+  """Random, sparse, one-group and short group sizes over odd m and d, f not a multiple of 128."""
+  m, d, f, e = 37, 72, 48, 5
+  gs = data.draw(group_sizes_strategy(m=m, num_groups=e))
+  wi, wo, _, _ = _weights("float", e=e, d=d, f=f)
+  x = random_array(5, (m, d), F32)
+  out = fe.fused_experts(x, wi, wo, jnp.asarray(gs), interpret=True)
+  _check(out, np_experts(x, wi, wo, gs))
+
+
+def test_every_expert_empty_gives_zeros():
+  wi, wo, _, _ = _weights("float", e=3, d=128, f=128)
+  x = random_array(6, (16, 128), F32)
+  out = fe.fused_experts(x, wi, wo, jnp.zeros((3,), jnp.int32), interpret=True)
+  assert np.all(np.asarray(out) == 0)
+
+
+def test_bf16_rows_and_windows():
+  """bf16 rows, 300 rows of one expert (three windows, the last moved back), bf16 output."""
+  d, f, e = 128, 256, 2
+  wi, wo, _, _ = _weights("float", e=e, d=d, f=f)
+  wi, wo = wi.astype(jnp.bfloat16), wo.astype(jnp.bfloat16)
+  x = random_array(7, (301, d), jnp.bfloat16)
+  gs = jnp.asarray([1, 300], jnp.int32)
+  out = fe.fused_experts(x, wi, wo, gs, interpret=True)
+  assert out.dtype == jnp.bfloat16
+  want = np_experts(*(np.asarray(a.astype(F32)) for a in (x, wi, wo)), gs)
+  np.testing.assert_allclose(np.asarray(out.astype(F32)), want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("kind", ["float", "block-fp8"])
+def test_no_races_or_out_of_bounds(kind, capfd):
+  d, f, e = 256, 256, 3
+  wi, wo, wi64, wo64 = _weights(kind, e=e, d=d, f=f)
+  gs = jnp.asarray([2, 0, 6], jnp.int32)
+  x = random_array(8, (8, d), F32)
+  with no_races_or_oob(capfd):
+    out = fe.fused_experts(x, wi, wo, gs, chunk=128, interpret=RACE_PARAMS)
+  _check(out, np_experts(x, wi64, wo64, gs))
+
+
+def test_plan_streams_only_what_fits():
+  """DeepSeek-V3's expert at 64 rows: the chunk is the largest that fits VMEM, and the rows'
+  needs are refused with a clear error where they cannot fit."""
+  plan = fe.plan_fused(
+    rows=64,
+    d=7168,
+    f=2048,
+    num_experts=8,
+    x_dtype=jnp.bfloat16,
+    w_dtype=jnp.float8_e4m3fn,
+    kind="block",
+    generation="v6e",
+  )
+  assert 2048 % plan.chunk == 0 and plan.chunk % 128 == 0
+  assert plan.vmem_bytes <= 0.75 * tiling.get_generation("v6e").vmem_bytes
+  assert plan.expert_weight_bytes == 3 * 7168 * 2048 + 4 * 3 * 16 * 56
+  with pytest.raises(ValueError, match="fewer rows per call"):
+    fe.plan_fused(
+      rows=8192,
+      d=7168,
+      f=2048,
+      num_experts=8,
+      x_dtype=jnp.bfloat16,
+      w_dtype=jnp.bfloat16,
+      generation="v5e",
+    )
+
+
+def test_errors():
+  wi, wo, _, _ = _weights("float", e=2, d=128, f=128)
+  x = jnp.zeros((8, 128), F32)
+  gs = jnp.asarray([4, 4], jnp.int32)
+  with pytest.raises(ValueError, match="wo must be"):
+    fe.fused_experts(x, wi, wo[:, :64], gs, interpret=True)
+  with pytest.raises(ValueError, match="group_sizes must be"):
+    fe.fused_experts(x, wi, wo, jnp.asarray([8], jnp.int32), interpret=True)
+  with pytest.raises(TypeError, match="same kind"):
+    fe.fused_experts(x, quant.quantize(wi), wo, gs, interpret=True)
+  with pytest.raises(ValueError, match="row_weights"):
+    fe.fused_experts(x, wi, wo, gs, row_weights=jnp.ones((7,)), interpret=True)
+  with pytest.raises(ValueError, match="multiples of block"):
+    fe.plan_fused(rows=8, d=96, f=128, num_experts=2, x_dtype=F32, w_dtype=jnp.int8, kind="block")
+
+
+def _aot_device(gen):
+  from jax.experimental import topologies
+
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  topo = topologies.get_topology_desc(
+    topology_name=tiling.get_generation(gen).aot_topology, platform="tpu"
+  )
+  return topo.devices[0]
+
+
+# DeepSeek-V3's fp8 block-scaled expert (8 local experts at EP 32) on every generation, Qwen3's
+# bf16 and int8 experts (16 local at EP 8) on v6e.
+AOT_CASES = [
+  ("v5e", "block-fp8", 7168, 2048, 8),
+  ("v5p", "block-fp8", 7168, 2048, 8),
+  ("v6e", "block-fp8", 7168, 2048, 8),
+  ("tpu7x", "block-fp8", 7168, 2048, 8),
+  ("v6e", "float", 2048, 768, 16),
+  ("v6e", "int8", 2048, 768, 16),
+]
+
+
+@pytest.mark.parametrize("gen,kind,d,f,e", AOT_CASES)
+def test_compiles_for_tpu(gen, kind, d, f, e):
+  """Mosaic compiles the kernel (real libtpu, ahead of time) at decode size, 64 rows."""
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  dev = _aot_device(gen)
+  mesh = Mesh(np.array([dev]), ("x",))
+
+  def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P()))
+
+  vdt = {"float": jnp.bfloat16, "int8": jnp.int8}.get(kind, jnp.float8_e4m3fn)
+  wi_v, wo_v = sds((e, d, 2 * f), vdt), sds((e, f, d), vdt)
+  if kind == "float":
+    wi, wo = wi_v, wo_v
+  elif kind == "int8":
+    wi = quant.QuantizedWeights(wi_v, sds((e, 1, 2 * f), F32))
+    wo = quant.QuantizedWeights(wo_v, sds((e, 1, d), F32))
+  else:
+    wi = quant.BlockQuantizedWeights(wi_v, sds((e, d // 128, 2 * f // 128), F32))
+    wo = quant.BlockQuantizedWeights(wo_v, sds((e, f // 128, d // 128), F32))
+  args = (sds((64, d), jnp.bfloat16), wi, wo, sds((e,), jnp.int32), sds((64,), F32))
+  with tiling.use_generation(gen), jax.default_device(dev):
+    compiled = (
+      jax.jit(lambda x, wi, wo, gs, rw: fe.fused_experts(x, wi, wo, gs, row_weights=rw))
+      .lower(*args)
+      .compile()
+    )
+  assert "pallas_moe_fused_experts" in compiled.as_text()
