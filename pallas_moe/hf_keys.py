@@ -106,7 +106,9 @@ _DEEPSEEK_KEYS = frozenset(
     "intermediate_size",  # the dense layers' MLP (first_k_dense_replace)
     "qk_head_dim",
     "ep_size",  # DeepSeek's inference code: how many ranks hold the experts
-    "quantization_config",  # checkpoint storage (fp8 blocks), dequantized when converting
+    # NOTE: checkpoint storage (DeepSeek-V3: fp8 weights, 128 x 128 scale blocks), not the
+    # layer's semantics: `from_hf` reads the weights and their `weight_scale_inv` blocks.
+    "quantization_config",
   }
 )
 _DEEPSEEK_CHECKS = {

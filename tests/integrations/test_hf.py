@@ -3,7 +3,9 @@
 Each family's block runs on HF-layout random weights converted by `from_hf`, through `moe_layer`
 on 8 CPU devices, against a float64 rendering of that family's MoE forward written from
 transformers 5's modeling code (`hf_moe` below; numpy for the forward, jnp under x64 for the
-gradients). Nothing here needs torch or transformers.
+gradients). DeepSeek-V3's fp8 checkpoint layout (float8_e4m3fn weights with 128 x 128
+`weight_scale_inv` blocks) is built here in numpy and read bit for bit. Nothing here needs torch
+or transformers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 from pallas_moe import from_hf, moe, reference, to_hf
 from pallas_moe.config import MoEConfig
 from pallas_moe.hf import FAMILIES
+from pallas_moe.quant import BlockQuantizedWeights, check_block_quantized, dequantize_blocks
 
 # NOTE: the block computes in f32 (eps 1.2e-7) on f32 weights, the reference in f64 on the same
 # values: measured errors are 1-3e-7 of the largest entry (a few f32 ulps). 1e-5 of it (~80 ulps)
@@ -317,6 +320,195 @@ def test_errors_name_the_key():
   ungated.pop("shared_expert_gate.weight")
   with pytest.raises(ValueError, match="missing .*'shared_expert_gate.weight'.*shared_expert_gate"):
     from_hf(ungated, qwen)
+
+
+# --- DeepSeek-V3's fp8 checkpoints: float8_e4m3fn weights with 128 x 128 block scales ----------
+
+FP8 = jnp.float8_e4m3fn
+QD = 256  # the fp8 tests' d_model: two 128-blocks
+
+
+def _fp8_config(f: int = 128, **changes) -> MoEConfig:
+  """DeepSeek-V3's saved config at d_model=QD, moe_intermediate_size=f (one shared expert)."""
+  hf = _saved_config("deepseek_v3") | {"hidden_size": QD, "moe_intermediate_size": f}
+  return replace(MoEConfig.from_dict(hf), **changes)
+
+
+def _fp8_blocks(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """w [rows, cols] as DeepSeek-V3's checkpoints store it: float8_e4m3fn values and the f32
+  `weight_scale_inv` [ceil(rows/128), ceil(cols/128)], w ~= values * scale over each block."""
+  rows, cols = w.shape
+  padded = np.zeros((-(-rows // 128) * 128, -(-cols // 128) * 128), np.float32)
+  padded[:rows, :cols] = w
+  tiles = padded.reshape(padded.shape[0] // 128, 128, padded.shape[1] // 128, 128)
+  amax = np.abs(tiles).max(axis=(1, 3))
+  scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+  full = np.repeat(np.repeat(scale, 128, 0), 128, 1)[:rows, :cols]
+  return np.clip(w / full, -448.0, 448.0).astype(FP8), scale
+
+
+def fp8_state_dict(config: MoEConfig, *, prefix: str = "", seed: int = 0) -> dict:
+  """A DeepSeek-V3 MoE block as its checkpoint files hold it: routed and shared experts in fp8,
+  each `weight` beside its `weight_scale_inv`; the router in bf16, the correction bias in f32.
+  Each 128-block gets its own magnitude, so that a misplaced scale shows."""
+  rng = np.random.default_rng(seed)
+  d, f, e, s = config.d_model, config.expert_ffn_dim, config.num_experts, config.shared_width
+
+  def w(rows, cols):
+    mags = np.exp(rng.uniform(-2, 2, (-(-rows // 128), -(-cols // 128))))
+    mags = np.repeat(np.repeat(mags, 128, 0), 128, 1)[:rows, :cols]
+    return (mags * rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+
+  sd = {
+    "gate.weight": w(e, d).astype(jnp.bfloat16),
+    "gate.e_score_correction_bias": (0.1 * rng.standard_normal(e)).astype(np.float32),
+  }
+  shapes = {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
+  mods = {f"experts.{i}.{m}": shape for i in range(e) for m, shape in shapes.items()}
+  mods |= {f"shared_experts.{m}": (s, d) if m != "down_proj" else (d, s) for m in shapes}
+  for m, shape in mods.items():
+    sd[f"{m}.weight"], sd[f"{m}.weight_scale_inv"] = _fp8_blocks(w(*shape))
+  return {prefix + k: v for k, v in sd.items()}
+
+
+def _deq64(sd: dict, module: str) -> np.ndarray:
+  """A stored fp8 weight dequantized in float64: weight * weight_scale_inv over each block."""
+  v, s = sd[f"{module}.weight"], sd[f"{module}.weight_scale_inv"].astype(np.float64)
+  rows, cols = v.shape
+  return v.astype(np.float64) * np.repeat(np.repeat(s, 128, 0), 128, 1)[:rows, :cols]
+
+
+def _ours64(sd: dict, config: MoEConfig, mlp: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """float64 (wi [E, d, 2f], wo [E, f, d]) of the fp8 experts (or of the shared MLP `mlp`)."""
+  mlps = [mlp] if mlp else [f"experts.{i}" for i in range(config.num_experts)]
+  wi = [np.concatenate([_deq64(sd, f"{m}.gate_proj").T, _deq64(sd, f"{m}.up_proj").T], -1)
+        for m in mlps]  # fmt: skip
+  wo = [_deq64(sd, f"{m}.down_proj").T for m in mlps]
+  return (wi[0], wo[0]) if mlp else (np.stack(wi), np.stack(wo))
+
+
+def _bits(a) -> np.ndarray:
+  return np.asarray(a).view(np.uint8)
+
+
+def test_fp8_experts_stay_fp8():
+  """DeepSeek-V3's fp8 experts load as BlockQuantizedWeights holding the stored bytes (only
+  transposed and concatenated), dequantizing exactly as the checkpoint's blocks say; the fp8
+  shared experts are dequantized; to_hf writes the experts and their scales back bit for bit."""
+  config = _fp8_config()
+  f, pre = config.expert_ffn_dim, "model.layers.3.mlp."
+  sd = fp8_state_dict(config, prefix=pre)
+  other = fp8_state_dict(config, prefix="model.layers.4.mlp.", seed=1)
+  params = from_hf(sd | other, config, prefix=pre)
+  block = {k.removeprefix(pre): v for k, v in sd.items()}
+  wi, wo = params["wi"], params["wo"]
+  assert isinstance(wi, BlockQuantizedWeights) and isinstance(wo, BlockQuantizedWeights)
+  check_block_quantized(wi)
+  check_block_quantized(wo)
+  assert wi.values.dtype == FP8 and wo.values.dtype == FP8 and wi.block == wo.block == 128
+  assert wi.scales.shape == (E, QD // 128, 2 * f // 128) and wo.scales.shape == (E, f // 128, 2)
+  fb = f // 128
+  for i in range(E):
+    x = {m: (block[f"experts.{i}.{m}.weight"], block[f"experts.{i}.{m}.weight_scale_inv"])
+         for m in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+    np.testing.assert_array_equal(_bits(wi.values[i, :, :f]), _bits(x["gate_proj"][0].T))
+    np.testing.assert_array_equal(_bits(wi.values[i, :, f:]), _bits(x["up_proj"][0].T))
+    np.testing.assert_array_equal(_bits(wo.values[i]), _bits(x["down_proj"][0].T))
+    np.testing.assert_array_equal(wi.scales[i, :, :fb], x["gate_proj"][1].T)
+    np.testing.assert_array_equal(wi.scales[i, :, fb:], x["up_proj"][1].T)
+    np.testing.assert_array_equal(wo.scales[i], x["down_proj"][1].T)
+  # NOTE: fp8 (4 significant bits) times an f32 scale is exact in f64, so its f32 rounding is
+  # the f32 product's: equality, not closeness.
+  want_wi, want_wo = _ours64(block, config)
+  np.testing.assert_array_equal(np.asarray(dequantize_blocks(wi)), want_wi.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(dequantize_blocks(wo)), want_wo.astype(np.float32))
+  shared_wi, shared_wo = _ours64(block, config, "shared_experts")
+  assert params["shared_wi"].dtype == params["shared_wo"].dtype == np.float32
+  np.testing.assert_array_equal(params["shared_wi"], shared_wi.astype(np.float32))
+  np.testing.assert_array_equal(params["shared_wo"], shared_wo.astype(np.float32))
+  np.testing.assert_array_equal(params["router"], block["gate.weight"].T.astype(np.float32))
+
+  back = to_hf(params, config, family="deepseek_v3", prefix=pre)
+  shared_scales = {k for k in sd if ".shared_experts." in k and k.endswith("_scale_inv")}
+  assert set(back) == set(sd) - shared_scales
+  for k, v in back.items():
+    if ".experts." in k:
+      assert v.dtype == sd[k].dtype, k
+      np.testing.assert_array_equal(_bits(v), _bits(sd[k]), err_msg=k)
+    elif ".shared_experts." in k:
+      want = _deq64(block, k[len(pre) :].removesuffix(".weight")).astype(np.float32)
+      np.testing.assert_array_equal(v, want, err_msg=k)
+    else:
+      np.testing.assert_array_equal(v, np.asarray(sd[k], np.float32), err_msg=k)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
+def test_fp8_experts_dequantized(weight_dtype):
+  """quantized_experts="dequantize": wi/wo as config.weight_dtype arrays of weight * scale_inv."""
+  config = _fp8_config(weight_dtype=weight_dtype)
+  sd = fp8_state_dict(config)
+  params = from_hf(sd, config, quantized_experts="dequantize")
+  kept = from_hf(sd, config)
+  want_wi, want_wo = _ours64(sd, config)
+  dt = config.param_dtype
+  for k, want in (("wi", want_wi), ("wo", want_wo)):
+    assert isinstance(params[k], np.ndarray) and params[k].dtype == dt, k
+    np.testing.assert_array_equal(params[k], want.astype(np.float32).astype(dt), err_msg=k)
+    np.testing.assert_array_equal(params[k], np.asarray(dequantize_blocks(kept[k], dtype=dt)))
+  assert all(params[k].dtype == dt for k in params if k != "e_score_correction_bias")
+
+
+def test_fp8_placement():
+  """With an expert placement, values and scales are both in slot order; to_hf undoes it."""
+  placement = (3, 1, 7, 0, 2, 6, 5, 4)
+  config = _fp8_config(f=256, expert_placement=placement)
+  sd = fp8_state_dict(config)
+  placed = from_hf(sd, config)
+  plain = from_hf(sd, replace(config, expert_placement=None))
+  for k in ("wi", "wo"):
+    np.testing.assert_array_equal(_bits(placed[k].values), _bits(plain[k].values[list(placement)]))
+    np.testing.assert_array_equal(placed[k].scales, plain[k].scales[list(placement)])
+  back = to_hf(placed, config, family="deepseek_v3")
+  for k in (k for k in sd if k.startswith("experts.")):
+    np.testing.assert_array_equal(_bits(back[k]), _bits(sd[k]), err_msg=k)
+
+
+def test_fp8_errors():
+  config = _fp8_config()
+  pre = "model.layers.3.mlp."
+  sd = fp8_state_dict(config, prefix=pre)
+  up, scale = pre + "experts.2.up_proj.weight", pre + "experts.2.up_proj.weight_scale_inv"
+  no_scale = {k: v for k, v in sd.items() if k != scale}
+  with pytest.raises(ValueError, match=rf"{up!r} is float8_e4m3fn but its block scales {scale!r}"):
+    from_hf(no_scale, config, prefix=pre)
+  with pytest.raises(ValueError, match=rf"{scale!r} has shape \(1, 1\); .* needs \(1, 2\)"):
+    from_hf(sd | {scale: np.ones((1, 1), np.float32)}, config, prefix=pre)
+  with pytest.raises(ValueError, match=rf"{scale!r} is given but {up!r} is float32"):
+    from_hf(sd | {up: np.zeros((128, QD), np.float32)}, config, prefix=pre)
+  with pytest.raises(ValueError, match=r"quantized_experts='fp8' is not one of \('keep', 'dequa"):
+    from_hf(sd, config, prefix=pre, quantized_experts="fp8")
+  # NOTE: one expert weight already widened: "keep" refuses the mix, "dequantize" reads it.
+  mixed = no_scale | {up: _deq64(sd, up.removesuffix(".weight")).astype(np.float32)}
+  with pytest.raises(ValueError, match=r"23 of the 24 routed .* quantized_experts='dequantize'"):
+    from_hf(mixed, config, prefix=pre)
+  got = from_hf(mixed, config, prefix=pre, quantized_experts="dequantize")
+  want = from_hf(sd, config, prefix=pre, quantized_experts="dequantize")
+  np.testing.assert_array_equal(got["wi"], want["wi"])
+  # NOTE: f = 192 is no multiple of the 128 block: "keep" cannot tile wi; "dequantize" reads the
+  # partial last blocks.
+  odd = _fp8_config(f=192)
+  odd_sd = fp8_state_dict(odd)
+  dims = r"multiples of 128.*got d_model=256, expert_ffn_dim=192\. Pass quantized_experts="
+  with pytest.raises(ValueError, match=dims):
+    from_hf(odd_sd, odd)
+  got = from_hf(odd_sd, odd, quantized_experts="dequantize")
+  np.testing.assert_array_equal(got["wo"], _ours64(odd_sd, odd)[1].astype(np.float32))
+  fused = hf_state_dict("deepseek_v3", fused=True)
+  fused["experts.gate_up_proj_scales_inv"] = np.ones((E, 1, 1), np.float32)  # transformers' name
+  with pytest.raises(ValueError, match=r"block scales .* per-expert layout of checkpoint files"):
+    from_hf(fused, CONFIGS["deepseek_v3"])
+  with pytest.raises(ValueError, match=r"to_hf: block-quantized wi/wo .* pass fused=False"):
+    to_hf(from_hf(sd, config, prefix=pre), config, family="deepseek_v3", fused=True)
 
 
 # --- the Qwen2-MoE shared-expert gate against pallas_moe.reference ----------------------------
