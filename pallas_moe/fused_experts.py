@@ -80,6 +80,9 @@ class FusedPlan:
     out_dtype: result dtype name.
     vmem_bytes: the kernel's VMEM estimate.
     vmem_limit_bytes: Mosaic's scoped limit passed with the call.
+    tokens: None: the call's rows come sorted by expert and its result is per row. An int: the
+      call gets a table of `tokens` token rows and each sorted row's token index; the kernel
+      gathers the rows itself and returns per-token f32 sums (`fused_experts(row_tokens=)`).
   """
 
   rows: int
@@ -96,6 +99,7 @@ class FusedPlan:
   out_dtype: str
   vmem_bytes: int
   vmem_limit_bytes: int
+  tokens: int | None = None
 
   @property
   def chunks(self) -> int:
@@ -122,8 +126,13 @@ class FusedPlan:
     return self.chunks * self.step_weight_bytes
 
 
-def _vmem_bytes(*, rows, d, chunk, x_item, w_item, out_item, kind, window) -> int:
-  resident = rows * d * (2 * x_item + 2 * out_item + 4)  # rows and result (2 buffers), f32 sums
+def _vmem_bytes(*, rows, d, chunk, x_item, w_item, out_item, kind, window, tokens) -> int:
+  if tokens is None:
+    resident = rows * d * (2 * x_item + 2 * out_item + 4)  # rows and result (2 buffers), sums
+  else:
+    # NOTE: the token table and the per-token f32 result (2 buffers each), the gathered rows
+    # and their f32 sums.
+    resident = tokens * d * (2 * x_item + 2 * 4) + rows * d * (x_item + 4)
   weights = 2 * 3 * d * chunk * w_item  # two slots of gate, up, down
   upcast = 3 * d * chunk * x_item if w_item != x_item else 0
   work = window * (4 * chunk * 4 + d * 4)  # gate, up, activation, the down product
@@ -144,6 +153,7 @@ def plan_fused(
   block: int = quant.BLOCK,
   chunk: int | None = None,
   generation: Any = None,
+  tokens: int | None = None,
 ) -> FusedPlan:
   """The fused kernel's plan: the largest chunk of f whose double-buffered weight blocks fit.
 
@@ -159,6 +169,7 @@ def plan_fused(
     block: tile edge of block scales.
     chunk: force the f columns per step (must divide f; a multiple of 128, or f).
     generation: the TPU generation whose VMEM bounds the plan (default: the current one).
+    tokens: the token table's rows where the kernel gathers its rows (see `FusedPlan.tokens`).
 
   Returns:
     A `FusedPlan`.
@@ -171,6 +182,8 @@ def plan_fused(
   x_item = jnp.dtype(x_dtype).itemsize
   w_item = jnp.dtype(w_dtype).itemsize
   out_dtype = x_dtype if out_dtype is None else out_dtype
+  if tokens is not None:
+    out_dtype = jnp.float32
   out_item = jnp.dtype(out_dtype).itemsize
   align = 8 * max(1, 4 // x_item)
   padded = max(align, -(-rows // align) * align)
@@ -188,7 +201,14 @@ def plan_fused(
     candidates = [c for c in range(f, 0, -granule) if f % c == 0]
   budget = int(gen.vmem_bytes * _VMEM_SHARE)
   kw = dict(
-    rows=padded, d=d, x_item=x_item, w_item=w_item, out_item=out_item, kind=kind, window=window
+    rows=padded,
+    d=d,
+    x_item=x_item,
+    w_item=w_item,
+    out_item=out_item,
+    kind=kind,
+    window=window,
+    tokens=tokens,
   )
   fits = [c for c in candidates if _vmem_bytes(chunk=c, **kw) <= budget]
   if not fits:
@@ -215,6 +235,7 @@ def plan_fused(
     out_dtype=jnp.dtype(out_dtype).name,
     vmem_bytes=vmem,
     vmem_limit_bytes=min(int(gen.vmem_bytes * 0.9), max(vmem + (4 << 20), 32 << 20)),
+    tokens=tokens,
   )
 
 
@@ -393,7 +414,7 @@ def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot) -> N
     act = jax.nn.silu(gate) * up
     row = r0 + lax.broadcasted_iota(jnp.int32, (plan.window, 1), 0)
     mine = (row >= jnp.maximum(lo, nominal)) & (row < hi)
-    if row_weights is not None:
+    if row_weights is not None and plan.tokens is None:
       act = act * row_weights[pl.ds(r0, plan.window), :]
     act = jnp.where(mine, act, 0.0)
     y = _project_out(plan, act, scratch, slot=slot)
@@ -404,23 +425,26 @@ def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot) -> N
 
 
 def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
-  group_sizes = refs[0]
-  x_rows = refs[1]
-  row_weights = refs[2] if has_weights else None
-  rest = refs[3:] if has_weights else refs[2:]
-  quantized = plan.kind != "float"
-  if quantized:
-    wi, wi_s, wo, wo_s, out, *scr = rest
+  refs = list(refs)
+  group_sizes = refs.pop(0)
+  x = refs.pop(0)
+  row_tokens = refs.pop(0) if plan.tokens is not None else None
+  row_weights = refs.pop(0) if has_weights else None
+  if plan.kind != "float":
+    wi, wi_s, wo, wo_s, out, *scr = refs
   else:
-    (wi, wo, out, *scr), wi_s, wo_s = rest, None, None
-  w = _Weights(wi=wi, wo=wo, wi_scales=wi_s, wo_scales=wo_s)
-  if not quantized:
+    (wi, wo, out, *scr), wi_s, wo_s = refs, None, None
     scr = scr[:3] + [None, None] + scr[3:]
+  w = _Weights(wi=wi, wo=wo, wi_scales=wi_s, wo_scales=wo_s)
+  x_rows = scr.pop() if plan.tokens is not None else x
   scratch = _Scratch(*scr)
 
   visited = _metadata(plan, group_sizes, scratch)
   steps = visited * plan.chunks
   scratch.acc[...] = jnp.zeros_like(scratch.acc)
+  total = scratch.first_row[plan.num_experts]
+  if plan.tokens is not None:
+    _gather_rows(x, x_rows, row_tokens)
 
   def copies(s, part):
     expert = scratch.visits[s // plan.chunks]
@@ -451,7 +475,45 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     return carry
 
   lax.fori_loop(0, steps, step, 0)
-  out[...] = scratch.acc[...].astype(out.dtype)
+  if plan.tokens is None:
+    out[...] = scratch.acc[...].astype(out.dtype)
+  else:
+    _scatter_rows(scratch.acc, out, row_tokens, row_weights, total)
+
+
+# NOTE: the token table is small where this mode runs (ep * T tokens). A row gather by dynamic
+# row index would need row-aligned VMEM accesses Mosaic cannot prove; a one-hot product moves
+# the rows on the MXU instead: one [R, n] x [n, d] product each way, exact (each output sums one
+# nonzero term; f32 operands at HIGHEST precision).
+def _exact(dtype) -> dict:
+  if jnp.dtype(dtype) == jnp.float32:
+    return dict(preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
+  return dict(preferred_element_type=jnp.float32)
+
+
+def _token_onehot(row_tokens, tokens: int):
+  """[tokens, R] f32: 1 where row r's token is t (row_tokens is a [1, R] ref)."""
+  rows = row_tokens.shape[1]
+  ids = lax.broadcasted_iota(jnp.int32, (tokens, rows), 0)
+  return (row_tokens[...] == ids).astype(jnp.float32)
+
+
+def _gather_rows(table, rows, row_tokens) -> None:
+  """rows[r] = table[row_tokens[r]] (zeros for a token outside the table)."""
+  onehot = _token_onehot(row_tokens, table.shape[0]).astype(table.dtype)
+  dims = (((0,), (0,)), ((), ()))
+  gathered = lax.dot_general(onehot, table[...], dims, **_exact(table.dtype))
+  rows[...] = gathered.astype(rows.dtype)
+
+
+def _scatter_rows(acc, out, row_tokens, row_weights, total) -> None:
+  """out[t] = sum over routed rows r < total of token t of row_weights[r] * acc[r], in f32."""
+  onehot = _token_onehot(row_tokens, out.shape[0])
+  lane = lax.broadcasted_iota(jnp.int32, onehot.shape, 1)
+  onehot = jnp.where(lane < total, onehot, 0.0)
+  if row_weights is not None:
+    onehot = onehot * row_weights[...]
+  out[...] = jnp.dot(onehot, acc[...], **_exact(jnp.float32)).astype(out.dtype)
 
 
 def _split(w: Any, name: str):
@@ -467,9 +529,12 @@ def _split(w: Any, name: str):
   return w.values, w.scales
 
 
-def _check(x, wi, wo, group_sizes, row_weights) -> tuple[int, int, int]:
+def _check(x, wi, wo, group_sizes, row_weights, row_tokens) -> tuple[int, int, int]:
   common.check_float_array("x", x, ndim=2)
   m, d = x.shape
+  if row_tokens is not None:
+    row_tokens = common.check_int_array("row_tokens", row_tokens, ndim=1)
+    m = row_tokens.shape[0]
   e, wd, f2 = wi.shape
   if wd != d or f2 % 2:
     raise ValueError(f"wi must be [E, d={d}, 2f] ([gate | up] columns), got {tuple(wi.shape)}.")
@@ -493,6 +558,7 @@ def fused_experts(
   group_sizes: jax.Array,
   *,
   row_weights: jax.Array | None = None,
+  row_tokens: jax.Array | None = None,
   out_dtype: Any = None,
   chunk: int | None = None,
   plan: FusedPlan | None = None,
@@ -501,14 +567,21 @@ def fused_experts(
   """SwiGLU experts over rows sorted by expert, in one kernel: `silu(x @ gate) * (x @ up)`,
   times the rows' routing weights, `@ down`, per row's expert.
 
+  With `row_tokens`, the kernel gathers the rows from a token table and sums each token's
+  rows: x is [n, d] tokens, row r of the sorted rows is `x[row_tokens[r]]`, and the result is
+  [n, d] f32 with `out[t] = sum_r row_weights[r] * expert_r(x[t])` over the routed rows r <
+  sum(group_sizes) of token t (the serving path: no gather or scatter op around the call).
+
   Args:
     x: [m, d] rows sorted by local expert (`group_sizes[e]` rows of expert e, in order); rows
-      past `sum(group_sizes)` come out as zeros.
+      past `sum(group_sizes)` come out as zeros. With `row_tokens`: [n, d] tokens.
     wi: [E, d, 2f] [gate | up] weights: a float array, `quant.QuantizedWeights` ([E, 1, 2f]
       scales) or `quant.BlockQuantizedWeights` ([E, d / 128, 2f / 128] scales).
     wo: [E, f, d] down weights, of wi's kind.
     group_sizes: [E] int32 rows per local expert.
-    row_weights: optional [m] f32 routing weights, applied to the activation in VMEM.
+    row_weights: optional [m] f32 routing weights, applied in VMEM (to the activation; with
+      `row_tokens`, to each row's sum as it is added to its token).
+    row_tokens: optional [m] int32 token of each sorted row (indices into x's rows).
     out_dtype: result dtype (default x's).
     chunk: f columns per streamed step (default: `plan_fused`'s).
     plan: a `FusedPlan` from `plan_fused` (default: planned here for the current generation).
@@ -516,7 +589,7 @@ def fused_experts(
       `pltpu.InterpretParams(...)` force interpret mode.
 
   Returns:
-    [m, d] of `out_dtype`.
+    [m, d] of `out_dtype`; with `row_tokens`, [n, d] f32.
   """
   if weight_kind(wi) != weight_kind(wo):
     raise TypeError(
@@ -526,8 +599,9 @@ def fused_experts(
   wi_v, wi_s = _split(wi, "wi")
   wo_v, wo_s = _split(wo, "wo")
   group_sizes = jnp.asarray(group_sizes)
-  m, d, f = _check(x, wi_v, wo_v, group_sizes, row_weights)
+  m, d, f = _check(x, wi_v, wo_v, group_sizes, row_weights, row_tokens)
   kind = weight_kind(wi)
+  tokens = x.shape[0] if row_tokens is not None else None
   if plan is None:
     plan = plan_fused(
       rows=m,
@@ -540,20 +614,38 @@ def fused_experts(
       kind=kind,
       block=getattr(wi, "block", quant.BLOCK),
       chunk=chunk,
+      tokens=tokens,
+    )
+  if plan.tokens != tokens:
+    raise ValueError(
+      f"plan.tokens={plan.tokens} but the call has {tokens} token rows; plan with "
+      f"plan_fused(tokens={tokens})."
     )
   if plan.kind == "block":
     # NOTE: the kernel copies a step's scales as leading rows (see `_copies`).
     wi_s = jnp.swapaxes(wi_s, 1, 2)
+  full = lambda shape: pl.BlockSpec(shape, lambda i, *_: (0,) * len(shape))  # noqa: E731
+  prefetch = [group_sizes.astype(jnp.int32)]
   pad = plan.rows - m
-  if pad:
-    x = jnp.pad(x, ((0, pad), (0, 0)))
-  operands = [x]
-  full = lambda shape: pl.BlockSpec(shape, lambda i, gs: (0,) * len(shape))  # noqa: E731
-  in_specs = [full((plan.rows, d))]
-  if row_weights is not None:
-    rw = row_weights.astype(jnp.float32)
-    operands.append(jnp.pad(rw, (0, pad))[:, None] if pad else rw[:, None])
-    in_specs.append(full((plan.rows, 1)))
+  if tokens is not None:
+    # NOTE: row tokens and weights come as [1, R] lanes (a free reshape of [R]); padding rows
+    # get token -1, which matches no token. The gathered rows live in VMEM scratch.
+    operands, in_specs, out_rows = [x], [full(x.shape)], tokens
+    tok = row_tokens.astype(jnp.int32)
+    operands.append((jnp.pad(tok, (0, pad), constant_values=-1) if pad else tok)[None, :])
+    in_specs.append(full((1, plan.rows)))
+    if row_weights is not None:
+      rw = row_weights.astype(jnp.float32)
+      operands.append((jnp.pad(rw, (0, pad)) if pad else rw)[None, :])
+      in_specs.append(full((1, plan.rows)))
+  else:
+    if pad:
+      x = jnp.pad(x, ((0, pad), (0, 0)))
+    operands, in_specs, out_rows = [x], [full((plan.rows, d))], plan.rows
+    if row_weights is not None:
+      rw = row_weights.astype(jnp.float32)
+      operands.append(jnp.pad(rw, (0, pad))[:, None] if pad else rw[:, None])
+      in_specs.append(full((plan.rows, 1)))
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   if kind == "float":
     operands += [wi_v, wo_v]
@@ -566,11 +658,11 @@ def fused_experts(
     lambda *refs: _kernel(plan, row_weights is not None, *refs),
     name="pallas_moe_fused_experts",
     grid=(1,),
-    prefetch=(group_sizes.astype(jnp.int32),),
+    prefetch=tuple(prefetch),
     operands=operands,
     in_specs=in_specs,
-    out_shape=common.out_struct((plan.rows, d), plan.out_dtype, x, wi_v, group_sizes),
-    out_spec=full((plan.rows, d)),
+    out_shape=common.out_struct((out_rows, d), plan.out_dtype, x, wi_v, group_sizes),
+    out_spec=full((out_rows, d)),
     scratch_shapes=scratch,
     dimension_semantics=("arbitrary",),
     vmem_limit_bytes=plan.vmem_limit_bytes,
@@ -578,7 +670,7 @@ def fused_experts(
     bytes_accessed=int(plan.num_experts * plan.expert_weight_bytes + 2 * plan.rows * d * 2),
     interpret=interpret,
   )
-  return out[:m] if pad else out
+  return out[:m] if pad and tokens is None else out
 
 
 def _scratch_shapes(plan: FusedPlan) -> list[Any]:
@@ -600,4 +692,6 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
     pltpu.SMEM((plan.num_experts + 1,), jnp.int32),
     pltpu.SMEM((plan.num_experts,), jnp.int32),
   ]
+  if plan.tokens is not None:
+    shapes.append(vmem((plan.rows, d), jnp.dtype(plan.x_dtype)))
   return shapes

@@ -178,7 +178,17 @@ def combine_weights(
     [T, k] f32 weights (differentiable in `scores`).
   """
   w = jnp.take_along_axis(scores, ids, axis=-1)
-  if norm_topk_prob and not (deepseek_rules and ids.shape[-1] == 1):
+  return _scale_chosen(
+    w,
+    norm_topk_prob=norm_topk_prob,
+    routed_scaling_factor=routed_scaling_factor,
+    deepseek_rules=deepseek_rules,
+  )
+
+
+def _scale_chosen(w, *, norm_topk_prob, routed_scaling_factor, deepseek_rules):
+  """`combine_weights` from the chosen scores [T, k]."""
+  if norm_topk_prob and not (deepseek_rules and w.shape[-1] == 1):
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + (1e-20 if deepseek_rules else 0.0))
   return w * routed_scaling_factor
 
@@ -205,6 +215,17 @@ def route(x: jax.Array, router: jax.Array, *, config, bias: jax.Array | None = N
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
   if bias is not None:
     bias = jax.lax.stop_gradient(bias)
+  if config.topk_method == "greedy":
+    # NOTE: the choice is made on the scores themselves: top_k's values are the chosen scores
+    # (and carry their gradient), so no gather by the ids follows it.
+    chosen, ids = jax.lax.top_k(scores, config.top_k)
+    weights = _scale_chosen(
+      chosen,
+      norm_topk_prob=config.norm_topk_prob,
+      routed_scaling_factor=config.routed_scaling_factor,
+      deepseek_rules=False,
+    )
+    return Routing(expert_ids=ids.astype(jnp.int32), weights=weights, probs=probs)
   ids = select_experts(
     scores,
     top_k=config.top_k,
