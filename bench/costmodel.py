@@ -93,6 +93,11 @@ __all__ = [
   "current_tensorcores",
   "step_tensorcores",
   "DEFAULT_STEP_OVERHEAD_S",
+  "CALL_FIXED_US",
+  "CALL_FIXED_STAND_IN",
+  "XLA_OP_FIXED_US",
+  "call_fixed_us",
+  "fixed_cost_us",
 ]
 
 DEFAULT_STEP_OVERHEAD_S = 0.35e-6
@@ -973,3 +978,60 @@ def aligned_rows(group_sizes, chunk: int) -> int:
   starts = ends - gs
   touched = -(-ends // chunk) * chunk - (starts // chunk) * chunk
   return int(np.where(gs > 0, touched, 0).sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# Fixed costs of small calls (decode sizes).
+
+# NOTE: the per-call fixed cost of a Pallas kernel: measured - modeled of the one small problem
+# tokamax 0.0.17 measured, its v2 ragged dot forward at m=8, k=n=4096, G=8 (one row per group,
+# 268 MB of bf16 weights), on the chips it measured it on (`python -m bench.decode --fit`). The
+# model there (`bench.measured.model_config`) already charges the per-step overhead, so what is
+# left is the launch, the pipeline's fill and drain, and whatever else one call pays once. One
+# problem size cannot tell a fixed cost from HBM running below its peak (measured / (bytes over
+# the device's bandwidth) is 1.13 on v5p and v6e): charged as a fixed cost it is an upper bound
+# on the fixed cost (and a lower bound on the bandwidth's efficiency). Under `jax.vjp` the same
+# kernel measures 12.0 (v5p), 21.5 (v6e) and 3.7 µs (tpu7x) above the model.
+CALL_FIXED_US = {"v5p": 10.05, "v6e": 16.60, "tpu7x": 2.78}
+# NOTE: chips tokamax has no small problem for: v5e (and v4) take v5p's figure, an assumption.
+CALL_FIXED_STAND_IN = {"v5e": "v5p", "v4": "v5p"}
+# NOTE: the launch cost of one top-level XLA instruction beside the kernels (a fusion, a copy, a
+# cumsum): no measured TPU time pins it; 1 µs is an assumption (`bench.decode` prints how its
+# ratios move at 0.25-2 µs).
+XLA_OP_FIXED_US = 1.0
+
+
+def call_fixed_us(generation: str | TpuGeneration) -> float:
+  """Per-call fixed cost of one Pallas kernel launch on `generation`, µs (`CALL_FIXED_US`; a
+  chip without a measured small problem takes `CALL_FIXED_STAND_IN`'s)."""
+  name = get_generation(generation).name
+  return CALL_FIXED_US[CALL_FIXED_STAND_IN.get(name, name)]
+
+
+def fixed_cost_us(
+  generation: str | TpuGeneration,
+  *,
+  calls: int,
+  xla_ops: int = 0,
+  call_us: float | None = None,
+  op_us: float = XLA_OP_FIXED_US,
+) -> float:
+  """The fixed time of a decode-size step: what it pays per launch, whatever its bytes.
+
+  A kernel's modeled time (`cost`) charges its bytes, MXU work and per-step overhead; at a few
+  rows per expert what remains is paid per launch: `calls` Pallas kernels at `call_us` each
+  (default `call_fixed_us(generation)`) and `xla_ops` top-level XLA instructions around them
+  (group metadata, pads, activations) at `op_us` each.
+
+  Args:
+    generation: TPU generation.
+    calls: Pallas kernel launches.
+    xla_ops: top-level XLA instructions beside the kernels.
+    call_us: per-call cost, µs (default: the generation's fitted figure).
+    op_us: per-instruction cost, µs.
+
+  Returns:
+    µs.
+  """
+  per_call = call_fixed_us(generation) if call_us is None else call_us
+  return calls * per_call + xla_ops * op_us

@@ -13,7 +13,6 @@ from pallas_moe.collectives import (
 )
 from pallas_moe.config import MoEConfig, MoEModel, MoERun
 from pallas_moe.decode import DecodePlan, decode_block, moe_decode, plan_decode
-from pallas_moe.fused_experts import fused_experts
 from pallas_moe.hf import from_hf, to_hf
 from pallas_moe.mesh import make_mesh
 from pallas_moe.moe import (
@@ -54,7 +53,6 @@ __all__ = [
   "dropless_buffer_rows",
   "exact_buffer_rows",
   "from_hf",
-  "fused_experts",
   "gmm",
   "gmm_plan",
   "init_params",
