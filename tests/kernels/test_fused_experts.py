@@ -109,6 +109,38 @@ def test_bf16_rows_and_windows():
   np.testing.assert_allclose(np.asarray(out.astype(F32)), want, atol=3e-2, rtol=3e-2)
 
 
+def np_token_sums(table, row_tokens, wi, wo, group_sizes, row_weights):
+  """float64 per-token sums of the routed rows' expert outputs (rows past the groups: none)."""
+  table = np.asarray(table, np.float64)
+  tokens = np.asarray(row_tokens)
+  per_row = np_experts(table[tokens], wi, wo, group_sizes, row_weights)
+  out = np.zeros_like(table)
+  routed = int(np.sum(group_sizes))
+  np.add.at(out, tokens[:routed], per_row[:routed])
+  return out
+
+
+@pytest.mark.parametrize("kind", ["float", "block-fp8"])
+@pytest.mark.parametrize("mode", ["hlo", "tpu", "races"])
+def test_token_rows(kind, mode, capfd):
+  """The serving mode: the kernel gathers its rows from a token table and sums them back per
+  token; rows past the groups (other devices' choices) add nothing."""
+  n, d, f, e, rows = 12, 256, 256, 4, 24
+  wi, wo, wi64, wo64 = _weights(kind, e=e, d=d, f=f)
+  rng = np.random.default_rng(9)
+  table = random_array(10, (n, d), F32)
+  tokens = jnp.asarray(rng.integers(0, n, rows), jnp.int32)
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, rows), F32)
+  gs = jnp.asarray([3, 0, 7, 5], jnp.int32)
+  interpret = {"hlo": True, "tpu": pltpu.InterpretParams(), "races": RACE_PARAMS}[mode]
+  with no_races_or_oob(capfd):
+    out = fe.fused_experts(
+      table, wi, wo, gs, row_weights=weights, row_tokens=tokens, chunk=128, interpret=interpret
+    )
+  assert out.shape == (n, d) and out.dtype == F32
+  _check(out, np_token_sums(table, tokens, wi64, wo64, gs, weights))
+
+
 @pytest.mark.parametrize("kind", ["float", "block-fp8"])
 def test_no_races_or_out_of_bounds(kind, capfd):
   d, f, e = 256, 256, 3
@@ -188,7 +220,8 @@ AOT_CASES = [
 
 @pytest.mark.parametrize("gen,kind,d,f,e", AOT_CASES)
 def test_compiles_for_tpu(gen, kind, d, f, e):
-  """Mosaic compiles the kernel (real libtpu, ahead of time) at decode size, 64 rows."""
+  """Mosaic compiles the kernel (real libtpu, ahead of time) at decode size, 64 rows: rows
+  sorted by expert, and gathered from 16 tokens."""
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -209,10 +242,15 @@ def test_compiles_for_tpu(gen, kind, d, f, e):
     wi = quant.BlockQuantizedWeights(wi_v, sds((e, d // 128, 2 * f // 128), F32))
     wo = quant.BlockQuantizedWeights(wo_v, sds((e, f // 128, d // 128), F32))
   args = (sds((64, d), jnp.bfloat16), wi, wo, sds((e,), jnp.int32), sds((64,), F32))
+  tokens = (sds((16, d), jnp.bfloat16), *args[1:], sds((64,), jnp.int32))
+
+  def by_rows(x, wi, wo, gs, rw):
+    return fe.fused_experts(x, wi, wo, gs, row_weights=rw)
+
+  def by_tokens(x, wi, wo, gs, rw, tok):
+    return fe.fused_experts(x, wi, wo, gs, row_weights=rw, row_tokens=tok)
+
   with tiling.use_generation(gen), jax.default_device(dev):
-    compiled = (
-      jax.jit(lambda x, wi, wo, gs, rw: fe.fused_experts(x, wi, wo, gs, row_weights=rw))
-      .lower(*args)
-      .compile()
-    )
-  assert "pallas_moe_fused_experts" in compiled.as_text()
+    for fn, a in ((by_rows, args), (by_tokens, tokens)):
+      compiled = jax.jit(fn).lower(*a).compile()
+      assert "pallas_moe_fused_experts" in compiled.as_text()

@@ -1,0 +1,208 @@
+"""The serving forward (`moe_decode`) against Hugging Face's forward in float64: one and eight
+tokens per device through the expert-parallel exchange on an 8-device CPU mesh, devices whose
+local experts are all empty, both interpret modes, a DeepSeek-V3 fp8 block-scaled checkpoint
+built here; AOT compiles for each TPU generation and the compiled op count."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_moe import decode, from_hf, moe, quant, tiling
+from pallas_moe.config import MoEConfig
+from tests.integrations.test_hf import (
+  CONFIGS,
+  _deq64,
+  _fp8_config,
+  fp8_state_dict,
+  hf_choice,
+  hf_moe,
+  hf_state_dict,
+)
+
+# NOTE: f32 compute against float64: errors are a few f32 ulps of the largest entry; a routing,
+# gather or combine mistake errs by O(1).
+TOL = dict(rtol=1e-5, atol=1e-5)
+DATA, EP = 2, 4
+
+
+def _mesh():
+  return jax.make_mesh((DATA, EP), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _tokens(d: int, per_device: int, seed: int = 3) -> np.ndarray:
+  """Global tokens (split over data, then expert). At one token per device, the devices of an
+  expert group get the same token: its k choices leave ep - k of them without a routed row."""
+  rng = np.random.default_rng(seed)
+  if per_device == 1:
+    return np.repeat(rng.standard_normal((DATA, d)), EP, axis=0).astype(np.float32)
+  return rng.standard_normal((DATA * EP * per_device, d)).astype(np.float32)
+
+
+def _empty_devices(ids: np.ndarray, *, num_experts: int, per_device: int) -> int:
+  """Devices none of whose local experts any token of their expert group chose."""
+  e_local = num_experts // EP
+  empty = 0
+  for group in ids.reshape(DATA, EP * per_device, -1):
+    owners = set((group // e_local).reshape(-1).tolist())
+    empty += EP - len(owners)
+  return empty
+
+
+def _close(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  atol = TOL["atol"] * max(1.0, float(np.abs(want).max()))
+  np.testing.assert_allclose(got, want, rtol=TOL["rtol"], atol=atol)
+
+
+def _run(params, x, config, **kw):
+  return jax.jit(lambda p, x: decode.moe_decode(p, x, config, _mesh(), **kw))(params, x)
+
+
+@pytest.mark.parametrize("per_device", [1, 8])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_matches_hf_float64(family, per_device):
+  """Greedy softmax routing (Qwen3) and DeepSeek-V3's biased group-limited routing with a
+  shared expert; at one token per device some devices hold no routed row at all."""
+  config = CONFIGS[family]
+  sd = hf_state_dict(family, fused=False)
+  x = _tokens(config.d_model, per_device)
+  params = from_hf(sd, config)
+  ids = hf_choice(family, sd, x.astype(np.float64))
+  if per_device == 1:
+    assert _empty_devices(ids, num_experts=config.num_experts, per_device=1) > 0
+  want = hf_moe(np, family, {k: np.asarray(v, np.float64) for k, v in sd.items()}, x, ids)
+  _close(_run(params, jnp.asarray(x), config), want)
+
+
+def test_simulator_mode():
+  """The fused kernel under the TPU simulator (memory spaces, DMAs, NaN-filled scratch)."""
+  config = CONFIGS["qwen3_moe"]
+  sd = hf_state_dict("qwen3_moe", fused=False)
+  x = _tokens(config.d_model, 1)
+  ids = hf_choice("qwen3_moe", sd, x.astype(np.float64))
+  want = hf_moe(np, "qwen3_moe", {k: np.asarray(v, np.float64) for k, v in sd.items()}, x, ids)
+  got = _run(from_hf(sd, config), jnp.asarray(x), config, interpret=pltpu.InterpretParams())
+  _close(got, want)
+
+
+@pytest.mark.parametrize("per_device", [1, 8])
+def test_deepseek_v3_fp8_checkpoint(per_device):
+  """A DeepSeek-V3 MoE block stored as its checkpoints store it (fp8 experts, 128 x 128
+  `weight_scale_inv`), loaded without widening and served from fp8: equal to the float64 HF
+  forward on the dequantized weights."""
+  config = _fp8_config()
+  sd = fp8_state_dict(config)
+  params = from_hf(sd, config)
+  assert isinstance(params["wi"], quant.BlockQuantizedWeights)
+  assert params["wi"].values.dtype == jnp.float8_e4m3fn
+  deq = {k: np.asarray(v, np.float64) for k, v in sd.items() if not k.endswith("_scale_inv")}
+  for key in list(deq):
+    if key.endswith(".weight") and f"{key}_scale_inv" in sd:
+      deq[key] = _deq64(sd, key.removesuffix(".weight"))
+  x = _tokens(config.d_model, per_device)
+  ids = hf_choice("deepseek_v3", deq, x.astype(np.float64))
+  want = hf_moe(np, "deepseek_v3", deq, x, ids)
+  _close(_run(params, jnp.asarray(x), config), want)
+
+
+def test_plan_and_errors():
+  config = CONFIGS["qwen3_moe"]
+  plan = decode.plan_decode(config, tokens_per_device=8, expert_parallelism=EP)
+  assert plan.experts == "fused" and plan.rows == EP * 8 * config.top_k
+  assert "fused kernel" in plan.describe()
+  params = moe.init_params(jax.random.key(0), config)
+  x = jnp.zeros((4, config.d_model))
+  with pytest.raises(ValueError, match="plan is for 8 tokens"):
+    decode.decode_block(params, x, config, plan=plan)
+  fsdp = dataclasses.replace(config, fsdp_axis="fsdp", data_axis=None)
+  mesh = jax.make_mesh((2, 4), ("fsdp", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with pytest.raises(ValueError, match="keeps each device's experts whole"):
+    decode.moe_decode(params, jnp.zeros((16, config.d_model)), fsdp, mesh)
+
+
+# --- compiled for TPUs (real libtpu, ahead of time) ---------------------------------------------
+
+QWEN3 = dict(
+  num_experts=128,
+  top_k=8,
+  d_model=2048,
+  expert_ffn_dim=768,
+  norm_topk_prob=True,
+  dtype="bfloat16",
+  weight_dtype="bfloat16",
+)
+DEEPSEEK_V3 = dict(
+  num_experts=256,
+  top_k=8,
+  d_model=7168,
+  expert_ffn_dim=2048,
+  score_func="sigmoid",
+  topk_method="noaux_tc",
+  n_group=8,
+  topk_group=4,
+  norm_topk_prob=True,
+  routed_scaling_factor=2.5,
+  num_shared_experts=1,
+  dtype="bfloat16",
+  weight_dtype="bfloat16",
+)
+
+
+def _compile_decode(topology: str, fields: dict, *, per_device: int, fp8: bool = False):
+  from jax.experimental import topologies
+
+  from pallas_moe.mesh import make_mesh
+
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  devices = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+  config = MoEConfig(**fields, data_parallelism=1, expert_parallelism=len(devices))
+  mesh = make_mesh(config, devices)
+  shapes = jax.eval_shape(lambda: moe.init_params(jax.random.key(0), config))
+  if fp8:
+    shapes = {
+      k: jax.eval_shape(quant.quantize_blocks, v) if k in ("wi", "wo") else v
+      for k, v in shapes.items()
+    }
+  specs = decode._weight_specs(config, shapes)
+  shard = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+  params = jax.tree.map(
+    lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shard(s)),
+    shapes,
+    specs,
+    is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec),
+  )
+  x = jax.ShapeDtypeStruct(
+    (per_device * len(devices), config.d_model),
+    jnp.bfloat16,
+    sharding=shard(jax.sharding.PartitionSpec(config.batch_axes)),
+  )
+  with jax.default_device(devices[0]), tiling.use_generation(topology.split(":")[0]):
+    fn = jax.jit(lambda p, x: decode.moe_decode(p, x, config, mesh))
+    return fn.lower(params, x).compile()
+
+
+@pytest.mark.parametrize("gen", ["v5e", "v5p", "v6e", "tpu7x"])
+def test_deepseek_v3_fp8_compiles(gen):
+  """DeepSeek-V3's layer from fp8 block-scaled experts, 8 tokens per device, EP over the
+  topology's devices."""
+  topology = tiling.get_generation(gen).aot_topology
+  compiled = _compile_decode(topology, DEEPSEEK_V3, per_device=8, fp8=True)
+  assert "pallas_moe_fused_experts" in compiled.as_text()
+
+
+def test_compiled_op_count():
+  """Qwen3-30B-A3B's MoE layer, 8 tokens per device, EP 4 on v6e: at most 40 top-level XLA
+  instructions in the compiled program, collectives, parameters and the kernel included."""
+  from bench import decode_ops
+
+  compiled = _compile_decode("v6e:2x2", QWEN3, per_device=8)
+  counts = decode_ops.count(compiled.as_text())
+  assert counts["mosaic"] == 1, counts
+  assert counts["total"] <= 40, counts
