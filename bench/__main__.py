@@ -32,6 +32,9 @@ tokens per device, buffer policy and routing, with ours, megablox at MaxText's t
 megablox-best and tokamax at its tuned tiles; `--targets` adds ours at slack 1 and prints
 the EP targets with pass/fail; `--block` prints the MoE block's six gmm kernels per layer on
 the DeepSeek EP cases; `--plot FILE.png` draws the records.
+
+Decode (`bench.decode`): `--decode` models one device's expert work at 1-128 tokens per device
+(`--decode_tokens`) against the weight-read floor, fixed costs included.
 """
 
 from __future__ import annotations
@@ -119,6 +122,15 @@ _BLOCK_IMPLS = flags.DEFINE_list(
   ["pallas_moe-moe", "megablox-maxtext"],
   "Implementations of the --block table (pallas_moe-moe: gmm as the block calls it).",
 )
+# Decode-size expert work per device against the weight-read floor (`bench.decode`).
+_DECODE = flags.DEFINE_bool(
+  "decode",
+  False,
+  "Model decode-size expert work (bench.decode): ours, megablox as MaxText calls it and "
+  "tpu-inference's approach against the weight-read floor; --chip and --shapes narrow it when "
+  "given, --json / --markdown write it.",
+)
+_DECODE_TOKENS = flags.DEFINE_list("decode_tokens", ["1", "8", "32", "128"], "--decode: T.")
 _PLOT = flags.DEFINE_string(
   "plot",
   None,
@@ -505,8 +517,25 @@ def mbbest_table(records: list[dict], *, markdown: bool) -> str:
   return "\n".join(out) + "\n"
 
 
+def _run_decode() -> None:
+  from bench import decode
+
+  decode.run(
+    json_path=_JSON.value,
+    markdown_path=_MARKDOWN.value,
+    tokens=[int(t) for t in _DECODE_TOKENS.value],
+    chips=_CHIP.value if _CHIP.present else decode.CHIPS,
+    models=_SHAPES.value if _SHAPES.present else None,
+    command="python -m bench " + " ".join(sys.argv[1:]),
+    log=_log,
+  )
+
+
 def main(argv) -> None:
   del argv
+  if _DECODE.value:
+    _run_decode()
+    return
   t_start = time.time()
   impl_names = _IMPLS.value or DEFAULT_IMPLS
   # NOTE: the cost model compiles many small XLA:CPU programs (schedules, vmapped index maps);

@@ -1,0 +1,213 @@
+"""bench.decode: decode-size expert work per device against the weight-read floor.
+
+The per-call fixed cost is refit from tokamax's measured small problem: from entries of tokamax
+0.0.17's caches embedded here (so the old stack, without tokamax, checks it too) and, where
+tokamax is installed, from its own data.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench import costmodel, measured
+from bench import decode as dec
+from pallas_moe import quant
+from pallas_moe.generations import get_generation, min_pass_rows
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN = next(m for m in dec.MODELS if m.name == "qwen3-30b-a3b")
+DSV3 = next(m for m in dec.MODELS if m.name == "deepseek-v3")
+
+# NOTE: tokamax 0.0.17's v2 ragged-dot cache entries for its one small problem (plain forward),
+# key and value as shipped.
+_KEY = (
+  '{"lhs":"bf16[8,4096]","rhs":"bf16[8,4096,4096]","group_sizes":[1,1,1,1,1,1,1,1],'
+  '"ragged_dot_dimension_numbers":{"dot_dimension_numbers":[[[1],[1]],[[],[]]],'
+  '"lhs_ragged_dimensions":[0],"rhs_group_dimensions":[0]},"precision":["DEFAULT","DEFAULT"],'
+  '"preferred_element_type":null,"return_residuals":false,"group_offset":null,'
+  '"activation":null,"manual_axis_type":null,"zero_initialize":false,'
+  '"fuse_gateup_activation":null}'
+)
+_CONFIG = '{"tile_m":null,"tile_k":null,"tile_n":null,"bucket_base":null}'
+_TIMES_MS = {
+  "tpu_v5": [0.11] * 5,
+  "tpu_v6_lite": [0.186] * 5,
+  "tpu7x": [0.089, 0.089, 0.085, 0.09, 0.089],
+}
+
+
+@pytest.fixture(scope="module")
+def small_problem_cache(tmp_path_factory) -> Path:
+  root = tmp_path_factory.mktemp("autotuning")
+  for chip_dir, times in _TIMES_MS.items():
+    (root / chip_dir).mkdir()
+    entry = {_KEY: {_CONFIG: {"evaluation_times_ms": times}}}
+    (root / chip_dir / measured.KERNEL_FILES["v2"]).write_text(json.dumps(entry))
+  return root
+
+
+@pytest.fixture(scope="module")
+def qwen_records():
+  return dec.records(models=[QWEN], tokens=[1, 8], chips=["v5p", "v6e"])
+
+
+def test_fixed_cost_fit_reproduces_the_constants(small_problem_cache):
+  fit = dec.fit_call_fixed_us(small_problem_cache)
+  assert set(fit) == {"v5p", "v6e", "tpu7x"}
+  for chip, f in fit.items():
+    assert f["fixed_us"] == pytest.approx(costmodel.CALL_FIXED_US[chip], abs=0.01)
+    assert f["modeled_us"] + f["fixed_us"] == pytest.approx(f["measured_us"])
+  # One problem size: the fixed cost and a bandwidth below peak look the same (1.13x floor).
+  assert fit["v5p"]["measured_over_floor"] == pytest.approx(1.133, abs=0.005)
+  assert fit["v6e"]["measured_over_floor"] == pytest.approx(1.135, abs=0.005)
+
+
+def test_fixed_cost_fit_from_installed_tokamax():
+  if measured.default_cache_dir() is None:
+    pytest.skip("tokamax is not installed (the embedded entries are checked above)")
+  fit = dec.fit_call_fixed_us()
+  for chip, value in costmodel.CALL_FIXED_US.items():
+    assert fit[chip]["fixed_us"] == pytest.approx(value, abs=0.01)
+  assert fit["v5p+res"]["fixed_us"] > fit["v5p"]["fixed_us"]
+
+
+def test_fixed_cost_function():
+  assert costmodel.call_fixed_us("v5e") == costmodel.CALL_FIXED_US["v5p"]  # the stand-in
+  assert costmodel.fixed_cost_us("v6e", calls=3, xla_ops=45) == pytest.approx(3 * 16.60 + 45)
+  assert costmodel.fixed_cost_us("tpu7x", calls=2, call_us=0.0, op_us=0.5, xla_ops=4) == 2.0
+
+
+def test_route_draw_and_busiest_device():
+  sizes = dec.route(experts=256, top_k=8, ep=8, tokens=8)
+  assert sizes.shape == (8, 32) and int(sizes.sum()) == 8 * 8 * 8
+  # top_k distinct experts per token: no expert holds more rows than there are tokens.
+  assert sizes.max() <= 8 * 8
+  dev = dec.busiest_device(sizes)
+  nonempty = (sizes > 0).sum(1)
+  assert nonempty[dev] == nonempty.max()
+  assert sizes[dev].sum() == sizes[nonempty == nonempty.max()].sum(1).max()
+  np.testing.assert_array_equal(sizes, dec.route(experts=256, top_k=8, ep=8, tokens=8))
+
+
+def test_pack_calls_keeps_experts_whole():
+  sizes = np.array([30, 0, 50, 40, 0, 70], np.int32)
+  calls = dec.pack_calls(sizes, 100)
+  np.testing.assert_array_equal(sum(calls), sizes)
+  assert all(c.sum() <= 100 for c in calls)
+  assert all(((c > 0) & (c < sizes)).sum() == 0 for c in calls)  # no expert cut
+  assert len(dec.pack_calls(np.array([250], np.int32), 100)) == 3  # an expert over the cap
+
+
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
+@pytest.mark.parametrize("weights", ["bf16", "fp8-block"])
+def test_window_macs_match_the_kernels_dots(chip, weights):
+  """The schedule's MXU work per window and step is what `costmodel.kernel_dot_macs` counts in
+  the fused kernel's traced body (the step and window loops are `while` loops, counted once)."""
+  gen = get_generation(chip)
+  dtype, kind = dec.WEIGHTS[weights]
+  e, d, f, m = 3, 256, 512, 40
+  plan = dec.fe.plan_fused(
+    rows=m, d=d, f=f, num_experts=e, x_dtype=jnp.bfloat16, w_dtype=dtype, kind=kind, chunk=256,
+    generation=gen,
+  )  # fmt: skip
+  sds = jax.ShapeDtypeStruct
+  wi, wo = sds((e, d, 2 * f), dtype), sds((e, f, d), dtype)
+  if kind == "block":
+    wi = quant.BlockQuantizedWeights(values=wi, scales=sds((e, d // 128, 2 * f // 128), "f4"))
+    wo = quant.BlockQuantizedWeights(values=wo, scales=sds((e, f // 128, d // 128), "f4"))
+  fn = functools.partial(dec.fe.fused_experts, plan=plan, interpret=False)
+  gs = np.array([20, 0, 20], np.int32)
+  (sched,) = costmodel.analyze(fn, sds((m, d), jnp.bfloat16), wi, wo, gs)
+  macs, _, _ = costmodel.kernel_dot_macs(
+    sched.kernel_jaxpr, mxu=gen.mxu_size, min_rows=min_pass_rows(gen)
+  )
+  assert macs == dec.window_macs(plan, gen)
+  assert plan.expert_weight_bytes == dec.expert_bytes(
+    dec.DecodeModel(name="t", experts=e, top_k=1, d=d, f=f, eps=(1,), weights=(weights,)),
+    weights,
+  )
+
+
+def test_expert_windows_follow_the_kernels_loop():
+  plan = dec.fe.plan_fused(
+    rows=300, d=256, f=256, num_experts=4, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16
+  )
+  assert (plan.window, plan.align) == (128, 16)
+  # Expert 2 starts at row 30 (window from row 16): rows 16..160 need two windows.
+  np.testing.assert_array_equal(dec.expert_windows(plan, np.array([30, 0, 130, 5])), [1, 0, 2, 1])
+
+
+def test_records_fields_bytes_and_floor(qwen_records):
+  recs = qwen_records
+  fields = {
+    "model", "ep", "tokens", "chip", "impl", "modeled_us", "floor_us", "ratio",
+    "nonempty_experts", "local_experts", "weight_bytes_read", "fixed_us",
+  }  # fmt: skip
+  assert len(recs) == 2 * 2 * len(dec.IMPLS)
+  for r in recs:
+    assert fields <= set(r), fields - set(r)
+    if r["fits"]:
+      assert r["ratio"] == pytest.approx(r["modeled_us"] / r["floor_us"])
+  point = lambda r: (r["tokens"], r["chip"])  # noqa: E731
+  by = {(point(r), r["impl"]): r for r in recs}
+  for (p, impl), r in by.items():
+    if impl != "fused":
+      continue
+    tpi, mb = by[(p, "tpu-inference-fused")], by[(p, "megablox-maxtext")]
+    assert r["weight_bytes_read"] == r["floor_bytes"]  # only the non-empty experts, once
+    assert r["weight_bytes_read"] <= tpi["weight_bytes_read"]
+    assert tpi["weight_bytes_read"] == r["local_experts"] * dec.expert_bytes(QWEN, "bf16")
+    assert r["modeled_us"] >= r["floor_us"]
+    assert mb["calls"] == 3 and mb["xla_ops"] == dec.MEGABLOX_XLA_OPS
+    assert r["fixed_us"] == pytest.approx(costmodel.call_fixed_us(r["chip"]))
+  # v5p: the fused call runs on one of the device's two TensorCores (half its bandwidth).
+  v5p = by[((8, "v5p"), "fused")]
+  assert v5p["ratio"] > 2.0 and v5p["both_cores_us"] < v5p["kernel_us"]
+
+
+def test_fp8_block_reads_the_floor_bytes_with_scales():
+  sizes = dec.route(experts=256, top_k=8, ep=32, tokens=1)[0]
+  r = dec.model_fused(DSV3, "fp8-block", sizes, "v6e")
+  per_expert = 3 * 7168 * 2048 + 4 * (56 * 32 + 16 * 56)  # fp8 values + f32 128x128 scales
+  assert dec.expert_bytes(DSV3, "fp8-block") == per_expert
+  assert r["weight_bytes_read"] == int((sizes > 0).sum()) * per_expert
+  assert r["kernel_us"] * 1e-6 >= r["weight_bytes_read"] / dec.device_bandwidth("v6e")
+
+
+def test_sensitivity_and_verdict(qwen_records):
+  rows = dec.sensitivity(qwen_records)
+  assert len(rows) == 3 * 4 + 1
+  zero = next(r for r in rows if r["call"] == 0.0 and r["op_us"] == 0.25)
+  fitted = next(r for r in rows if r["call"] == "fitted" and r["op_us"] == 2.0)
+  assert zero["fused"]["median"] < fitted["fused"]["median"]
+  v = dec.verdict(qwen_records)
+  assert v["points"] == 4 and len(v["meets"]) + len(v["impossible"]) + len(v["other"]) == 4
+  # Qwen3 at 1 token on v6e: 16.6 µs per call is more than 10% of a 58 µs floor.
+  assert any(r["chip"] == "v6e" and r["tokens"] == 1 for r in v["impossible"])
+
+
+def test_cli_writes_json(tmp_path):
+  out = tmp_path / "decode.json"
+  md = tmp_path / "decode.md"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+  cmd = [
+    sys.executable, "-m", "bench", "--decode", "--json", str(out), "--markdown", str(md),
+    "--chip", "v6e", "--shapes", "qwen3-30b-a3b", "--decode_tokens", "1",
+  ]  # fmt: skip
+  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  result = json.loads(out.read_text())
+  assert {r["impl"] for r in result["records"]} == set(dec.IMPLS)
+  assert {r["chip"] for r in result["records"]} == {"v6e"}
+  assert result["assumptions"]["xla_op_fixed_us"] == costmodel.XLA_OP_FIXED_US
+  assert "Which points meet 1.10x" in md.read_text()
