@@ -6,25 +6,28 @@ features (no aux loss, no drop counters, no backward). On one device, inside `ja
 over (data, expert), with T tokens and `ep` devices on the expert axis:
 
   exchange in   `all_gather` of the tokens over the expert axis: [ep * T, d], one collective.
-                Every device routes all ep * T tokens itself (the router is replicated, the
-                computation is the same everywhere, so every device gets the same choice):
-                no ids or weights cross the wire, and no exchange plan is computed.
+                Every device routes all ep * T tokens itself (the router is replicated and the
+                computation the same everywhere, so every device makes the same choice): no
+                ids or weights cross the wire, and no exchange plan is computed.
   route         `routing.route` (every routing method of `MoEConfig`).
-  select        the (token, choice) rows whose expert lives here, sorted by local expert (one
-                argsort of ep * T * k keys), their group sizes, a gather of their token rows.
-  experts       `fused_experts.fused_experts`: gate/up, SwiGLU, the routing weights and down in
-                one kernel that reads only the non-empty local experts' weights.
-  exchange out  a scatter-add of the rows into their tokens, then `psum_scatter` over the expert
-                axis: each device gets its own T tokens, summed over the devices that hold
-                their experts.
+  select        each token's routing weight for each local expert, [E_l, ep * T] (0 where it
+                chose another), and each local expert's token count: one small fusion, no sort.
+  experts       `fused_experts.fused_experts(expert_weights=)`: every local expert a token chose
+                runs over all ep * T tokens in one kernel (gate/up, SwiGLU, the weights, down,
+                summed per token), reading only those experts' weights. At these sizes a pass
+                over all the tokens costs the MXU what one over an expert's own rows would (a
+                128-row pass), and no row is gathered or scattered.
+  exchange out  `psum_scatter` over the expert axis, in the compute dtype: each device gets
+                its own T tokens, summed over the devices that hold their experts.
 
 The exchange moves ep * T * d elements each way where the ragged all-to-all of `moe_block`
 moves about T * k * d: the same at k = ep, more for ep > k. At decode sizes those bytes take
 microseconds; the exchange plan the ragged path needs (counts, offsets, a second collective) is
 about a third of that layer's ops (`bench/results/decode-ops.md`).
 
-Where the rows do not fit the fused kernel's VMEM (`fused_experts.plan_fused`), the experts
-run as the gmm pair of `moe.expert_mlp`; the rest of the path is the same.
+Above `MAX_FUSED_TOKENS` tokens on the expert axis, or where the tokens do not fit the fused
+kernel's VMEM (`fused_experts.plan_fused`), the forward is `moe.moe_block`'s (sort, ragged
+exchange, the gmm kernels), without its aux outputs.
 """
 
 from __future__ import annotations
@@ -41,10 +44,14 @@ from pallas_moe import fused_experts as fe
 from pallas_moe import mesh as mesh_lib
 from pallas_moe import quant
 from pallas_moe.config import MoEConfig
-from pallas_moe.moe import _axis_size, expert_mlp, expert_slots, param_specs, shared_mlp
+from pallas_moe.moe import _axis_size, expert_slots, moe_block, param_specs, shared_mlp
 from pallas_moe.routing import BIAS_KEY, route
 
-__all__ = ["DecodePlan", "plan_decode", "decode_block", "moe_decode"]
+__all__ = ["DecodePlan", "plan_decode", "decode_block", "moe_decode", "MAX_FUSED_TOKENS"]
+
+# NOTE: the fused path runs every visited expert over all ep * T tokens: up to two 128-row
+# passes per expert, where the sorted rows of a larger batch would need one per 128 of its own.
+MAX_FUSED_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,27 +61,27 @@ class DecodePlan:
   Attributes:
     tokens: T, tokens per device.
     expert_parallelism: devices on the expert axis.
-    rows: rows of the expert buffer: every (token, choice) of the ep * T tokens that can land
-      here, ep * T * min(k, E_l).
-    experts: "fused" (`fused_experts`) or "gmm" (`moe.expert_mlp`, where the rows do not fit
-      the fused kernel's VMEM).
-    fused: the fused kernel's plan ("fused" only).
+    path: "fused" (all-gather, the fused kernel over the ep * T tokens, reduce-scatter) or
+      "block" (`moe.moe_block`'s forward: more tokens than the fused path takes).
+    fused: the fused kernel's plan (path "fused").
+    reason: why the path is "block" (empty for "fused").
   """
 
   tokens: int
   expert_parallelism: int
-  rows: int
-  experts: str
+  path: str
   fused: fe.FusedPlan | None
+  reason: str = ""
 
   def describe(self) -> str:
-    head = f"decode: {self.tokens} tokens per device, EP {self.expert_parallelism}, "
+    head = f"decode: {self.tokens} tokens per device, EP {self.expert_parallelism}: "
     if self.fused is None:
-      return head + f"{self.rows} expert rows through the gmm pair (too many for VMEM)"
+      return head + f"moe_block's forward ({self.reason})"
     p = self.fused
     return head + (
-      f"{self.rows} expert rows through the fused kernel (chunk {p.chunk} of f={p.f}, "
-      f"window {p.window}, {p.kind} weights, {p.vmem_bytes / 2**20:.1f} MiB VMEM)"
+      f"the fused kernel over {self.tokens * self.expert_parallelism} tokens (chunk {p.chunk} "
+      f"of f={p.f}, {p.cores} TensorCore(s), {p.kind} weights, {p.vmem_bytes / 2**20:.1f} MiB "
+      "VMEM)"
     )
 
 
@@ -109,12 +116,15 @@ def plan_decode(
   """
   ep = expert_parallelism
   e_local = _local_experts(config, ep)
-  rows = ep * tokens_per_device * min(config.top_k, e_local)
+  tokens = ep * tokens_per_device
   kind = fe.weight_kind(weights) if weights is not None else "float"
   w_dtype = weights.dtype if weights is not None else config.weight_dtype
+  plan = functools.partial(DecodePlan, tokens=tokens_per_device, expert_parallelism=ep)
+  if tokens > MAX_FUSED_TOKENS:
+    return plan(path="block", fused=None, reason=f"{tokens} > {MAX_FUSED_TOKENS} tokens")
   try:
     fused = fe.plan_fused(
-      rows=rows,
+      rows=tokens,
       d=config.d_model,
       f=config.expert_ffn_dim,
       num_experts=e_local,
@@ -123,19 +133,11 @@ def plan_decode(
       kind=kind,
       block=getattr(weights, "block", quant.BLOCK),
       generation=generation,
-      tokens=ep * tokens_per_device,
+      by_token=True,
     )
-  except ValueError:
-    if kind == "block":
-      raise
-    fused = None
-  return DecodePlan(
-    tokens=tokens_per_device,
-    expert_parallelism=ep,
-    rows=rows,
-    experts="fused" if fused is not None else "gmm",
-    fused=fused,
-  )
+  except ValueError as e:
+    return plan(path="block", fused=None, reason=str(e))
+  return plan(path="fused", fused=fused)
 
 
 def _check(config: MoEConfig) -> None:
@@ -148,47 +150,17 @@ def _check(config: MoEConfig) -> None:
       )
 
 
-def _select_local(routing, *, config: MoEConfig, ep_index, e_local: int, rows: int):
-  """(token of each row, routing weight of each row, group sizes): the (token, choice) rows
-  whose expert is on this device, sorted by local expert; rows past the groups' sum are other
-  devices' (the kernel never reads them)."""
-  k = config.top_k
-  slots = expert_slots(routing.expert_ids, placement=config.expert_placement).reshape(-1)
-  here = slots // e_local == ep_index
-  # NOTE: rows of other devices sort last (key e_local). One sort carries each row's token and
-  # weight along, so no gather by the permutation follows it; the order within an expert's
-  # rows is free (each row carries its own token and weight), so the sort need not be stable.
-  key = jnp.where(here, slots % e_local, e_local).astype(jnp.int32)
-  token = jnp.arange(key.shape[0], dtype=jnp.int32) // k
-  _, token, weight = jax.lax.sort(
-    (key, token, routing.weights.reshape(-1).astype(jnp.float32)), num_keys=1, is_stable=False
-  )
-  # NOTE: a [rows, E_l] compare-and-sum: one small fusion where a bincount is a scatter.
-  group_sizes = jnp.sum(
-    key[:, None] == jnp.arange(e_local, dtype=jnp.int32)[None, :], axis=0, dtype=jnp.int32
-  )
-  return token[:rows], weight[:rows], group_sizes
-
-
-# NOTE: every token index is in range by construction, so the row gather and scatter-add are
-# XLA's own, without the index wrapping and clamping jnp's indexing adds around them.
-_ROWS = dict(mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-
-
-def _take_rows(table, index):
-  """table[index] for [n, d] table and [r] int32 indices."""
-  dims = jax.lax.GatherDimensionNumbers(
-    offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)
-  )
-  return jax.lax.gather(table, index[:, None], dims, slice_sizes=(1, table.shape[1]), **_ROWS)
-
-
-def _add_rows(table, index, rows):
-  """table.at[index].add(rows) for [n, d] table, [r] int32 indices, [r, d] rows."""
-  dims = jax.lax.ScatterDimensionNumbers(
-    update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0,)
-  )
-  return jax.lax.scatter_add(table, index[:, None], rows, dims, **_ROWS)
+def _expert_weights(routing, *, config: MoEConfig, ep_index, e_local: int):
+  """([E_l, N] f32 each token's routing weight for each local expert, 0 where it chose
+  another; [E_l] int32 tokens per local expert)."""
+  slots = expert_slots(routing.expert_ids, placement=config.expert_placement)
+  local = ep_index * e_local + jnp.arange(e_local, dtype=jnp.int32)
+  # NOTE: [E_l, N, k] compares: a token chooses an expert at most once, so the sum over k
+  # picks that choice's weight.
+  chosen = slots[None, :, :] == local[:, None, None]
+  weights = jnp.sum(jnp.where(chosen, routing.weights[None].astype(jnp.float32), 0.0), axis=2)
+  counts = jnp.sum(chosen, axis=(1, 2), dtype=jnp.int32)
+  return weights, counts
 
 
 def decode_block(
@@ -216,17 +188,18 @@ def decode_block(
   _check(config)
   ep = _axis_size(config.expert_axis) or 1
   ep_axis = config.expert_axis if ep > 1 else None
-  t, d = x.shape
+  t = x.shape[0]
   dt = config.compute_dtype
-  wi, wo = params["wi"], params["wo"]
   if plan is None:
-    plan = plan_decode(config, tokens_per_device=t, expert_parallelism=ep, weights=wi)
+    plan = plan_decode(config, tokens_per_device=t, expert_parallelism=ep, weights=params["wi"])
   if (plan.tokens, plan.expert_parallelism) != (t, ep):
     raise ValueError(
       f"plan is for {plan.tokens} tokens and EP {plan.expert_parallelism}, the call has {t} "
       f"tokens and EP {ep}; plan with plan_decode(config, tokens_per_device={t}, "
       f"expert_parallelism={ep})."
     )
+  if plan.path == "block":
+    return moe_block(params, x, config)[0]
   e_local = _local_experts(config, ep)
   x = x.astype(dt)
   with jax.named_scope("dispatch"):
@@ -235,26 +208,17 @@ def decode_block(
     routing = route(tokens, params["router"], config=config, bias=params.get(BIAS_KEY))
   with jax.named_scope("sort"):
     me = jax.lax.axis_index(ep_axis) if ep_axis is not None else 0
-    token_of, row_weights, group_sizes = _select_local(
-      routing, config=config, ep_index=me, e_local=e_local, rows=plan.rows
-    )
+    weights, counts = _expert_weights(routing, config=config, ep_index=me, e_local=e_local)
   with jax.named_scope("experts"):
-    if plan.fused is not None:
-      # NOTE: the kernel gathers the rows from the tokens and sums them back per token.
-      y = fe.fused_experts(
-        tokens,
-        wi,
-        wo,
-        group_sizes,
-        row_weights=row_weights,
-        row_tokens=token_of,
-        plan=plan.fused,
-        interpret=interpret,
-      )
-    else:
-      rows = _take_rows(tokens, token_of)
-      out = expert_mlp(rows, wi, wo, group_sizes, config=config, row_weights=row_weights)
-      y = _add_rows(jnp.zeros((ep * t, d), jnp.float32), token_of, out.astype(jnp.float32))
+    y = fe.fused_experts(
+      tokens,
+      params["wi"],
+      params["wo"],
+      counts,
+      expert_weights=weights,
+      plan=plan.fused,
+      interpret=interpret,
+    )
   with jax.named_scope("combine"):
     if ep > 1:
       y = jax.lax.psum_scatter(y, ep_axis, tiled=True)

@@ -25,10 +25,13 @@ bytes, once:
 
 Weights: float (bf16 / f32), `quant.QuantizedWeights` (int8 / fp8 values, one scale per output
 column: the scales multiply the products) or `quant.BlockQuantizedWeights` (one scale per 128 x
-128 tile, DeepSeek-V3's fp8 layout: the gate/up products are summed over 128-row blocks of the
-contraction, each times its scale, and the down product's 128-column blocks are scaled; the
-scales of a step are copied to SMEM). Values are upcast to the rows' dtype in VMEM; HBM holds and
-the DMA moves the narrow values.
+128 tile, DeepSeek-V3's fp8 layout: each step's blocks are upcast and scaled in VMEM, their
+scales copied to SMEM, and the products run at full depth). Values are upcast to the rows' dtype
+in VMEM; HBM holds and the DMA moves the narrow values.
+
+On a device with two TensorCores (v5p, v4) the grid has one "parallel" step per core; each
+streams half of every visited expert's chunks, and the two partial sums are added after the
+call.
 """
 
 from __future__ import annotations
@@ -80,9 +83,13 @@ class FusedPlan:
     out_dtype: result dtype name.
     vmem_bytes: the kernel's VMEM estimate.
     vmem_limit_bytes: Mosaic's scoped limit passed with the call.
-    tokens: None: the call's rows come sorted by expert and its result is per row. An int: the
-      call gets a table of `tokens` token rows and each sorted row's token index; the kernel
-      gathers the rows itself and returns per-token f32 sums (`fused_experts(row_tokens=)`).
+    by_token: False: the rows come sorted by expert (`group_sizes` of each) and the result is
+      per row. True: the rows are tokens, every expert runs over all of them, each token's
+      product scaled by its routing weight for the expert (0 where it did not choose it), and
+      the result is the per-token sum (`fused_experts(expert_weights=)`).
+    cores: TensorCores the call's weight stream is split over (2 on a megacore device: each
+      core streams half of every visited expert's chunks and the call returns both cores'
+      partial sums, which `fused_experts` adds).
   """
 
   rows: int
@@ -99,11 +106,17 @@ class FusedPlan:
   out_dtype: str
   vmem_bytes: int
   vmem_limit_bytes: int
-  tokens: int | None = None
+  by_token: bool = False
+  cores: int = 1
 
   @property
   def chunks(self) -> int:
     return self.f // self.chunk
+
+  @property
+  def core_chunks(self) -> int:
+    """Chunks of each visited expert one TensorCore streams."""
+    return self.chunks // self.cores
 
   @property
   def chunk_blocks(self) -> int:
@@ -126,13 +139,11 @@ class FusedPlan:
     return self.chunks * self.step_weight_bytes
 
 
-def _vmem_bytes(*, rows, d, chunk, x_item, w_item, out_item, kind, window, tokens) -> int:
-  if tokens is None:
-    resident = rows * d * (2 * x_item + 2 * out_item + 4)  # rows and result (2 buffers), sums
-  else:
-    # NOTE: the token table and the per-token f32 result (2 buffers each), the gathered rows
-    # and their f32 sums.
-    resident = tokens * d * (2 * x_item + 2 * 4) + rows * d * (x_item + 4)
+def _vmem_bytes(*, rows, d, chunk, x_item, w_item, out_item, kind, window, experts) -> int:
+  resident = rows * d * (2 * x_item + 2 * out_item + 4)  # rows and result (2 buffers), sums
+  if experts:
+    # NOTE: the [E, rows, 1] routing-weight columns (2 buffers), a column padded to 128 lanes.
+    resident += 2 * experts * rows * 128 * 4
   weights = 2 * 3 * d * chunk * w_item  # two slots of gate, up, down
   upcast = 3 * d * chunk * x_item if w_item != x_item else 0
   work = window * (4 * chunk * 4 + d * 4)  # gate, up, activation, the down product
@@ -153,7 +164,8 @@ def plan_fused(
   block: int = quant.BLOCK,
   chunk: int | None = None,
   generation: Any = None,
-  tokens: int | None = None,
+  by_token: bool = False,
+  cores: int | None = None,
 ) -> FusedPlan:
   """The fused kernel's plan: the largest chunk of f whose double-buffered weight blocks fit.
 
@@ -169,7 +181,9 @@ def plan_fused(
     block: tile edge of block scales.
     chunk: force the f columns per step (must divide f; a multiple of 128, or f).
     generation: the TPU generation whose VMEM bounds the plan (default: the current one).
-    tokens: the token table's rows where the kernel gathers its rows (see `FusedPlan.tokens`).
+    by_token: see `FusedPlan.by_token`.
+    cores: TensorCores to split the weight stream over (default: the generation's TensorCores
+      per JAX device, where f has an even number of chunks).
 
   Returns:
     A `FusedPlan`.
@@ -182,8 +196,6 @@ def plan_fused(
   x_item = jnp.dtype(x_dtype).itemsize
   w_item = jnp.dtype(w_dtype).itemsize
   out_dtype = x_dtype if out_dtype is None else out_dtype
-  if tokens is not None:
-    out_dtype = jnp.float32
   out_item = jnp.dtype(out_dtype).itemsize
   align = 8 * max(1, 4 // x_item)
   padded = max(align, -(-rows // align) * align)
@@ -208,9 +220,15 @@ def plan_fused(
     out_item=out_item,
     kind=kind,
     window=window,
-    tokens=tokens,
+    experts=num_experts if by_token else 0,
   )
+  cores = gen.tensorcores_per_device if cores is None else cores
   fits = [c for c in candidates if _vmem_bytes(chunk=c, **kw) <= budget]
+  if cores > 1 and any((f // c) % cores == 0 for c in fits):
+    # NOTE: a megacore device's two TensorCores each stream half of every expert's chunks.
+    fits = [c for c in fits if (f // c) % cores == 0]
+  else:
+    cores = 1
   if not fits:
     smallest = _vmem_bytes(chunk=candidates[-1], **kw)
     raise ValueError(
@@ -235,7 +253,8 @@ def plan_fused(
     out_dtype=jnp.dtype(out_dtype).name,
     vmem_bytes=vmem,
     vmem_limit_bytes=min(int(gen.vmem_bytes * 0.9), max(vmem + (4 << 20), 32 << 20)),
-    tokens=tokens,
+    by_token=by_token,
+    cores=cores,
   )
 
 
@@ -257,6 +276,8 @@ class _Scratch(NamedTuple):
   sems: Any  # DMA semaphores [2 slots, 4]
   first_row: Any  # SMEM [E + 1]
   visits: Any  # SMEM [E]: the non-empty experts in order
+  dequant_in: Any = None  # block: [2, d, chunk] the step's gate / up in the compute dtype
+  dequant_out: Any = None  # block: [chunk, d] its down
 
 
 def _metadata(plan: FusedPlan, group_sizes, scratch: _Scratch):
@@ -354,23 +375,9 @@ def _project_in(plan: FusedPlan, x_rows, scratch: _Scratch, *, slot, r0):
       up = up * scratch.gate_up_scales[slot, 1]
     return gate, up
 
-  # NOTE: a block scale varies along the contraction: sum the 128-row blocks' products, each
-  # times its (column block, row block) scale, read from SMEM as a scalar.
-  b, cb = plan.block, plan.chunk_blocks
-  scales = scratch.gate_up_scales
-
-  def body(kb, carry):
-    k0 = pl.multiple_of(kb * b, b)
-    x = x_rows[pl.ds(r0, plan.window), pl.ds(k0, b)]
-    out = []
-    for which, (w, acc) in enumerate(zip((gate_w, up_w), carry, strict=True)):
-      prod = dot(x, w[pl.ds(k0, b), :])
-      parts = [prod[:, j * b : (j + 1) * b] * scales[slot, which, j, kb] for j in range(cb)]
-      out.append(acc + (parts[0] if cb == 1 else jnp.concatenate(parts, axis=1)))
-    return tuple(out)
-
-  zero = jnp.zeros((plan.window, plan.chunk), jnp.float32)
-  return lax.fori_loop(0, plan.d // b, body, (zero, zero))
+  # NOTE: block-scaled weights were dequantized for this step (`_dequantize_step`).
+  x = x_rows[pl.ds(r0, plan.window), :]
+  return dot(x, scratch.dequant_in[0]), dot(x, scratch.dequant_in[1])
 
 
 def _project_out(plan: FusedPlan, act, scratch: _Scratch, *, slot):
@@ -382,27 +389,52 @@ def _project_out(plan: FusedPlan, act, scratch: _Scratch, *, slot):
     if plan.kind == "channel":
       y = y * scratch.down_scales[slot]
     return y
-  # NOTE: the chunk's 128-row blocks of down are its contraction blocks, and each 128-column
-  # block of the output has its own scale: scale each block product's columns.
-  b, nb = plan.block, plan.d // plan.block
-  y = jnp.zeros((plan.window, plan.d), jnp.float32)
-  for j in range(plan.chunk_blocks):
-    prod = jnp.dot(
-      act[:, j * b : (j + 1) * b].astype(cdt),
-      down[j * b : (j + 1) * b, :].astype(cdt),
-      preferred_element_type=jnp.float32,
-    )
-    cols = [prod[:, n * b : (n + 1) * b] * scratch.down_scales[slot, j, n] for n in range(nb)]
-    y = y + jnp.concatenate(cols, axis=1)
-  return y
+  return jnp.dot(act.astype(cdt), scratch.dequant_out[...], preferred_element_type=jnp.float32)
+
+
+def _dequantize_step(plan: FusedPlan, scratch: _Scratch, *, slot) -> None:
+  """The step's block-scaled gate, up and down blocks as compute-dtype weights in VMEM.
+
+  NOTE: a block scale varies along both the contraction and the output columns, so no product
+  can take it outside the MXU without cutting the product into 128-deep or 128-wide pieces
+  (half of a 256-wide MXU). Upcasting the narrow values costs a pass over them anyway; the
+  scale is one multiply more in that pass, and the products then run at full depth and width.
+  """
+  b, cb, cdt = plan.block, plan.chunk_blocks, jnp.dtype(plan.x_dtype)
+  gate_up, down = scratch.gate_up.at[slot], scratch.down.at[slot]
+  in_scales, out_scales = scratch.gate_up_scales, scratch.down_scales
+
+  def rows(kb, carry):
+    k0 = pl.multiple_of(kb * b, b)
+    for which in range(2):
+      for j in range(cb):
+        block = gate_up[which, pl.ds(k0, b), j * b : (j + 1) * b].astype(jnp.float32)
+        scaled = block * in_scales[slot, which, j, kb]
+        scratch.dequant_in[which, pl.ds(k0, b), j * b : (j + 1) * b] = scaled.astype(cdt)
+    return carry
+
+  def cols(n, carry):
+    n0 = pl.multiple_of(n * b, b)
+    for j in range(cb):
+      block = down[j * b : (j + 1) * b, pl.ds(n0, b)].astype(jnp.float32)
+      scaled = block * out_scales[slot, j, n]
+      scratch.dequant_out[j * b : (j + 1) * b, pl.ds(n0, b)] = scaled.astype(cdt)
+    return carry
+
+  lax.fori_loop(0, plan.d // b, rows, 0)
+  lax.fori_loop(0, plan.d // b, cols, 0)
 
 
 def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot) -> None:
   """One step's compute: every window of the expert's rows through gate/up, the activation and
   down into the f32 sums."""
   x_rows, row_weights = refs
-  lo, hi = scratch.first_row[expert], scratch.first_row[expert + 1]
-  start = (lo // plan.align) * plan.align
+  if plan.by_token:
+    # NOTE: every token, scaled by its weight for this expert (0: not routed to it).
+    lo, hi, start = 0, plan.rows, 0
+  else:
+    lo, hi = scratch.first_row[expert], scratch.first_row[expert + 1]
+    start = (lo // plan.align) * plan.align
   windows = (hi - start + plan.window - 1) // plan.window
 
   def body(p, carry):
@@ -414,7 +446,9 @@ def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot) -> N
     act = jax.nn.silu(gate) * up
     row = r0 + lax.broadcasted_iota(jnp.int32, (plan.window, 1), 0)
     mine = (row >= jnp.maximum(lo, nominal)) & (row < hi)
-    if row_weights is not None and plan.tokens is None:
+    if plan.by_token:
+      act = act * row_weights[expert, pl.ds(r0, plan.window), :]
+    elif row_weights is not None:
       act = act * row_weights[pl.ds(r0, plan.window), :]
     act = jnp.where(mine, act, 0.0)
     y = _project_out(plan, act, scratch, slot=slot)
@@ -428,7 +462,6 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
   refs = list(refs)
   group_sizes = refs.pop(0)
   x = refs.pop(0)
-  row_tokens = refs.pop(0) if plan.tokens is not None else None
   row_weights = refs.pop(0) if has_weights else None
   if plan.kind != "float":
     wi, wi_s, wo, wo_s, out, *scr = refs
@@ -436,19 +469,19 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     (wi, wo, out, *scr), wi_s, wo_s = refs, None, None
     scr = scr[:3] + [None, None] + scr[3:]
   w = _Weights(wi=wi, wo=wo, wi_scales=wi_s, wo_scales=wo_s)
-  x_rows = scr.pop() if plan.tokens is not None else x
   scratch = _Scratch(*scr)
 
   visited = _metadata(plan, group_sizes, scratch)
-  steps = visited * plan.chunks
+  per_expert = plan.core_chunks
+  steps = visited * per_expert
+  # NOTE: TensorCore c streams chunks [c * per_expert, (c + 1) * per_expert) of each expert.
+  first_chunk = pl.program_id(0) * per_expert
   scratch.acc[...] = jnp.zeros_like(scratch.acc)
-  total = scratch.first_row[plan.num_experts]
-  if plan.tokens is not None:
-    _gather_rows(x, x_rows, row_tokens)
 
   def copies(s, part):
-    expert = scratch.visits[s // plan.chunks]
-    return _copies(plan, w, scratch, expert=expert, chunk=s % plan.chunks, slot=s % 2, part=part)
+    expert = scratch.visits[s // per_expert]
+    chunk = first_chunk + s % per_expert
+    return _copies(plan, w, scratch, expert=expert, chunk=chunk, slot=s % 2, part=part)
 
   @pl.when(steps > 0)
   def _():
@@ -470,50 +503,14 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     def _():
       _start(copies(s + 1, "down"))
 
-    expert = scratch.visits[s // plan.chunks]
-    _expert_step(plan, (x_rows, row_weights), scratch, expert=expert, slot=s % 2)
+    expert = scratch.visits[s // per_expert]
+    if plan.kind == "block":
+      _dequantize_step(plan, scratch, slot=s % 2)
+    _expert_step(plan, (x, row_weights), scratch, expert=expert, slot=s % 2)
     return carry
 
   lax.fori_loop(0, steps, step, 0)
-  if plan.tokens is None:
-    out[...] = scratch.acc[...].astype(out.dtype)
-  else:
-    _scatter_rows(scratch.acc, out, row_tokens, row_weights, total)
-
-
-# NOTE: the token table is small where this mode runs (ep * T tokens). A row gather by dynamic
-# row index would need row-aligned VMEM accesses Mosaic cannot prove; a one-hot product moves
-# the rows on the MXU instead: one [R, n] x [n, d] product each way, exact (each output sums one
-# nonzero term; f32 operands at HIGHEST precision).
-def _exact(dtype) -> dict:
-  if jnp.dtype(dtype) == jnp.float32:
-    return dict(preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
-  return dict(preferred_element_type=jnp.float32)
-
-
-def _token_onehot(row_tokens, tokens: int):
-  """[tokens, R] f32: 1 where row r's token is t (row_tokens is a [1, R] ref)."""
-  rows = row_tokens.shape[1]
-  ids = lax.broadcasted_iota(jnp.int32, (tokens, rows), 0)
-  return (row_tokens[...] == ids).astype(jnp.float32)
-
-
-def _gather_rows(table, rows, row_tokens) -> None:
-  """rows[r] = table[row_tokens[r]] (zeros for a token outside the table)."""
-  onehot = _token_onehot(row_tokens, table.shape[0]).astype(table.dtype)
-  dims = (((0,), (0,)), ((), ()))
-  gathered = lax.dot_general(onehot, table[...], dims, **_exact(table.dtype))
-  rows[...] = gathered.astype(rows.dtype)
-
-
-def _scatter_rows(acc, out, row_tokens, row_weights, total) -> None:
-  """out[t] = sum over routed rows r < total of token t of row_weights[r] * acc[r], in f32."""
-  onehot = _token_onehot(row_tokens, out.shape[0])
-  lane = lax.broadcasted_iota(jnp.int32, onehot.shape, 1)
-  onehot = jnp.where(lane < total, onehot, 0.0)
-  if row_weights is not None:
-    onehot = onehot * row_weights[...]
-  out[...] = jnp.dot(onehot, acc[...], **_exact(jnp.float32)).astype(out.dtype)
+  out[...] = scratch.acc[...].reshape(out.shape).astype(out.dtype)
 
 
 def _split(w: Any, name: str):
@@ -529,25 +526,35 @@ def _split(w: Any, name: str):
   return w.values, w.scales
 
 
-def _check(x, wi, wo, group_sizes, row_weights, row_tokens) -> tuple[int, int, int]:
+def _check(x, wi, wo, group_sizes, row_weights, expert_weights) -> tuple[int, int, int]:
   common.check_float_array("x", x, ndim=2)
   m, d = x.shape
-  if row_tokens is not None:
-    row_tokens = common.check_int_array("row_tokens", row_tokens, ndim=1)
-    m = row_tokens.shape[0]
   e, wd, f2 = wi.shape
   if wd != d or f2 % 2:
     raise ValueError(f"wi must be [E, d={d}, 2f] ([gate | up] columns), got {tuple(wi.shape)}.")
   f = f2 // 2
   if tuple(wo.shape) != (e, f, d):
     raise ValueError(f"wo must be [E={e}, f={f}, d={d}] to match wi, got {tuple(wo.shape)}.")
-  common.check_group_sizes(group_sizes, m=m)
+  if expert_weights is None:
+    common.check_group_sizes(group_sizes, m=m)
+  else:
+    # NOTE: with tokens, a token counts once for each local expert it chose.
+    common.check_int_array("group_sizes", group_sizes, ndim=1)
   if group_sizes.shape != (e,):
     raise ValueError(
       f"group_sizes must be [E={e}] (one per local expert), got {tuple(group_sizes.shape)}."
     )
+  if row_weights is not None and expert_weights is not None:
+    raise ValueError(
+      "pass row_weights (rows sorted by expert) or expert_weights (tokens), not both."
+    )
   if row_weights is not None and tuple(row_weights.shape) != (m,):
     raise ValueError(f"row_weights must be [m={m}], got {tuple(row_weights.shape)}.")
+  if expert_weights is not None and tuple(expert_weights.shape) != (e, m):
+    raise ValueError(
+      f"expert_weights must be [E={e}, m={m}] (each token's weight for each local expert), "
+      f"got {tuple(expert_weights.shape)}."
+    )
   return m, d, f
 
 
@@ -558,30 +565,35 @@ def fused_experts(
   group_sizes: jax.Array,
   *,
   row_weights: jax.Array | None = None,
-  row_tokens: jax.Array | None = None,
+  expert_weights: jax.Array | None = None,
   out_dtype: Any = None,
   chunk: int | None = None,
   plan: FusedPlan | None = None,
   interpret: Any = None,
 ) -> jax.Array:
-  """SwiGLU experts over rows sorted by expert, in one kernel: `silu(x @ gate) * (x @ up)`,
-  times the rows' routing weights, `@ down`, per row's expert.
+  """SwiGLU experts in one kernel: `silu(x @ gate) * (x @ up)`, times the routing weights,
+  `@ down`.
 
-  With `row_tokens`, the kernel gathers the rows from a token table and sums each token's
-  rows: x is [n, d] tokens, row r of the sorted rows is `x[row_tokens[r]]`, and the result is
-  [n, d] f32 with `out[t] = sum_r row_weights[r] * expert_r(x[t])` over the routed rows r <
-  sum(group_sizes) of token t (the serving path: no gather or scatter op around the call).
+  Two layouts of the rows:
+  - sorted by expert (`row_weights` or none): row r belongs to the expert whose group holds it;
+    the result is per row.
+  - tokens (`expert_weights`): every visited expert runs over all m tokens and the result is
+    `out[t] = sum_e expert_weights[e, t] * expert_e(x[t])`. No gather or scatter of rows, no
+    sort: the serving path's layout where the tokens are few (a decode step's), since each
+    expert's pass over all of them costs no more MXU time than one 128-row pass.
+  In both, only the experts with `group_sizes[e] > 0` are visited and have their weights read.
 
   Args:
-    x: [m, d] rows sorted by local expert (`group_sizes[e]` rows of expert e, in order); rows
-      past `sum(group_sizes)` come out as zeros. With `row_tokens`: [n, d] tokens.
+    x: [m, d] rows sorted by local expert (`group_sizes[e]` rows of expert e, in order; rows
+      past `sum(group_sizes)` come out as zeros), or [m, d] tokens with `expert_weights`.
     wi: [E, d, 2f] [gate | up] weights: a float array, `quant.QuantizedWeights` ([E, 1, 2f]
       scales) or `quant.BlockQuantizedWeights` ([E, d / 128, 2f / 128] scales).
     wo: [E, f, d] down weights, of wi's kind.
-    group_sizes: [E] int32 rows per local expert.
-    row_weights: optional [m] f32 routing weights, applied in VMEM (to the activation; with
-      `row_tokens`, to each row's sum as it is added to its token).
-    row_tokens: optional [m] int32 token of each sorted row (indices into x's rows).
+    group_sizes: [E] int32 rows of each local expert (with `expert_weights`: its tokens; only
+      whether it is 0 matters).
+    row_weights: optional [m] f32 routing weight of each sorted row, applied to the activation.
+    expert_weights: [E, m] f32 each token's routing weight for each local expert (0: not
+      routed there), applied to the activation.
     out_dtype: result dtype (default x's).
     chunk: f columns per streamed step (default: `plan_fused`'s).
     plan: a `FusedPlan` from `plan_fused` (default: planned here for the current generation).
@@ -589,7 +601,7 @@ def fused_experts(
       `pltpu.InterpretParams(...)` force interpret mode.
 
   Returns:
-    [m, d] of `out_dtype`; with `row_tokens`, [n, d] f32.
+    [m, d] of `out_dtype`.
   """
   if weight_kind(wi) != weight_kind(wo):
     raise TypeError(
@@ -599,9 +611,9 @@ def fused_experts(
   wi_v, wi_s = _split(wi, "wi")
   wo_v, wo_s = _split(wo, "wo")
   group_sizes = jnp.asarray(group_sizes)
-  m, d, f = _check(x, wi_v, wo_v, group_sizes, row_weights, row_tokens)
+  m, d, f = _check(x, wi_v, wo_v, group_sizes, row_weights, expert_weights)
   kind = weight_kind(wi)
-  tokens = x.shape[0] if row_tokens is not None else None
+  by_token = expert_weights is not None
   if plan is None:
     plan = plan_fused(
       rows=m,
@@ -614,38 +626,31 @@ def fused_experts(
       kind=kind,
       block=getattr(wi, "block", quant.BLOCK),
       chunk=chunk,
-      tokens=tokens,
+      by_token=by_token,
     )
-  if plan.tokens != tokens:
+  if plan.by_token != by_token:
     raise ValueError(
-      f"plan.tokens={plan.tokens} but the call has {tokens} token rows; plan with "
-      f"plan_fused(tokens={tokens})."
+      f"plan.by_token={plan.by_token} but the call passes expert_weights={by_token}; plan with "
+      f"plan_fused(by_token={by_token})."
     )
   if plan.kind == "block":
     # NOTE: the kernel copies a step's scales as leading rows (see `_copies`).
     wi_s = jnp.swapaxes(wi_s, 1, 2)
-  full = lambda shape: pl.BlockSpec(shape, lambda i, *_: (0,) * len(shape))  # noqa: E731
-  prefetch = [group_sizes.astype(jnp.int32)]
   pad = plan.rows - m
-  if tokens is not None:
-    # NOTE: row tokens and weights come as [1, R] lanes (a free reshape of [R]); padding rows
-    # get token -1, which matches no token. The gathered rows live in VMEM scratch.
-    operands, in_specs, out_rows = [x], [full(x.shape)], tokens
-    tok = row_tokens.astype(jnp.int32)
-    operands.append((jnp.pad(tok, (0, pad), constant_values=-1) if pad else tok)[None, :])
-    in_specs.append(full((1, plan.rows)))
-    if row_weights is not None:
-      rw = row_weights.astype(jnp.float32)
-      operands.append((jnp.pad(rw, (0, pad)) if pad else rw)[None, :])
-      in_specs.append(full((1, plan.rows)))
-  else:
-    if pad:
-      x = jnp.pad(x, ((0, pad), (0, 0)))
-    operands, in_specs, out_rows = [x], [full((plan.rows, d))], plan.rows
-    if row_weights is not None:
-      rw = row_weights.astype(jnp.float32)
-      operands.append(jnp.pad(rw, (0, pad))[:, None] if pad else rw[:, None])
-      in_specs.append(full((plan.rows, 1)))
+  if pad:
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+  full = lambda shape: pl.BlockSpec(shape, lambda c, *_: (0,) * len(shape))  # noqa: E731
+  operands, in_specs = [x], [full((plan.rows, d))]
+  if by_token:
+    # NOTE: [E, rows, 1]: the kernel reads expert e's column as a [window, 1] block.
+    ew = expert_weights.astype(jnp.float32)
+    ew = (jnp.pad(ew, ((0, 0), (0, pad))) if pad else ew)[:, :, None]
+    operands.append(ew)
+    in_specs.append(full(ew.shape))
+  elif row_weights is not None:
+    rw = row_weights.astype(jnp.float32)
+    operands.append(jnp.pad(rw, (0, pad))[:, None] if pad else rw[:, None])
+    in_specs.append(full((plan.rows, 1)))
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   if kind == "float":
     operands += [wi_v, wo_v]
@@ -653,24 +658,30 @@ def fused_experts(
   else:
     operands += [wi_v, wi_s, wo_v, wo_s]
     in_specs += [hbm] * 4
-  scratch = _scratch_shapes(plan)
+  split = plan.cores > 1
+  out_dtype = jnp.float32 if split else plan.out_dtype
+  out_shape = (plan.cores, plan.rows, d) if split else (plan.rows, d)
+  out_spec = pl.BlockSpec((1, plan.rows, d), lambda c, *_: (c, 0, 0)) if split else full(out_shape)
   out = common.call_kernel(
-    lambda *refs: _kernel(plan, row_weights is not None, *refs),
+    lambda *refs: _kernel(plan, by_token or row_weights is not None, *refs),
     name="pallas_moe_fused_experts",
-    grid=(1,),
-    prefetch=tuple(prefetch),
+    grid=(plan.cores,),
+    prefetch=(group_sizes.astype(jnp.int32),),
     operands=operands,
     in_specs=in_specs,
-    out_shape=common.out_struct((out_rows, d), plan.out_dtype, x, wi_v, group_sizes),
-    out_spec=full((out_rows, d)),
-    scratch_shapes=scratch,
-    dimension_semantics=("arbitrary",),
+    out_shape=common.out_struct(out_shape, out_dtype, x, wi_v, group_sizes),
+    out_spec=out_spec,
+    scratch_shapes=_scratch_shapes(plan),
+    dimension_semantics=("parallel",),
     vmem_limit_bytes=plan.vmem_limit_bytes,
     flops=2 * plan.rows * 3 * d * f,
     bytes_accessed=int(plan.num_experts * plan.expert_weight_bytes + 2 * plan.rows * d * 2),
     interpret=interpret,
   )
-  return out[:m] if pad and tokens is None else out
+  if split:
+    # NOTE: the two TensorCores' partial sums (each over half of f).
+    out = jnp.sum(out, axis=0).astype(plan.out_dtype)
+  return out[:m] if pad else out
 
 
 def _scratch_shapes(plan: FusedPlan) -> list[Any]:
@@ -692,6 +703,7 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
     pltpu.SMEM((plan.num_experts + 1,), jnp.int32),
     pltpu.SMEM((plan.num_experts,), jnp.int32),
   ]
-  if plan.tokens is not None:
-    shapes.append(vmem((plan.rows, d), jnp.dtype(plan.x_dtype)))
+  if plan.kind == "block":
+    cdt = jnp.dtype(plan.x_dtype)
+    shapes += [vmem((2, d, c), cdt), vmem((c, d), cdt)]
   return shapes

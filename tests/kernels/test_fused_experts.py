@@ -109,36 +109,78 @@ def test_bf16_rows_and_windows():
   np.testing.assert_allclose(np.asarray(out.astype(F32)), want, atol=3e-2, rtol=3e-2)
 
 
-def np_token_sums(table, row_tokens, wi, wo, group_sizes, row_weights):
-  """float64 per-token sums of the routed rows' expert outputs (rows past the groups: none)."""
-  table = np.asarray(table, np.float64)
-  tokens = np.asarray(row_tokens)
-  per_row = np_experts(table[tokens], wi, wo, group_sizes, row_weights)
-  out = np.zeros_like(table)
-  routed = int(np.sum(group_sizes))
-  np.add.at(out, tokens[:routed], per_row[:routed])
+def np_token_experts(x, wi, wo, expert_weights):
+  """float64 sum over experts of each token's weighted SwiGLU expert output."""
+  x, wi, wo = (np.asarray(a, np.float64) for a in (x, wi, wo))
+  ew = np.asarray(expert_weights, np.float64)
+  f = wi.shape[2] // 2
+  out = np.zeros((x.shape[0], wo.shape[2]))
+  for e in range(wi.shape[0]):
+    h = x @ wi[e]
+    act = h[:, :f] / (1 + np.exp(-h[:, :f])) * h[:, f:]
+    out += (act * ew[e][:, None]) @ wo[e]
   return out
 
 
-@pytest.mark.parametrize("kind", ["float", "block-fp8"])
+def _token_weights(rng, *, e: int, m: int, k: int):
+  """[E, m] routing weights of k distinct experts per token; expert 1 chosen by none."""
+  ew = np.zeros((e, m), np.float32)
+  for t in range(m):
+    chosen = rng.choice([i for i in range(e) if i != 1], size=k, replace=False)
+    ew[chosen, t] = rng.uniform(0.1, 1.0, k)
+  return ew
+
+
+@pytest.mark.parametrize("kind", ["float", "block-fp8", "int8"])
 @pytest.mark.parametrize("mode", ["hlo", "tpu", "races"])
-def test_token_rows(kind, mode, capfd):
-  """The serving mode: the kernel gathers its rows from a token table and sums them back per
-  token; rows past the groups (other devices' choices) add nothing."""
-  n, d, f, e, rows = 12, 256, 256, 4, 24
+def test_tokens_layout(kind, mode, capfd):
+  """The serving layout: every chosen expert over all tokens, each token's product times its
+  weight for the expert, summed per token; an expert no token chose is never visited."""
+  m, d, f, e = 13, 256, 256, 4
   wi, wo, wi64, wo64 = _weights(kind, e=e, d=d, f=f)
   rng = np.random.default_rng(9)
-  table = random_array(10, (n, d), F32)
-  tokens = jnp.asarray(rng.integers(0, n, rows), jnp.int32)
-  weights = jnp.asarray(rng.uniform(0.1, 1.0, rows), F32)
-  gs = jnp.asarray([3, 0, 7, 5], jnp.int32)
+  ew = _token_weights(rng, e=e, m=m, k=2)
+  counts = jnp.asarray((ew > 0).sum(axis=1), jnp.int32)
+  x = random_array(10, (m, d), F32)
   interpret = {"hlo": True, "tpu": pltpu.InterpretParams(), "races": RACE_PARAMS}[mode]
   with no_races_or_oob(capfd):
     out = fe.fused_experts(
-      table, wi, wo, gs, row_weights=weights, row_tokens=tokens, chunk=128, interpret=interpret
+      x, wi, wo, counts, expert_weights=jnp.asarray(ew), chunk=128, interpret=interpret
     )
-  assert out.shape == (n, d) and out.dtype == F32
-  _check(out, np_token_sums(table, tokens, wi64, wo64, gs, weights))
+  _check(out, np_token_experts(x, wi64, wo64, ew))
+
+
+@pytest.mark.parametrize("by_token", [False, True])
+def test_two_tensorcores(by_token, capfd):
+  """A megacore device's split: each of two TensorCores (grid steps under the simulator, with
+  the race detector) streams half of every expert's chunks; their partial sums add up."""
+  m, d, f, e = 16, 128, 512, 3
+  wi, wo, _, _ = _weights("float", e=e, d=d, f=f)
+  x = random_array(11, (m, d), F32)
+  plan = fe.plan_fused(
+    rows=m,
+    d=d,
+    f=f,
+    num_experts=e,
+    x_dtype=F32,
+    w_dtype=F32,
+    chunk=128,
+    cores=2,
+    by_token=by_token,
+  )
+  assert plan.cores == 2 and plan.core_chunks == 2
+  if by_token:
+    ew = _token_weights(np.random.default_rng(12), e=e, m=m, k=2)
+    kw = dict(expert_weights=jnp.asarray(ew))
+    gs = jnp.asarray((ew > 0).sum(axis=1), jnp.int32)
+    want = np_token_experts(x, wi, wo, ew)
+  else:
+    gs = jnp.asarray([5, 0, 11], jnp.int32)
+    kw = {}
+    want = np_experts(x, wi, wo, gs)
+  with no_races_or_oob(capfd):
+    out = fe.fused_experts(x, wi, wo, gs, plan=plan, interpret=RACE_PARAMS, **kw)
+  _check(out, want)
 
 
 @pytest.mark.parametrize("kind", ["float", "block-fp8"])
@@ -220,8 +262,8 @@ AOT_CASES = [
 
 @pytest.mark.parametrize("gen,kind,d,f,e", AOT_CASES)
 def test_compiles_for_tpu(gen, kind, d, f, e):
-  """Mosaic compiles the kernel (real libtpu, ahead of time) at decode size, 64 rows: rows
-  sorted by expert, and gathered from 16 tokens."""
+  """Mosaic compiles the kernel (real libtpu, ahead of time) at decode size, 64 rows sorted by
+  expert or 64 tokens; on v5p split over its two TensorCores."""
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -242,13 +284,13 @@ def test_compiles_for_tpu(gen, kind, d, f, e):
     wi = quant.BlockQuantizedWeights(wi_v, sds((e, d // 128, 2 * f // 128), F32))
     wo = quant.BlockQuantizedWeights(wo_v, sds((e, f // 128, d // 128), F32))
   args = (sds((64, d), jnp.bfloat16), wi, wo, sds((e,), jnp.int32), sds((64,), F32))
-  tokens = (sds((16, d), jnp.bfloat16), *args[1:], sds((64,), jnp.int32))
+  tokens = (*args[:4], sds((e, 64), F32))
 
   def by_rows(x, wi, wo, gs, rw):
     return fe.fused_experts(x, wi, wo, gs, row_weights=rw)
 
-  def by_tokens(x, wi, wo, gs, rw, tok):
-    return fe.fused_experts(x, wi, wo, gs, row_weights=rw, row_tokens=tok)
+  def by_tokens(x, wi, wo, gs, ew):
+    return fe.fused_experts(x, wi, wo, gs, expert_weights=ew)
 
   with tiling.use_generation(gen), jax.default_device(dev):
     for fn, a in ((by_rows, args), (by_tokens, tokens)):

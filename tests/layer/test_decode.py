@@ -115,8 +115,10 @@ def test_deepseek_v3_fp8_checkpoint(per_device):
 def test_plan_and_errors():
   config = CONFIGS["qwen3_moe"]
   plan = decode.plan_decode(config, tokens_per_device=8, expert_parallelism=EP)
-  assert plan.experts == "fused" and plan.rows == EP * 8 * config.top_k
+  assert plan.path == "fused" and plan.fused.by_token and plan.fused.rows == EP * 8
   assert "fused kernel" in plan.describe()
+  big = decode.plan_decode(config, tokens_per_device=128, expert_parallelism=EP)
+  assert big.path == "block" and "512 > 256 tokens" in big.describe()
   params = moe.init_params(jax.random.key(0), config)
   x = jnp.zeros((4, config.d_model))
   with pytest.raises(ValueError, match="plan is for 8 tokens"):
