@@ -1,15 +1,16 @@
 """How many XLA instructions a decode-size MoE layer compiles to, and where they come from.
 
   python -m bench.decode_ops [--tokens_per_device 8] [--topology v6e:2x2] [--ep 4]
+      [--path serving|layer]
 
 At decode sizes (a few tokens per device) the layer's time is its fixed costs: one launch per
-XLA instruction and Mosaic call beside the weight reads. This compiles the forward of
-`moe_layer` (Qwen3-30B-A3B's MoE dims: 128 experts top-8, d 2048, f 768, bf16; only y is
-returned, so the aux-loss bookkeeping is dead code XLA drops) ahead of time for a TPU topology,
-and counts the top-level instructions of the entry computation (fusions count once; their
-bodies are not top-level), grouped by opcode and by the layer's named scopes in their op_name
-(route, sort, exchange_plan, dispatch, experts, combine, unsort, fsdp_gather; the rest is
-"other").
+XLA instruction and Mosaic call beside the weight reads. This compiles a forward of Qwen3-30B-
+A3B's MoE layer (128 experts top-8, d 2048, f 768, bf16) ahead of time for a TPU topology:
+`moe_decode`, the serving forward (--path serving, the default), or `moe_layer`'s (--path layer;
+only y is returned, so the aux-loss bookkeeping is dead code XLA drops). It counts the
+top-level instructions of the entry computation (fusions count once; their bodies are not
+top-level), grouped by opcode and by the layer's named scopes in their op_name (route, sort,
+exchange_plan, dispatch, experts, combine, unsort, fsdp_gather; the rest is "other").
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench import hlo_schedule  # noqa: E402
-from pallas_moe import moe, tiling  # noqa: E402
+from pallas_moe import decode, moe, tiling  # noqa: E402
 from pallas_moe.config import MoEConfig  # noqa: E402
 from pallas_moe.mesh import make_mesh  # noqa: E402
 
@@ -63,7 +64,9 @@ def scope_of(op_name: str) -> str:
   return "other"
 
 
-def compile_decode(*, topology: str, ep: int, tokens_per_device: int, **fields):
+def compile_decode(
+  *, topology: str, ep: int, tokens_per_device: int, path: str = "serving", **fields
+):
   from jax.experimental import topologies
 
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -82,6 +85,8 @@ def compile_decode(*, topology: str, ep: int, tokens_per_device: int, **fields):
   )
 
   def forward(p, x):
+    if path == "serving":
+      return decode.moe_decode(p, x, config, mesh)
     return moe.moe_layer(p, x, config, mesh)[0]
 
   with jax.default_device(devices[0]), tiling.use_generation(topology.split(":")[0]):
@@ -107,13 +112,14 @@ def main(argv=None) -> None:
   parser.add_argument("--topology", default="v6e:2x2")
   parser.add_argument("--ep", type=int, default=4)
   parser.add_argument("--tokens_per_device", type=int, default=8)
+  parser.add_argument("--path", choices=("serving", "layer"), default="serving")
   args = parser.parse_args(argv)
   compiled = compile_decode(
-    topology=args.topology, ep=args.ep, tokens_per_device=args.tokens_per_device
+    topology=args.topology, ep=args.ep, tokens_per_device=args.tokens_per_device, path=args.path
   )
   c = count(compiled.as_text())
   print(
-    f"{args.topology} EP {args.ep}, {args.tokens_per_device} tokens per device: "
+    f"{args.path}: {args.topology} EP {args.ep}, {args.tokens_per_device} tokens per device: "
     f"{c['total']} top-level instructions, {c['costed']} beside parameters / tuples / "
     f"bitcasts / constants, {c['mosaic']} Mosaic calls"
   )
