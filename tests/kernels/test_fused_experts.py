@@ -4,8 +4,6 @@ compiles for each TPU generation."""
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +21,7 @@ from tests.kernel_testing import (
   no_races_or_oob,
   random_array,
 )
+from tests.kernels.test_aot import _device as aot_device
 
 F32 = jnp.float32
 
@@ -238,16 +237,6 @@ def test_errors():
     fe.plan_fused(rows=8, d=96, f=128, num_experts=2, x_dtype=F32, w_dtype=jnp.int8, kind="block")
 
 
-def _aot_device(gen):
-  from jax.experimental import topologies
-
-  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-  topo = topologies.get_topology_desc(
-    topology_name=tiling.get_generation(gen).aot_topology, platform="tpu"
-  )
-  return topo.devices[0]
-
-
 # DeepSeek-V3's fp8 block-scaled expert (8 local experts at EP 32) on every generation, Qwen3's
 # bf16 and int8 experts (16 local at EP 8) on v6e.
 AOT_CASES = [
@@ -267,7 +256,7 @@ def test_compiles_for_tpu(gen, kind, d, f, e):
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  dev = _aot_device(gen)
+  dev = aot_device(gen)
   mesh = Mesh(np.array([dev]), ("x",))
 
   def sds(shape, dtype):

@@ -131,30 +131,17 @@ def test_plan_and_errors():
 
 # --- compiled for TPUs (real libtpu, ahead of time) ---------------------------------------------
 
-QWEN3 = dict(
-  num_experts=128,
-  top_k=8,
-  d_model=2048,
-  expert_ffn_dim=768,
-  norm_topk_prob=True,
-  dtype="bfloat16",
-  weight_dtype="bfloat16",
-)
-DEEPSEEK_V3 = dict(
-  num_experts=256,
-  top_k=8,
-  d_model=7168,
-  expert_ffn_dim=2048,
-  score_func="sigmoid",
-  topk_method="noaux_tc",
-  n_group=8,
-  topk_group=4,
-  norm_topk_prob=True,
-  routed_scaling_factor=2.5,
-  num_shared_experts=1,
-  dtype="bfloat16",
-  weight_dtype="bfloat16",
-)
+
+def _qwen3() -> dict:
+  from bench.decode_ops import QWEN3_30B_A3B
+
+  return QWEN3_30B_A3B
+
+
+def _deepseek_v3() -> dict:
+  from bench.scale_memory import DEEPSEEK_V3
+
+  return DEEPSEEK_V3 | dict(weight_dtype="bfloat16")
 
 
 def _compile_decode(topology: str, fields: dict, *, per_device: int, fp8: bool = False):
@@ -195,7 +182,7 @@ def test_deepseek_v3_fp8_compiles(gen):
   """DeepSeek-V3's layer from fp8 block-scaled experts, 8 tokens per device, EP over the
   topology's devices."""
   topology = tiling.get_generation(gen).aot_topology
-  compiled = _compile_decode(topology, DEEPSEEK_V3, per_device=8, fp8=True)
+  compiled = _compile_decode(topology, _deepseek_v3(), per_device=8, fp8=True)
   assert "pallas_moe_fused_experts" in compiled.as_text()
 
 
@@ -204,7 +191,7 @@ def test_compiled_op_count():
   instructions in the compiled program, collectives, parameters and the kernel included."""
   from bench import decode_ops
 
-  compiled = _compile_decode("v6e:2x2", QWEN3, per_device=8)
+  compiled = _compile_decode("v6e:2x2", _qwen3(), per_device=8)
   counts = decode_ops.count(compiled.as_text())
   assert counts["mosaic"] == 1, counts
   assert counts["total"] <= 40, counts
