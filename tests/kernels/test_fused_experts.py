@@ -249,6 +249,7 @@ AOT_CASES = [
 ]
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("gen,kind,d,f,e", AOT_CASES)
 def test_compiles_for_tpu(gen, kind, d, f, e):
   """Mosaic compiles the kernel (real libtpu, ahead of time) at decode size, 64 rows sorted by

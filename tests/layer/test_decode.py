@@ -177,6 +177,7 @@ def _compile_decode(topology: str, fields: dict, *, per_device: int, fp8: bool =
     return fn.lower(params, x).compile()
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("gen", ["v5e", "v5p", "v6e", "tpu7x"])
 def test_deepseek_v3_fp8_compiles(gen):
   """DeepSeek-V3's layer from fp8 block-scaled experts, 8 tokens per device, EP over the
@@ -186,6 +187,7 @@ def test_deepseek_v3_fp8_compiles(gen):
   assert "pallas_moe_fused_experts" in compiled.as_text()
 
 
+@pytest.mark.aot
 def test_compiled_op_count():
   """Qwen3-30B-A3B's MoE layer, 8 tokens per device, EP 4 on v6e: at most 40 top-level XLA
   instructions in the compiled program, collectives, parameters and the kernel included."""
