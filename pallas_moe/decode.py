@@ -140,7 +140,18 @@ def plan_decode(
   return plan(path="fused", fused=fused)
 
 
-def _check(config: MoEConfig) -> None:
+def _check(config: MoEConfig, wi) -> None:
+  if config.activation_quantization is not None:
+    raise ValueError(
+      f"activation_quantization={config.activation_quantization!r}: the serving forward "
+      "multiplies activations in config.dtype; set it to None (weights may stay quantized)."
+    )
+  if config.weight_quantization is not None and fe.weight_kind(wi) == "float":
+    raise ValueError(
+      f"weight_quantization={config.weight_quantization!r} with float weights: the serving "
+      "forward does not quantize per call; store them quantized once (pallas_moe.quantize or "
+      "quantize_blocks) or set weight_quantization=None."
+    )
   for role in ("fsdp_axis", "tensor_axis"):
     name = getattr(config, role)
     if (_axis_size(name) or 1) > 1:
@@ -185,7 +196,7 @@ def decode_block(
   Returns:
     y [T, d] in `config.dtype`.
   """
-  _check(config)
+  _check(config, params["wi"])
   ep = _axis_size(config.expert_axis) or 1
   ep_axis = config.expert_axis if ep > 1 else None
   t = x.shape[0]

@@ -127,6 +127,8 @@ def test_plan_and_errors():
   mesh = jax.make_mesh((2, 4), ("fsdp", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   with pytest.raises(ValueError, match="keeps each device's experts whole"):
     decode.moe_decode(params, jnp.zeros((16, config.d_model)), fsdp, mesh)
+  with pytest.raises(ValueError, match="store them quantized once"):
+    decode.decode_block(params, x, dataclasses.replace(config, weight_quantization="int8"))
 
 
 # --- compiled for TPUs (real libtpu, ahead of time) ---------------------------------------------
