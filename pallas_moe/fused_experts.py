@@ -271,8 +271,8 @@ class _Scratch(NamedTuple):
   acc: Any  # [rows, d] f32 sums
   gate_up: Any  # [2 slots, 2, d, chunk] weights
   down: Any  # [2 slots, chunk, d]
-  gate_up_scales: Any  # channel: [2, 2, 1, chunk] f32; block: SMEM [2, 2 * cb * kb]
-  down_scales: Any  # channel: [2, 1, d] f32; block: SMEM [2, cb * nb]
+  gate_up_scales: Any  # channel: [2 slots, 2, 1, chunk] f32; block: SMEM [2, 2, cb, d / block]
+  down_scales: Any  # channel: [2 slots, 1, d] f32; block: SMEM [2, cb, d / block]
   sems: Any  # DMA semaphores [2 slots, 4]
   first_row: Any  # SMEM [E + 1]
   visits: Any  # SMEM [E]: the non-empty experts in order
