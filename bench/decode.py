@@ -8,18 +8,21 @@ At a few tokens per device an MoE layer's expert work is reading expert weights:
 bytes of the device's non-empty local experts' weights, as stored (values and scales), over the
 device's HBM bandwidth. Per (model, weights, expert-parallel degree, tokens per device, chip) this
 models the expert work of one device (gate/up, the activation and down; not routing or the
-exchange) three ways, fixed costs included:
+exchange) four ways, fixed costs included:
 
-- "fused" (`pallas_moe.fused_experts`): `plan_fused` for the chip, then the kernel's schedule:
-  steps of (non-empty expert, chunk of f), each copying `FusedPlan.step_weight_bytes`; the first
-  step's copy is exposed, and each step costs max(its MXU work, the next step's copy), the copies
-  being double-buffered. MXU work per window of rows and step: the window's rows padded to
-  `generations.min_pass_rows`, contraction and columns to the MXU edge (what `bench.costmodel`
-  charges the kernel's dots), at one TensorCore's bf16 peak (8-bit weights are upcast in VMEM; the
-  upcast's VPU work is not modeled). Where the rows do not fit one call's VMEM (DeepSeek-V3 at 128
-  tokens), whole experts are packed into the fewest calls that fit, each paying its own fixed
-  cost and first copy. One call of one TensorCore: its grid is (1,) "arbitrary", so on v5p
-  (two TensorCores per JAX device) it runs on one of them at half the device's bandwidth.
+- "moe_decode" (the headline): ours as the serving path `pallas_moe.decode.moe_decode` runs it,
+  planned by its own `plan_decode`. Path "fused" (ep x T <= `MAX_FUSED_TOKENS` and VMEM fits):
+  one `fused_experts` call in the tokens layout: every visited local expert (one a token chose)
+  runs over all ep x T tokens, ceil(padded tokens / window) windows per step, each token's
+  product scaled by its routing weight. Path "block" (more tokens, or VMEM does not fit):
+  `moe.moe_block`'s forward, our two row-tile gmm calls (gate/up, then down) over its receive
+  buffer (`block_plan.plan_block`'s rows, tiles and expected rows), each costed by
+  `bench.costmodel` on the real pallas_call as `bench.impls`' "pallas_moe-moe" builds it, with
+  the SwiGLU fusion between them; block-scaled weights have no block path (its gmm does not
+  take them): "no path".
+- "fused": the same kernel on the routed rows sorted by expert (`fused_experts` without
+  `expert_weights`), whole experts packed into the fewest calls whose rows fit VMEM: what the
+  kernel alone does where the serving path leaves it.
 - "megablox-maxtext": upstream megablox's gmm as MaxText 0.2.5 calls it at decode: the dropless
   receive buffer (tokens x top_k x min(ep, E / top_k) rows) padded to 512 rows, three calls
   (wi_0, wi_1, wo) at base.yml's tiles (512, 1024, 1024) clamped to the dims, bf16 weights (also
@@ -30,6 +33,20 @@ exchange) three ways, fixed costs included:
   streams every local expert's weights, empty or not, double-buffered: the fused schedule with
   every local expert visited (empty ones with no MXU work), one call, one TensorCore.
 
+The fused kernel's schedule (`pallas_moe.fused_experts`): steps of (visited expert, chunk of f),
+each copying `FusedPlan.step_weight_bytes`. On a device with two TensorCores (v5p) the grid is
+(2,) "parallel" and each core streams `FusedPlan.core_chunks` of every visited expert: each core
+is modeled at one TensorCore's rates with its half of the steps, the call's time is the busiest
+core's, and one XLA op adds the two f32 partial sums after the call. Per core: the activations'
+copies (rows in, routing weights in, result out) and the first step's weight copy are exposed,
+and each step costs max(its MXU work, the next step's copy), the copies being double-buffered.
+MXU work per window of rows and step: one [window, d] x [d, chunk] product each for gate and up,
+one [window, chunk] x [chunk, d] for down, the window padded to `generations.min_pass_rows`,
+contraction and columns to the MXU edge (what `bench.costmodel` charges the kernel's dots), at one
+TensorCore's bf16 peak. 8-bit weights are upcast in VMEM, and block-scaled ones dequantized there
+per step (about `DEQUANT_VPU_OPS` VPU operations per weight element: upcast, scale multiply,
+downcast): that VPU work is not modeled.
+
 Group sizes: one seeded draw per (model, ep, tokens): ep x tokens tokens each choose top_k
 distinct experts uniformly; a device's local experts are a contiguous block of E / ep. Reported:
 the device with the most non-empty local experts (ties: the most rows), since the layer waits for
@@ -37,7 +54,9 @@ its slowest device.
 
 Fixed costs (`bench.costmodel.fixed_cost_us`): per Pallas call, measured - modeled of tokamax's one
 small measured problem (`fit_call_fixed_us`); per XLA instruction, an assumption
-(`costmodel.XLA_OP_FIXED_US`). `sensitivity` shows how the ratios move with both.
+(`costmodel.XLA_OP_FIXED_US`). `sensitivity` shows how the ratios move with both. The layer's
+other XLA instructions (routing, the exchange) are not expert work: `DECODE_XLA_OPS` and
+`LAYER_XLA_OPS` give their fixed cost apart from the ratios.
 """
 
 from __future__ import annotations
@@ -62,10 +81,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import costmodel  # noqa: E402
+from bench.shapes import Shape  # noqa: E402
+from pallas_moe import quant  # noqa: E402
+from pallas_moe.config import MoEConfig  # noqa: E402
 from pallas_moe.generations import get_generation, min_pass_rows, tensorcore_rates  # noqa: E402
 
-# NOTE: the module, not the package's re-exported function of the same name.
+# NOTE: the modules, not the package's re-exported functions of the same names.
 fe = importlib.import_module("pallas_moe.fused_experts")
+serving = importlib.import_module("pallas_moe.decode")
 
 __all__ = [
   "DecodeModel",
@@ -74,7 +97,11 @@ __all__ = [
   "TOKENS",
   "CHIPS",
   "IMPLS",
+  "HEADLINE",
   "MEGABLOX_XLA_OPS",
+  "DECODE_XLA_OPS",
+  "LAYER_XLA_OPS",
+  "BLOCK_EXPERT_XLA_OPS",
   "route",
   "busiest_device",
   "expert_bytes",
@@ -83,8 +110,10 @@ __all__ = [
   "pack_calls",
   "window_macs",
   "expert_windows",
+  "activation_bytes",
   "model_fused",
-  "model_fused_serving",
+  "model_serving",
+  "model_block_path",
   "model_tpu_inference",
   "model_megablox",
   "fit_call_fixed_us",
@@ -98,7 +127,15 @@ __all__ = [
 
 TOKENS = (1, 8, 32, 128)
 CHIPS = ("v5e", "v5p", "v6e", "tpu7x")
-IMPLS = ("fused", "fused-serving", "megablox-maxtext", "tpu-inference-fused")
+IMPLS = ("moe_decode", "fused", "megablox-maxtext", "tpu-inference-fused")
+# NOTE: the impl the 1.10x verdict is about: the serving path.
+HEADLINE = "moe_decode"
+LABELS = {
+  "moe_decode": "ours (moe_decode)",
+  "fused": "fused kernel, sorted rows",
+  "megablox-maxtext": "megablox-maxtext",
+  "tpu-inference-fused": "tpu-inference-fused",
+}
 SEED = 0
 LIMIT = 1.10
 # Weights as stored: (dtype, `fused_experts.weight_kind`).
@@ -113,8 +150,23 @@ MAXTEXT_PAD_ROWS = 512
 # identical ones), so this is per layer, not per call. Buffers of 8,192-32,768 rows compile to
 # 67-114: the figure is low for megablox's larger buffers (128 tokens at EP 8 and 32).
 MEGABLOX_XLA_OPS = 45
+# NOTE: `moe_decode`'s compiled layer (Qwen3-30B-A3B dims, 8 tokens per device, EP 4, v6e):
+# 34 top-level instructions, 22 beside parameters, tuples, bitcasts and constants, one of them
+# the Mosaic call. None of the 22 is expert work (routing, the selection fusion, the all-gather,
+# the reduce-scatter): they are reported apart from the ratios. `moe_layer`'s forward, which the
+# block path runs, compiles to 128 (`bench/results/decode-ops.md`), 38 of them in its experts
+# scope (the two gmm calls' group metadata, the receiver's expand and reduce): the block path's
+# expert work pays those 38.
+DECODE_XLA_OPS = 22
+LAYER_XLA_OPS = 128
+BLOCK_EXPERT_XLA_OPS = 38
+# NOTE: VPU operations per weight element of the fused kernel's block-scaled dequantization
+# (upcast to f32, the scale's multiply, the cast to the compute dtype): not modeled.
+DEQUANT_VPU_OPS = 3
 # Bytes of a block scale (DeepSeek-V3 stores f32 `weight_scale_inv`).
 _SCALE_BYTES = 4
+# NOTE: a [rows, 1] f32 column (a routing weight per row) is laid out in 128 lanes.
+_COLUMN_BYTES = 128 * 4
 _ASSUMED_CALL_US = 2.0
 _OP_US_GRID = (0.25, 0.5, 1.0, 2.0)
 
@@ -130,6 +182,17 @@ class DecodeModel:
   f: int
   eps: tuple[int, ...]
   weights: tuple[str, ...]
+
+  def config(self) -> MoEConfig:
+    """The layer config `plan_decode` and `plan_block` plan for (bf16 compute)."""
+    return MoEConfig(
+      num_experts=self.experts,
+      top_k=self.top_k,
+      d_model=self.d,
+      expert_ffn_dim=self.f,
+      dtype="bfloat16",
+      weight_dtype="bfloat16",
+    )
 
 
 MODELS = (
@@ -205,7 +268,7 @@ def device_bandwidth(generation) -> float:
 
 
 def _plan(
-  model: DecodeModel, weights: str, *, rows: int, local: int, gen, tokens: int | None = None
+  model: DecodeModel, weights: str, *, rows: int, local: int, gen, cores: int | None = None
 ) -> fe.FusedPlan:
   dtype, kind = WEIGHTS[weights]
   return fe.plan_fused(
@@ -217,7 +280,7 @@ def _plan(
     w_dtype=dtype,
     kind=kind,
     generation=gen,
-    tokens=tokens,
+    cores=cores,
   )
 
 
@@ -273,8 +336,8 @@ def pack_calls(sizes: np.ndarray, cap: int) -> list[np.ndarray]:
 def window_macs(plan: fe.FusedPlan, generation) -> float:
   """Padded MACs of one window pass of one step: gate, up and down of `plan.window` rows over a
   chunk, as `bench.costmodel.kernel_dot_macs` counts the kernel's dots (rows to at least
-  `min_pass_rows`, contraction and columns to the MXU edge; block-scaled weights multiply per
-  128-row block of the contraction)."""
+  `min_pass_rows`, contraction and columns to the MXU edge). Every weight kind runs the same
+  full-depth products: block-scaled weights are dequantized in VMEM before them."""
   gen = get_generation(generation)
   mxu = gen.mxu_size
   rows = max(plan.window, min_pass_rows(gen))
@@ -283,31 +346,48 @@ def window_macs(plan: fe.FusedPlan, generation) -> float:
     return -(-x // mxu) * mxu
 
   d, c = plan.d, plan.chunk
-  if plan.kind == "block":
-    b = plan.block
-    gate_up = 2 * (d // b) * rows * pad(b) * pad(c)
-    down = plan.chunk_blocks * rows * pad(b) * pad(d)
-  else:
-    gate_up = 2 * rows * pad(d) * pad(c)
-    down = rows * pad(c) * pad(d)
-  return float(gate_up + down)
+  return float(2 * rows * pad(d) * pad(c) + rows * pad(c) * pad(d))
 
 
 def expert_windows(plan: fe.FusedPlan, sizes: np.ndarray) -> np.ndarray:
-  """Window passes per expert and step, as the kernel loops (`fused_experts._expert_step`): from
-  the expert's first row rounded down to `plan.align` to its end, `plan.window` rows at a time."""
+  """Window passes per expert and step, as the kernel loops (`fused_experts._expert_step`).
+
+  Sorted rows: from the expert's first row rounded down to `plan.align` to its end, `plan.window`
+  rows at a time. Tokens (`plan.by_token`): every visited expert over all `plan.rows` tokens.
+  """
   sizes = np.asarray(sizes, np.int64)
+  if plan.by_token:
+    return np.where(sizes > 0, -(-plan.rows // plan.window), 0)
   ends = np.cumsum(sizes)
   start = ((ends - sizes) // plan.align) * plan.align
   return np.where(sizes > 0, -(-(ends - start) // plan.window), 0)
 
 
+def activation_bytes(plan: fe.FusedPlan) -> int:
+  """HBM bytes one TensorCore's call copies besides the weights, all exposed: its rows in, the
+  routing weights in ([E_l, rows, 1] tokens layout or [rows, 1], a column in 128 lanes), its
+  result out (the f32 partial sum where the call is split over TensorCores)."""
+  x_item = jnp.dtype(plan.x_dtype).itemsize
+  out_item = 4 if plan.cores > 1 else jnp.dtype(plan.out_dtype).itemsize
+  columns = plan.num_experts if plan.by_token else 1
+  return plan.rows * plan.d * (x_item + out_item) + columns * plan.rows * _COLUMN_BYTES
+
+
+def _partial_sum_s(plan: fe.FusedPlan, gen) -> float:
+  """The XLA op after a split call: the cores' f32 partial sums read, the result written."""
+  if plan.cores == 1:
+    return 0.0
+  out_item = jnp.dtype(plan.out_dtype).itemsize
+  return plan.rows * plan.d * (plan.cores * 4 + out_item) / device_bandwidth(gen)
+
+
 def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> dict:
-  """One call's streamed schedule at one TensorCore's rates (seconds and bytes)."""
+  """One call's schedule on one of its TensorCores (each streams `plan.core_chunks` of every
+  visited expert, so all are alike), at one TensorCore's rates (seconds and bytes)."""
   flops, bw = tensorcore_rates(gen)
   visits = np.arange(len(sizes)) if visit_all else np.flatnonzero(sizes)
   per_window = window_macs(plan, gen) * 2 / flops
-  mxu = np.repeat(expert_windows(plan, sizes)[visits] * per_window, plan.chunks)
+  mxu = np.repeat(expert_windows(plan, sizes)[visits] * per_window, plan.core_chunks)
   steps = len(mxu)
   dma = plan.step_weight_bytes / bw
   nxt = np.full(steps, dma)
@@ -315,8 +395,10 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
     nxt[-1] = 0.0  # NOTE: the last step starts no copy.
   stream = float(np.maximum(mxu, nxt).sum())
   return dict(
-    steps=steps,
-    weight_bytes=steps * plan.step_weight_bytes,
+    core_steps=steps,
+    steps=steps * plan.cores,
+    weight_bytes=steps * plan.cores * plan.step_weight_bytes,
+    io_s=activation_bytes(plan) / bw,
     exposed_s=dma if steps else 0.0,
     stream_s=stream,
     mxu_excess_s=stream - float(nxt.sum()),
@@ -326,22 +408,28 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
 
 
 def _summed(parts: list[dict], plans: list[fe.FusedPlan], gen, **extra) -> dict:
-  kernel_s = sum(p["exposed_s"] + p["stream_s"] for p in parts)
-  steps = sum(p["steps"] for p in parts)
+  """Calls in sequence: each its busiest core's time, then its partial sums' XLA op."""
+  sums = sum(_partial_sum_s(p, gen) for p in plans)
+  kernel_s = sum(p["io_s"] + p["exposed_s"] + p["stream_s"] for p in parts) + sums
+  core_steps = sum(p["core_steps"] for p in parts)
+  total = lambda key: sum(p[key] for p in parts) * 1e6  # noqa: E731
   return dict(
     kernel_us=kernel_s * 1e6,
     calls=len(parts),
-    xla_ops=0,
-    steps=steps,
+    xla_ops=sum(p.cores > 1 for p in plans),
+    steps=sum(p["steps"] for p in parts),
+    core_steps=core_steps,
     weight_bytes_read=int(sum(p["weight_bytes"] for p in parts)),
-    mxu_us=sum(p["mxu_s"] for p in parts) * 1e6,
-    dma_us=sum(p["dma_s"] for p in parts) * 1e6,
-    exposed_us=sum(p["exposed_s"] for p in parts) * 1e6,
-    mxu_excess_us=sum(p["mxu_excess_s"] for p in parts) * 1e6,
+    mxu_us=total("mxu_s"),
+    dma_us=total("dma_s"),
+    io_us=total("io_s"),
+    exposed_us=total("exposed_s"),
+    mxu_excess_us=total("mxu_excess_s"),
+    partial_sum_us=sums * 1e6,
     chunk=min(p.chunk for p in plans),
     window=max(p.window for p in plans),
-    tensorcores=1,
-    step_overhead_us=steps * gen.step_overhead_s * 1e6,
+    tensorcores=max(p.cores for p in plans),
+    step_overhead_us=core_steps * gen.step_overhead_s * 1e6,
     **extra,
   )
 
@@ -358,18 +446,20 @@ def _balanced(sizes: np.ndarray, cap: int, calls: int) -> list[np.ndarray] | Non
 
 
 def model_fused(model: DecodeModel, weights: str, sizes: np.ndarray, chip: str) -> dict:
-  """Ours: the non-empty experts' weights streamed once, in one call where the rows fit VMEM.
+  """The fused kernel on the routed rows sorted by expert: the non-empty experts' weights
+  streamed once, in one call where the rows fit VMEM.
 
   Where they do not, whole experts go to the fewest calls that fit, rows balanced between them
   (fewer rows per call leave VMEM for a wider chunk), or to up to two more calls where that
-  models faster (each call pays its own first copy and fixed cost).
+  models faster (each call pays its own fixed cost, activation copies and first copy).
 
   Returns:
-    kernel_us (fixed costs not included), calls, steps, weight_bytes_read, mxu_us, dma_us,
-    exposed_us, mxu_excess_us (time the MXU work adds over the stream of copies), chunk (the
-    narrowest of the calls'), window, step_overhead_us (the generation's per-step overhead times
-    the steps: not charged, see `sensitivity`), both_cores_us (v5p: the same work split evenly
-    between the device's two TensorCores, a hypothetical).
+    kernel_us (per-call and per-op fixed costs not included), calls, xla_ops (the partial sums
+    of split calls), steps (all cores'), core_steps (one core's), weight_bytes_read; per core:
+    mxu_us, dma_us, io_us (activation copies), exposed_us (first weight copies), mxu_excess_us
+    (time the MXU work adds over the stream of copies); partial_sum_us, chunk (the narrowest of
+    the calls'), window, tensorcores, step_overhead_us (the generation's per-step overhead times
+    one core's steps: not charged, see `sensitivity`).
   """
   gen = get_generation(chip)
   sizes = np.asarray(sizes)
@@ -383,74 +473,151 @@ def model_fused(model: DecodeModel, weights: str, sizes: np.ndarray, chip: str) 
       continue
     plans = [_plan(model, weights, rows=max(int(c.sum()), 1), local=local, gen=gen) for c in packed]
     parts = [_stream(p, c, gen, visit_all=False) for p, c in zip(plans, packed, strict=True)]
-    total = sum(p["exposed_s"] + p["stream_s"] for p in parts) + len(parts) * (
-      costmodel.call_fixed_us(gen) * 1e-6
+    rec = _summed(parts, plans, gen)
+    total = rec["kernel_us"] + costmodel.fixed_cost_us(
+      gen, calls=rec["calls"], xla_ops=rec["xla_ops"]
     )
     if best is None or total < best[0]:
-      best = (total, plans, parts)
-  _, plans, parts = best
-  both = None
-  if gen.tensorcores_per_device > 1:
-    # NOTE: each core streams half the steps at its own rates: the exposed copy once per core.
-    n = gen.tensorcores_per_device
-    both = sum(p["exposed_s"] + p["stream_s"] / n for p in parts) * 1e6
-  return _summed(parts, plans, gen, both_cores_us=both)
-
-
-def gather_scatter_macs(plan: fe.FusedPlan, generation) -> tuple[float, float]:
-  """Padded MACs of the token mode's one-hot products (`fused_experts._gather_rows` and
-  `_scatter_rows`): the gather [R, n] x [n, d] (rows R = plan.rows, contraction n tokens) and
-  the scatter [n, R] x [R, d] in f32 at HIGHEST precision."""
-  gen = get_generation(generation)
-  mxu, p = gen.mxu_size, min_pass_rows(gen)
-
-  def pad(x: int) -> int:
-    return -(-x // mxu) * mxu
-
-  n, r, d = plan.tokens, plan.rows, plan.d
-  return float(max(r, p) * pad(n) * pad(d)), float(max(n, p) * pad(r) * pad(d))
-
-
-# NOTE: an f32 x f32 product at HIGHEST precision is six bf16 passes on the MXU.
-_F32_HIGHEST_PASSES = 6
-
-
-def model_fused_serving(
-  model: DecodeModel, weights: str, sizes: np.ndarray, chip: str, *, ep: int, tokens: int
-) -> dict | None:
-  """Ours as `pallas_moe.decode.moe_decode` runs it: one call planned for the static buffer of
-  `plan_decode` (ep x T x min(top_k, E_l) rows, the ep x T token table in VMEM), the kernel
-  gathering its rows and summing them per token with one-hot products (exposed: the gather
-  before the first copy starts, the scatter after the last step).
-
-  Returns:
-    As `model_fused` (plus gather_scatter_us), or None where that plan does not fit VMEM
-    (`moe_decode` then runs the gmm pair for float weights and refuses block-scaled ones).
-  """
-  gen = get_generation(chip)
-  local = len(sizes)
-  rows = ep * tokens * min(model.top_k, local)
-  try:
-    plan = _plan(model, weights, rows=rows, local=local, gen=gen, tokens=ep * tokens)
-  except ValueError:
-    return None
-  part = _stream(plan, np.asarray(sizes), gen, visit_all=False)
-  gather, scatter = gather_scatter_macs(plan, gen)
-  flops = tensorcore_rates(gen)[0]
-  onehot_s = 2 * (gather + _F32_HIGHEST_PASSES * scatter) / flops
-  part["exposed_s"] += onehot_s
-  return _summed([part], [plan], gen, gather_scatter_us=onehot_s * 1e6, buffer_rows=rows)
+      best = (total, rec)
+  return best[1]
 
 
 def model_tpu_inference(model: DecodeModel, weights: str, sizes: np.ndarray, chip: str) -> dict:
-  """tpu-inference's approach: every local expert's weights streamed, one call (its steps as
-  ours at the same plan; an empty expert's steps copy and do no MXU work)."""
+  """tpu-inference's approach: every local expert's weights streamed, one call on one
+  TensorCore (its steps as ours at the same plan; an empty expert's steps copy and do no MXU
+  work)."""
   gen = get_generation(chip)
   local = len(sizes)
   rows = int(sizes.sum())
   cap = max_call_rows(model, weights, local=local, chip=gen.name, limit=rows)
-  plan = _plan(model, weights, rows=max(1, min(rows, cap)), local=local, gen=gen)
+  plan = _plan(model, weights, rows=max(1, min(rows, cap)), local=local, gen=gen, cores=1)
   return _summed([_stream(plan, np.asarray(sizes), gen, visit_all=True)], [plan], gen)
+
+
+# ----------------------------------------------------------------------------------------------
+# The serving path.
+
+
+def _stored(model: DecodeModel, weights: str, local: int):
+  """The device's `wi` as `plan_decode` reads it (its kind and dtype), abstract."""
+  dtype, kind = WEIGHTS[weights]
+  values = jax.ShapeDtypeStruct((local, model.d, 2 * model.f), dtype)
+  if kind != "block":
+    return values
+  b = quant.BLOCK
+  scales = jax.ShapeDtypeStruct((local, model.d // b, 2 * model.f // b), jnp.float32)
+  return quant.BlockQuantizedWeights(values=values, scales=scales, block=b)
+
+
+def model_serving(
+  model: DecodeModel, weights: str, sizes: np.ndarray, chip: str, *, ep: int, tokens: int
+) -> dict:
+  """Ours as `pallas_moe.decode.moe_decode` runs it, on the path its `plan_decode` picks.
+
+  Path "fused": one `fused_experts` call in the tokens layout, every visited expert over the
+  ep x T tokens. Path "block": `model_block_path`. Path "none": block-scaled weights where the
+  plan leaves the fused kernel (`moe_block`'s gmm does not take them).
+
+  Returns:
+    As `model_fused` plus path, reason (why the path is not "fused") and layer_xla_ops (the
+    layer's XLA instructions beside the expert work); path "none": path and reason only.
+  """
+  gen = get_generation(chip)
+  sizes = np.asarray(sizes)
+  plan = serving.plan_decode(
+    model.config(),
+    tokens_per_device=tokens,
+    expert_parallelism=ep,
+    weights=_stored(model, weights, len(sizes)),
+    generation=gen,
+  )
+  if plan.path == "fused":
+    part = _stream(plan.fused, sizes, gen, visit_all=False)
+    return _summed([part], [plan.fused], gen, path="fused", reason="", layer_xla_ops=DECODE_XLA_OPS)
+  reason = plan.reason.split(";")[0]
+  if WEIGHTS[weights][1] == "block":
+    return dict(path="none", reason=f"{reason}; moe_block's gmm takes no block-scaled weights")
+  return model_block_path(model, sizes, chip, ep=ep, tokens=tokens) | dict(reason=reason)
+
+
+class _BufferShape(Shape):
+  """A `Shape` whose rows are a receive buffer's, not tokens x top_k (which stays the rows the
+  gmm expects to be real, its tiles' hint)."""
+
+  def __init__(self, *, rows: int, **kw):
+    super().__init__(**kw)
+    object.__setattr__(self, "_rows", rows)
+
+  @property
+  def m(self) -> int:
+    return self._rows
+
+
+@functools.lru_cache(maxsize=64)
+def _gmm_schedules(k: int, n: int, *, tokens: int, top_k: int, rows: int, sizes: bytes, chip: str):
+  from bench import impls
+
+  gen = get_generation(chip)
+  gs = np.frombuffer(sizes, np.int32)
+  shape = _BufferShape(
+    name="decode", tokens=tokens, top_k=top_k, num_groups=len(gs), k=k, n=n, rows=rows
+  )
+  case = impls._pallas_moe_build(None, unowned_rows="undefined")(
+    op="fwd", shape=shape, group_sizes=gs, generation=gen
+  )
+  scheds = costmodel.analyze(
+    case.fn, *case.args, step_scale=case.step_scale, step_manual_bytes=case.step_manual_bytes
+  )
+  row_macs = case.row_macs(gen.mxu_size) if case.row_macs else None
+  return tuple(case.tiling), tuple(scheds), row_macs
+
+
+def _swiglu_us(rows: int, f: int, gen) -> float:
+  """The XLA fusion between the gate/up and down gmms: [rows, 2f] in, [rows, f] out (bf16), over
+  the whole static buffer, at the device's bandwidth."""
+  return rows * 3 * f * 2 / device_bandwidth(gen) * 1e6
+
+
+def model_block_path(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int, tokens: int):
+  """`moe.moe_block`'s forward's expert work: our gmm on the receive buffer's rows
+  (`block_plan.plan_block`, one chunk: the exchange compiles synchronously by default), the
+  SwiGLU fusion, our gmm again; the experts scope's `BLOCK_EXPERT_XLA_OPS` instructions."""
+  from pallas_moe import block_plan
+  from pallas_moe import tiling as tiling_lib
+
+  gen = get_generation(chip)
+  cfg = model.config()
+  with tiling_lib.use_generation(gen):
+    bp = block_plan.plan_block(
+      cfg, tokens_per_device=tokens, expert_parallelism=ep, async_exchange=False
+    )
+  expected = bp.expected_rows or bp.expert_rows
+  gs = np.asarray(sizes, np.int32).tobytes()
+  kw = dict(tokens=expected, top_k=1, rows=bp.expert_rows, sizes=gs, chip=gen.name)
+  calls = [_gmm_schedules(model.d, 2 * model.f, **kw), _gmm_schedules(model.f, model.d, **kw)]
+  reps = [
+    costmodel.cost(s, generation=gen, row_macs=macs, tensorcores="kernel") for _, s, macs in calls
+  ]
+  swiglu = _swiglu_us(bp.expert_rows, model.f, gen)
+  weight = sum(v for _, s, _ in calls for c in s for k, v in c.operand_bytes.items() if k == "in1")
+  return dict(
+    path="block",
+    kernel_us=sum(r.modeled_us for r in reps) + swiglu,
+    calls=len(calls),
+    xla_ops=BLOCK_EXPERT_XLA_OPS,
+    steps=sum(c.steps for r in reps for c in r.calls),
+    weight_bytes_read=int(weight),
+    hbm_bytes=int(sum(r.hbm_bytes for r in reps)),
+    mxu_us=sum(c.mxu_us for r in reps for c in r.calls),
+    dma_us=sum(c.dma_us for r in reps for c in r.calls),
+    exposed_us=sum(c.exposed_us for r in reps for c in r.calls),
+    swiglu_us=swiglu,
+    buffer_rows=bp.expert_rows,
+    expected_rows=bp.expected_rows,
+    tiles=[list(t) for t, _, _ in calls],
+    tensorcores=max(c.tensorcores for r in reps for c in r.calls),
+    layer_xla_ops=LAYER_XLA_OPS,
+  )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,7 +634,6 @@ def maxtext_buffer_rows(model: DecodeModel, *, ep: int, tokens: int) -> int:
 @functools.lru_cache(maxsize=64)
 def _megablox_schedules(k: int, n: int, local: int, buffer_rows: int, sizes: bytes):
   from bench import impls
-  from bench.shapes import Shape
 
   gs = np.frombuffer(sizes, np.int32)
   shape = Shape(name="decode", tokens=buffer_rows, top_k=1, num_groups=local, k=k, n=n)
@@ -478,7 +644,8 @@ def _megablox_schedules(k: int, n: int, local: int, buffer_rows: int, sizes: byt
 
 
 def model_megablox(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int, tokens: int):
-  """megablox's gmm as MaxText runs it: wi_0 and wi_1 ([d, f] each) and wo ([f, d]), bf16."""
+  """megablox's gmm as MaxText runs it: wi_0 and wi_1 ([d, f] each) and wo ([f, d]), bf16, and
+  the SwiGLU fusion over the buffer between them."""
   gen = get_generation(chip)
   rows = maxtext_buffer_rows(model, ep=ep, tokens=tokens)
   gs = np.asarray(sizes, np.int32).tobytes()
@@ -486,11 +653,12 @@ def model_megablox(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int,
   wo = _megablox_schedules(model.f, model.d, len(sizes), rows, gs)
   calls = (wi, wi, wo)
   reps = [costmodel.cost(s, generation=gen, tensorcores="kernel") for s in calls]
+  swiglu = _swiglu_us(rows, model.f, gen)
   weight = sum(
     v for s in calls for c in s for k, v in c.operand_bytes.items() if k.startswith("in1")
   )
   return dict(
-    kernel_us=sum(r.modeled_us for r in reps),
+    kernel_us=sum(r.modeled_us for r in reps) + swiglu,
     calls=len(calls),
     xla_ops=MEGABLOX_XLA_OPS,
     steps=sum(c.steps for r in reps for c in r.calls),
@@ -499,6 +667,7 @@ def model_megablox(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int,
     mxu_us=sum(c.mxu_us for r in reps for c in r.calls),
     dma_us=sum(c.dma_us for r in reps for c in r.calls),
     exposed_us=sum(c.exposed_us for r in reps for c in r.calls),
+    swiglu_us=swiglu,
     buffer_rows=rows,
     tensorcores=max(c.tensorcores for r in reps for c in r.calls),
   )
@@ -551,6 +720,16 @@ def _cases(models, tokens):
           yield m, w, ep, t, dev, sizes[dev]
 
 
+def _impl_record(impl: str, m: DecodeModel, w: str, sizes: np.ndarray, chip: str, *, ep, t):
+  if impl == "moe_decode":
+    return model_serving(m, w, sizes, chip, ep=ep, tokens=t)
+  if impl == "fused":
+    return model_fused(m, w, sizes, chip)
+  if impl == "tpu-inference-fused":
+    return model_tpu_inference(m, w, sizes, chip)
+  return model_megablox(m, sizes, chip, ep=ep, tokens=t)
+
+
 def records(
   *,
   models: Sequence[DecodeModel] = MODELS,
@@ -559,7 +738,9 @@ def records(
   impls: Sequence[str] = IMPLS,
   log=None,
 ) -> list[dict]:
-  """One record per (model, weights, ep, tokens, chip, impl), fixed costs at the defaults."""
+  """One record per (model, weights, ep, tokens, chip, impl), fixed costs at the defaults
+  (`fits` False: the impl has no path there, `moe_decode` with block-scaled weights past the
+  fused kernel)."""
   out = []
   for m, w, ep, t, dev, sizes in _cases(models, tokens):
     t0 = time.time()
@@ -569,54 +750,34 @@ def records(
       gen = get_generation(chip)
       floor_us = floor_bytes / device_bandwidth(gen) * 1e6
       for impl in impls:
-        if impl == "fused":
-          rec = model_fused(m, w, sizes, chip)
-        elif impl == "fused-serving":
-          rec = model_fused_serving(m, w, sizes, chip, ep=ep, tokens=t)
-          if rec is None:
-            out.append(
-              dict(
-                model=m.name,
-                weights=w,
-                ep=ep,
-                tokens=t,
-                chip=gen.name,
-                impl=impl,
-                modeled_us=None,
-                floor_us=floor_us,
-                ratio=None,
-                fits=False,
-                nonempty_experts=nonempty,
-                local_experts=len(sizes),
-                rows=int(sizes.sum()),
-              )
-            )
-            continue
-        elif impl == "tpu-inference-fused":
-          rec = model_tpu_inference(m, w, sizes, chip)
-        else:
-          rec = model_megablox(m, sizes, chip, ep=ep, tokens=t)
+        rec = _impl_record(impl, m, w, sizes, chip, ep=ep, t=t)
+        base = dict(
+          model=m.name,
+          weights=w,
+          ep=ep,
+          tokens=t,
+          chip=gen.name,
+          impl=impl,
+          floor_us=floor_us,
+          nonempty_experts=nonempty,
+          local_experts=len(sizes),
+          rows=int(sizes.sum()),
+          device=dev,
+          floor_bytes=int(floor_bytes),
+          call_fixed_us=costmodel.call_fixed_us(gen),
+        )
+        if rec.get("path") == "none":
+          out.append(base | dict(modeled_us=None, ratio=None, fits=False, **rec))
+          continue
         fixed = costmodel.fixed_cost_us(gen, calls=rec["calls"], xla_ops=rec["xla_ops"])
         modeled = rec["kernel_us"] + fixed
         read_dtype = "bfloat16" if impl == "megablox-maxtext" else WEIGHTS[w][0]
         out.append(
-          dict(
-            model=m.name,
-            weights=w,
-            ep=ep,
-            tokens=t,
-            chip=gen.name,
-            impl=impl,
+          base
+          | dict(
             modeled_us=modeled,
-            floor_us=floor_us,
             ratio=modeled / floor_us,
-            nonempty_experts=nonempty,
-            local_experts=len(sizes),
-            rows=int(sizes.sum()),
-            device=dev,
-            floor_bytes=int(floor_bytes),
             fixed_us=fixed,
-            call_fixed_us=costmodel.call_fixed_us(gen),
             weights_read_dtype=read_dtype,
             fits=True,
             **rec,
@@ -635,7 +796,8 @@ def _ratio(r: dict, *, call_us: float | None, op_us: float, step: bool = False) 
 
 def sensitivity(recs: list[dict]) -> list[dict]:
   """How the ratios move with the fixed costs: per-call 0, 2 µs or the fitted figure, per XLA
-  instruction 0.25-2 µs; and ours with the generation's per-step overhead charged per step.
+  instruction 0.25-2 µs; and the fused kernel's with the generation's per-step overhead charged
+  per step (the gmm calls' model charges it already).
 
   Returns:
     Rows: {call, op_us, step_overhead, per impl: median ratio, points <= LIMIT, points}.
@@ -662,47 +824,66 @@ def sensitivity(recs: list[dict]) -> list[dict]:
 
 
 def _why(r: dict) -> str:
-  """What puts a fused record above the floor, as shares of the floor."""
-  gen = get_generation(r["chip"])
+  """What puts a record above the floor, as shares of the floor."""
   floor = r["floor_us"]
-  core_bw = tensorcore_rates(gen)[1]
-  parts = {
-    "fixed": r["fixed_us"],
-    "first copies": r["exposed_us"],
-    "one TensorCore of two": r["floor_bytes"] / core_bw * 1e6 - floor,
-    "MXU over DMA": r["mxu_excess_us"],
-    "weights re-read": (r["weight_bytes_read"] - r["floor_bytes"]) / core_bw * 1e6,
-  }
+  op_us = costmodel.XLA_OP_FIXED_US
+  if r.get("path") == "block" or r["impl"] == "megablox-maxtext":
+    parts = {
+      f"{r['calls']} calls' fixed": r["calls"] * r["call_fixed_us"],
+      f"{r['xla_ops']} XLA ops": r["xla_ops"] * op_us,
+      "SwiGLU over the buffer": r["swiglu_us"],
+      "gmm kernels over the floor": r["kernel_us"] - r["swiglu_us"] - floor,
+    }
+  else:
+    core_bw = tensorcore_rates(r["chip"])[1] * r["tensorcores"]
+    parts = {
+      "fixed": r["fixed_us"],
+      "first copies": r["exposed_us"],
+      "activation copies": r["io_us"],
+      "partial sums": r["partial_sum_us"],
+      "MXU over DMA": r["mxu_excess_us"],
+      "one TensorCore of two": r["floor_bytes"] / core_bw * 1e6 - floor,
+      "weights re-read": (r["weight_bytes_read"] - r["floor_bytes"]) / core_bw * 1e6,
+    }
   items = sorted(parts.items(), key=lambda kv: -kv[1])
   return ", ".join(f"{k} +{v / floor:.0%}" for k, v in items if v >= 0.005 * floor)
 
 
-def verdict(recs: list[dict]) -> dict:
-  """Which fused points meet LIMIT x floor, and which no kernel can (one call's fitted fixed
-  cost alone over LIMIT - 1 of the floor)."""
-  fused = [r for r in recs if r["impl"] == "fused"]
-  v5p = [r for r in fused if r.get("both_cores_us") is not None]
-  both = [(r["both_cores_us"] + r["fixed_us"]) / r["floor_us"] for r in v5p]
-  key = ("model", "weights", "ep", "tokens", "chip")
-  meets = [{k: r[k] for k in key} | {"ratio": r["ratio"]} for r in fused if r["ratio"] <= LIMIT]
+_KEY = ("model", "weights", "ep", "tokens", "chip")
+
+
+def verdict(recs: list[dict], impl: str = HEADLINE) -> dict:
+  """Which of `impl`'s points meet LIMIT x floor, which no kernel can (one call's fitted fixed
+  cost alone over LIMIT - 1 of the floor), which have no path, and why the others fail."""
+  head = [r for r in recs if r["impl"] == impl]
+  runs = [r for r in head if r["fits"]]
+  no_path = [{k: r[k] for k in _KEY} | {"reason": r["reason"]} for r in head if not r["fits"]]
+  meets = [{k: r[k] for k in _KEY} | {"ratio": r["ratio"]} for r in runs if r["ratio"] <= LIMIT]
   impossible, other = [], []
-  for r in fused:
+  for r in runs:
     if r["ratio"] <= LIMIT:
       continue
-    row = {k: r[k] for k in key} | dict(
-      ratio=r["ratio"], floor_us=r["floor_us"], call_fixed_us=r["call_fixed_us"], why=_why(r)
+    row = {k: r[k] for k in _KEY} | dict(
+      ratio=r["ratio"],
+      floor_us=r["floor_us"],
+      call_fixed_us=r["call_fixed_us"],
+      path=r.get("path", "fused"),
+      why=_why(r),
     )
     (impossible if r["call_fixed_us"] > (LIMIT - 1) * r["floor_us"] else other).append(row)
+  by_path = {}
+  for r in runs:
+    p = by_path.setdefault(r.get("path", "fused"), dict(points=0, meets=0))
+    p["points"] += 1
+    p["meets"] += int(r["ratio"] <= LIMIT)
   return dict(
+    impl=impl,
     meets=meets,
     impossible=impossible,
     other=other,
-    points=len(fused),
-    both_cores=dict(
-      points=len(both),
-      meets=int(sum(x <= LIMIT for x in both)),
-      median=float(np.median(both)) if both else None,
-    ),
+    no_path=no_path,
+    points=len(head),
+    by_path=by_path,
   )
 
 
@@ -735,21 +916,39 @@ def _by_impl(rs: list[dict]) -> dict[str, dict]:
   return {r["impl"]: r for r in rs}
 
 
-def _fused_cell(rs: list[dict]) -> str:
-  r = _by_impl(rs)["fused"]
-  x = f"{r['ratio']:.2f}"
-  x = f"**{x}**" if r["ratio"] <= LIMIT else x
-  calls = f", {r['calls']} calls" if r["calls"] > 1 else ""
-  return f"{x} ({r['floor_us']:,.0f} µs, {r['nonempty_experts']}/{r['local_experts']}{calls})"
+def _bold(ratio: float) -> str:
+  x = f"{ratio:.2f}"
+  return f"**{x}**" if ratio <= LIMIT else x
 
 
-def _serving_cell(rs: list[dict]) -> str:
-  r = _by_impl(rs)["fused-serving"]
+def _headline_cell(rs: list[dict]) -> str:
+  r = _by_impl(rs).get(HEADLINE)
+  if r is None:
+    return ""
   if not r["fits"]:
-    return "gmm" if r["weights"] == "bf16" else "refused"
-  x = f"{r['ratio']:.2f}"
-  x = f"**{x}**" if r["ratio"] <= LIMIT else x
-  return f"{x} (chunk {r['chunk']})"
+    return "no path"
+  path = ", block" if r["path"] == "block" else ""
+  return (
+    f"{_bold(r['ratio'])} ({r['floor_us']:,.0f} µs, {r['nonempty_experts']}/"
+    f"{r['local_experts']}{path})"
+  )
+
+
+def _layer_ops_cell(rs: list[dict]) -> str:
+  r = _by_impl(rs).get(HEADLINE)
+  if r is None:
+    return ""
+  op, floor = costmodel.XLA_OP_FIXED_US, r["floor_us"]
+  ours = f"{r['layer_xla_ops'] * op / floor:.2f}" if r["fits"] else "-"
+  return f"{ours} · {LAYER_XLA_OPS * op / floor:.2f}"
+
+
+def _fused_cell(rs: list[dict]) -> str:
+  r = _by_impl(rs).get("fused")
+  if r is None:
+    return ""
+  calls = f", {r['calls']} calls" if r["calls"] > 1 else ""
+  return f"{_bold(r['ratio'])} (chunk {r['chunk']}{calls})"
 
 
 def _others_cell(rs: list[dict]) -> str:
@@ -783,57 +982,60 @@ def _fit_lines(fit: dict | None) -> list[str]:
 
 
 def _sensitivity_lines(rows: list[dict]) -> list[str]:
+  impls = [i for i in IMPLS if any(i in row for row in rows)]
   lines = [
     "| per call µs | per XLA op µs | "
-    + " | ".join(f"{i}: median, points ≤ {LIMIT:.2f}" for i in IMPLS)
+    + " | ".join(f"{LABELS[i]}: median, points ≤ {LIMIT:.2f}" for i in impls)
     + " |",
-    "|---|---:|" + "---:|" * len(IMPLS),
+    "|---|---:|" + "---:|" * len(impls),
   ]
   for row in rows:
     call = row["call"] if row["call"] == "fitted" else f"{row['call']:g}"
     if row["step_overhead"]:
-      call += " + per-step overhead on ours"
-    cells = [f"{row[i]['median']:.2f}, {row[i]['meets']}/{row[i]['points']}" for i in IMPLS]
+      call += " + per-step overhead on the fused kernel"
+    cells = [f"{row[i]['median']:.2f}, {row[i]['meets']}/{row[i]['points']}" for i in impls]
     lines.append(f"| {call} | {row['op_us']:g} | " + " | ".join(cells) + " |")
   return lines
 
 
 def _verdict_lines(v: dict) -> list[str]:
+  paths = ", ".join(f"{p} {c['meets']} of {c['points']}" for p, c in v["by_path"].items())
   lines = [
-    f"**Fused ≤ {LIMIT:.2f}x floor: {len(v['meets'])} of {v['points']} points.**",
+    f"**{LABELS[v['impl']]} ≤ {LIMIT:.2f}x floor: {len(v['meets'])} of {v['points']} points** "
+    f"(by path: {paths}; no path: {len(v['no_path'])}).",
     "",
     f"Points no kernel can bring to {LIMIT:.2f}x: one call's fitted fixed cost alone is more "
     f"than {LIMIT - 1:.0%} of the floor ({len(v['impossible'])}):",
     "",
     "| model, weights, EP | T | chip | floor µs | one call's fixed µs | fixed / floor "
-    "| fused / floor |",
-    "|---|---:|---|---:|---:|---:|---:|",
+    "| ours / floor | path |",
+    "|---|---:|---|---:|---:|---:|---:|---|",
   ]
   for r in v["impossible"]:
     lines.append(
       f"| {_config_label(r)} | {r['tokens']} | {r['chip']} | {r['floor_us']:,.1f} "
-      f"| {r['call_fixed_us']:.2f} | {r['call_fixed_us'] / r['floor_us']:.0%} | {r['ratio']:.2f} |"
+      f"| {r['call_fixed_us']:.2f} | {r['call_fixed_us'] / r['floor_us']:.0%} | {r['ratio']:.2f} "
+      f"| {r['path']} |"
     )
-  both = v["both_cores"]
-  if both["points"]:
-    lines += [
-      "",
-      "v5p, hypothetically with the fused work split between the device's two TensorCores (a "
-      f"leading parallel grid axis; not what the kernel does): median {both['median']:.2f}, "
-      f"{both['meets']} of {both['points']} points ≤ {LIMIT:.2f}x.",
-    ]
   lines += [
     "",
-    f"Other points above {LIMIT:.2f}x ({len(v['other'])}), with what puts fused above the floor "
+    f"Other points above {LIMIT:.2f}x ({len(v['other'])}), with what puts them above the floor "
     "(shares of the floor):",
     "",
-    "| model, weights, EP | T | chip | fused / floor | why |",
-    "|---|---:|---|---:|---|",
+    "| model, weights, EP | T | chip | ours / floor | path | why |",
+    "|---|---:|---|---:|---|---|",
   ]
   for r in v["other"]:
     lines.append(
-      f"| {_config_label(r)} | {r['tokens']} | {r['chip']} | {r['ratio']:.2f} | {r['why']} |"
+      f"| {_config_label(r)} | {r['tokens']} | {r['chip']} | {r['ratio']:.2f} | {r['path']} "
+      f"| {r['why']} |"
     )
+  if v["no_path"]:
+    lines += ["", f"No path ({len(v['no_path'])} points):", ""]
+    seen = {}
+    for r in v["no_path"]:
+      seen.setdefault((_config_label(r), r["tokens"], r["reason"]), []).append(r["chip"])
+    lines += [f"- {c} at T={t}: {why} ({', '.join(ch)})." for (c, t, why), ch in seen.items()]
   return lines
 
 
@@ -841,6 +1043,8 @@ def markdown(result: dict) -> str:
   """The report: assumptions, the fixed-cost fit, the tables, the verdict and the sensitivity."""
   recs = result["records"]
   a = result["assumptions"]
+  op = costmodel.XLA_OP_FIXED_US
+  fused_v = result.get("verdict_fused")
   out = [
     "# Decode-size expert work: modeled time against the weight-read floor",
     "",
@@ -852,13 +1056,13 @@ def markdown(result: dict) -> str:
     "",
     "**How to read.** Each cell is modeled / floor for the device with the most non-empty local "
     "experts of one seeded routing draw (the layer waits for its slowest device); 1.00 is the "
-    "floor, bold is at most 1.10. The fused table adds the floor in µs and the device's "
-    "non-empty / local experts (and the number of fused calls where the rows need more than "
-    "one). The chips' rates are per JAX device, floor included: one TensorCore's share of the "
-    "chip times the device's TensorCores (`generations.tensorcore_rates`): a tpu7x device is "
-    "one TensorCore (half the chip's bandwidth); a v5p device is two, and a kernel runs on one "
-    "of them unless its grid has a parallel axis Mosaic splits (the fused kernel and the "
-    "tpu-inference-style kernel do not; megablox's n tiles do).",
+    f"floor, bold is at most {LIMIT:.2f}. The headline table adds the floor in µs and the "
+    "device's non-empty / local experts. The chips' rates are per JAX device, floor included: "
+    "one TensorCore's share of the chip times the device's TensorCores "
+    "(`generations.tensorcore_rates`): a tpu7x device is one TensorCore (half the chip's "
+    "bandwidth); a v5p device is two, and the fused kernel splits its weight stream between "
+    "them (megablox's and our gmm's n tiles split too; the tpu-inference-style kernel is "
+    "modeled on one).",
     "",
     "## Assumptions",
     "",
@@ -866,20 +1070,37 @@ def markdown(result: dict) -> str:
   out += [f"- {line}" for line in a["notes"]]
   out += ["", "## The per-call fixed cost, from tokamax's measured times", ""]
   out += _fit_lines(result.get("fit"))
-  out += ["", "## Fused (ours) / floor", ""]
-  out += _grid(recs, _fused_cell)
-  out += ["", "## Ours as the serving path runs it (`moe_decode`) / floor", ""]
+  out += ["", f"## {LABELS[HEADLINE]} / floor", ""]
   out += [
-    "`plan_decode` plans the fused call for a static buffer of ep x T x min(top_k, E_l) rows "
-    "and the ep x T token table (the kernel gathers its rows and sums them per token). "
-    "gmm: that plan does not fit VMEM and `moe_decode` runs the gmm pair instead (not modeled "
-    "here); refused: the same for fp8 block-scaled weights, which `plan_decode` refuses.",
+    "`plan_decode`'s path: fused (every visited local expert over all ep x T tokens, one "
+    f"call) up to {serving.MAX_FUSED_TOKENS} tokens on the expert axis where VMEM fits; "
+    '"block": `moe_block`\'s forward (our two gmm calls over its receive buffer); "no path": '
+    "block-scaled weights past the fused kernel (`moe_block`'s gmm does not take them).",
     "",
   ]
-  out += _grid(recs, _serving_cell)
+  out += _grid(recs, _headline_cell)
+  out += ["", "## Beside the expert work: the layer's XLA instructions / floor", ""]
+  out += [
+    f"Not in the ratios above. At {op:g} µs per instruction (assumed), over the same floor: "
+    f"ours · `moe_layer`'s. Ours: {DECODE_XLA_OPS} costed top-level instructions on the fused "
+    f"path (routing, the selection fusion, the all-gather, the reduce-scatter; one is the "
+    f"Mosaic call; counted once, Qwen3-30B-A3B dims, 8 tokens per device, EP 4, v6e), "
+    f"`moe_layer`'s {LAYER_XLA_OPS} (`bench/results/decode-ops.md`, the same dims) on the "
+    "block path, which is its forward; both counts applied to every point.",
+    "",
+  ]
+  out += _grid(recs, _layer_ops_cell)
+  out += ["", "## The fused kernel on sorted rows / floor (chunk, calls)", ""]
+  if fused_v:
+    out += [
+      f"The kernel without the serving path's layout: ≤ {LIMIT:.2f}x at "
+      f"{len(fused_v['meets'])} of {fused_v['points']} points.",
+      "",
+    ]
+  out += _grid(recs, _fused_cell)
   out += ["", "## megablox-maxtext / floor · tpu-inference-fused / floor", ""]
   out += _grid(recs, _others_cell)
-  out += ["", "## Which points meet 1.10x", ""]
+  out += ["", f"## Which points meet {LIMIT:.2f}x", ""]
   out += _verdict_lines(result["verdict"])
   out += ["", "## Sensitivity to the fixed costs", ""]
   out += _sensitivity_lines(result["sensitivity"])
@@ -896,25 +1117,38 @@ def _notes(fit: dict | None) -> list[str]:
     "charged as a fixed cost it is an upper bound. Were it bandwidth efficiency instead, no "
     "kernel could come within 1.10x of the floor at any size on v5p and v6e.",
     f"Per XLA instruction: {costmodel.XLA_OP_FIXED_US:g} µs (assumed: no measurement pins it). "
-    f"megablox-maxtext pays {MEGABLOX_XLA_OPS} (its group metadata, shared by its three calls, "
-    "and the SwiGLU fusion; AOT-counted at a 512-row buffer: 44-48 on the four chips, 67-114 at "
-    "8,192-32,768 rows, so low for its 128-token points). Ours and the tpu-inference-style "
-    "kernel: none (group metadata in SMEM; rows assumed to arrive aligned).",
-    "Fused: the generation's per-step overhead is not charged per streamed step (the next "
-    "step's copies are issued before this step's work, so the DMA queue never runs dry); the "
-    "sensitivity table's last row charges it.",
-    "MXU: one TensorCore's bf16 peak (fp8 weights upcast in VMEM: the upcast's VPU work and "
-    "the scales' multiplies are not modeled); each window's rows padded to 128 "
-    "(`min_pass_rows`), contraction and columns to the MXU edge (so a 128-row block of "
-    "block-scaled weights costs a 256-deep pass on v6e and tpu7x).",
+    "Expert work pays: ours on the fused path, the one op adding a split call's two partial "
+    f"sums (v5p); ours on the block path, the {BLOCK_EXPERT_XLA_OPS} of `moe_layer`'s experts "
+    "scope (`bench/results/decode-ops.md`: the two gmm calls' group metadata, the receiver's "
+    f"expand and reduce); megablox-maxtext, {MEGABLOX_XLA_OPS} (its group metadata, shared by "
+    "its three calls, and the SwiGLU fusion; AOT-counted at a 512-row buffer: 44-48 on the four "
+    "chips, 67-114 at 8,192-32,768 rows, so low for its 128-token points); the "
+    "tpu-inference-style kernel, none. The layer's other instructions are reported apart.",
+    "Fused kernel: per TensorCore, the activations' copies (rows in, routing weights in as "
+    "lane-padded f32 columns, the result out) and the first weight copy exposed, then max(MXU "
+    "work, next copy) per step; a v5p call's two f32 partial sums added by one XLA op at the "
+    "device's bandwidth. The generation's per-step overhead is not charged per streamed step "
+    "(the next step's copies are issued before this step's work, so the DMA queue never runs "
+    "dry); the sensitivity table's last row charges it.",
+    "MXU: one TensorCore's bf16 peak; each window's rows padded to 128 (`min_pass_rows`), "
+    "contraction and columns to the MXU edge. fp8 block-scaled weights are dequantized per step "
+    f"in VMEM (about {DEQUANT_VPU_OPS} VPU operations per weight element: upcast, the scale's "
+    "multiply, the cast to bf16) before full-depth products: that VPU work is not modeled (at "
+    "HBM's rate a TensorCore must dequantize one weight element per fp8 byte it reads).",
     "DMA: at one TensorCore's bandwidth, no efficiency loss for the [d, chunk] gate/up blocks' "
     "strided rows (chunk x itemsize contiguous bytes per row).",
+    "Block path: `block_plan.plan_block` with one chunk (the exchange compiles synchronously by "
+    "default; with an async exchange the batch may split, each chunk paying its own two calls); "
+    "the gmm calls costed over the receive buffer's rows with the rows expected to be real as "
+    "their tiles' hint; the SwiGLU fusion over the whole static buffer ([rows, 2f] in, [rows, f] "
+    "out) at the device's bandwidth.",
     "megablox-maxtext: bf16 weights (also for the fp8 records, whose floor stays fp8: MaxText "
-    "runs DeepSeek-V3 dequantized); rows padded to MaxText's dropless buffer; three calls; the "
-    "pad and MaxText's own sort / permute not charged.",
-    "tpu-inference-fused: every local expert's weights at HBM bandwidth, the first copy "
-    "exposed, one call; its per-expert exposed first copies and in-kernel all-to-all (the "
-    "kernel also routes and exchanges) not charged: a lower bound for it.",
+    "runs DeepSeek-V3 dequantized); rows padded to MaxText's dropless buffer; three calls and "
+    "the SwiGLU fusion over the buffer; the pad and MaxText's own sort / permute not charged.",
+    "tpu-inference-fused: every local expert's weights at one TensorCore's bandwidth (on v5p "
+    "half the device's), the activations' and first copies exposed, one call; its per-expert "
+    "exposed first copies and in-kernel all-to-all (the kernel also routes and exchanges) not "
+    "charged: a lower bound for it.",
     f"Routing: seed {SEED}, one draw per (model, EP, tokens); top_k distinct experts per token, "
     "uniform; the device with the most non-empty local experts.",
   ]
@@ -933,7 +1167,8 @@ def run(
   """Models every point, prints the report, writes the JSON and markdown when asked.
 
   Returns:
-    {"assumptions", "fit", "records", "sensitivity", "verdict"}.
+    {"assumptions", "fit", "records", "sensitivity", "verdict" (the headline's),
+    "verdict_fused" (the fused kernel on sorted rows)}.
   """
   from bench import measured
 
@@ -949,10 +1184,16 @@ def run(
       date=datetime.date(2026, 11, 28).isoformat(),
       limit=LIMIT,
       seed=SEED,
+      headline=HEADLINE,
       call_fixed_us=dict(costmodel.CALL_FIXED_US),
       call_fixed_stand_in=dict(costmodel.CALL_FIXED_STAND_IN),
       xla_op_fixed_us=costmodel.XLA_OP_FIXED_US,
       megablox_xla_ops=MEGABLOX_XLA_OPS,
+      decode_xla_ops=DECODE_XLA_OPS,
+      layer_xla_ops=LAYER_XLA_OPS,
+      block_expert_xla_ops=BLOCK_EXPERT_XLA_OPS,
+      dequant_vpu_ops_per_weight=DEQUANT_VPU_OPS,
+      max_fused_tokens=serving.MAX_FUSED_TOKENS,
       maxtext_tiling=list(MAXTEXT_TILING),
       maxtext_pad_rows=MAXTEXT_PAD_ROWS,
       notes=_notes(fit),
@@ -961,6 +1202,7 @@ def run(
     records=recs,
     sensitivity=sensitivity(recs),
     verdict=verdict(recs),
+    verdict_fused=verdict(recs, "fused"),
   )
   text = markdown(result)
   print(text)

@@ -108,30 +108,46 @@ def test_pack_calls_keeps_experts_whole():
   assert len(dec.pack_calls(np.array([250], np.int32), 100)) == 3  # an expert over the cap
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e"])
-@pytest.mark.parametrize("weights", ["bf16", "fp8-block"])
-def test_window_macs_match_the_kernels_dots(chip, weights):
+@pytest.mark.parametrize(
+  "chip, weights, by_token",
+  [
+    ("v5e", "bf16", False),
+    ("v5e", "fp8-block", False),
+    ("v6e", "fp8-block", False),
+    ("v5p", "bf16", False),
+    ("v6e", "bf16", True),
+    ("v5p", "fp8-block", True),
+  ],
+)
+def test_window_macs_match_the_kernels_dots(chip, weights, by_token):
   """The schedule's MXU work per window and step is what `costmodel.kernel_dot_macs` counts in
-  the fused kernel's traced body (the step and window loops are `while` loops, counted once)."""
+  the fused kernel's traced body (the step and window loops are `while` loops, counted once):
+  block-scaled weights too (dequantized per step, then full-depth products), the tokens layout
+  and v5p's two-core grid."""
   gen = get_generation(chip)
   dtype, kind = dec.WEIGHTS[weights]
   e, d, f, m = 3, 256, 512, 40
   plan = dec.fe.plan_fused(
     rows=m, d=d, f=f, num_experts=e, x_dtype=jnp.bfloat16, w_dtype=dtype, kind=kind, chunk=256,
-    generation=gen,
+    generation=gen, by_token=by_token,
   )  # fmt: skip
+  assert plan.cores == gen.tensorcores_per_device
   sds = jax.ShapeDtypeStruct
   wi, wo = sds((e, d, 2 * f), dtype), sds((e, f, d), dtype)
   if kind == "block":
     wi = quant.BlockQuantizedWeights(values=wi, scales=sds((e, d // 128, 2 * f // 128), "f4"))
     wo = quant.BlockQuantizedWeights(values=wo, scales=sds((e, f // 128, d // 128), "f4"))
-  fn = functools.partial(dec.fe.fused_experts, plan=plan, interpret=False)
+  kw = dict(expert_weights=jnp.zeros((e, m), jnp.float32)) if by_token else {}
+  fn = functools.partial(dec.fe.fused_experts, plan=plan, interpret=False, **kw)
   gs = np.array([20, 0, 20], np.int32)
   (sched,) = costmodel.analyze(fn, sds((m, d), jnp.bfloat16), wi, wo, gs)
   macs, _, _ = costmodel.kernel_dot_macs(
     sched.kernel_jaxpr, mxu=gen.mxu_size, min_rows=min_pass_rows(gen)
   )
   assert macs == dec.window_macs(plan, gen)
+  # Full depth: one [window, d] x [d, chunk] product each for gate and up, one back for down.
+  rows = max(plan.window, min_pass_rows(gen))
+  assert macs == 3 * rows * max(d, gen.mxu_size) * max(plan.chunk, gen.mxu_size)
   assert plan.expert_weight_bytes == dec.expert_bytes(
     dec.DecodeModel(name="t", experts=e, top_k=1, d=d, f=f, eps=(1,), weights=(weights,)),
     weights,
@@ -139,12 +155,15 @@ def test_window_macs_match_the_kernels_dots(chip, weights):
 
 
 def test_expert_windows_follow_the_kernels_loop():
-  plan = dec.fe.plan_fused(
-    rows=300, d=256, f=256, num_experts=4, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16
-  )
+  kw = dict(d=256, f=256, num_experts=4, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16)
+  plan = dec.fe.plan_fused(rows=300, **kw)
   assert (plan.window, plan.align) == (128, 16)
   # Expert 2 starts at row 30 (window from row 16): rows 16..160 need two windows.
   np.testing.assert_array_equal(dec.expert_windows(plan, np.array([30, 0, 130, 5])), [1, 0, 2, 1])
+  # Tokens: every visited expert over all 200 tokens (208 padded): two windows each.
+  tokens = dec.fe.plan_fused(rows=200, by_token=True, **kw)
+  np.testing.assert_array_equal(dec.expert_windows(tokens, np.array([3, 0, 1, 9])), [2, 0, 2, 2])
+  assert dec.activation_bytes(tokens) == 208 * 256 * (2 + 2) + 4 * 208 * 128 * 4
 
 
 def test_records_fields_bytes_and_floor(qwen_records):
@@ -156,12 +175,14 @@ def test_records_fields_bytes_and_floor(qwen_records):
   assert len(recs) == 2 * 2 * len(dec.IMPLS)
   for r in recs:
     assert fields <= set(r), fields - set(r)
-    if r["fits"]:
-      assert r["ratio"] == pytest.approx(r["modeled_us"] / r["floor_us"])
+    assert r["ratio"] == pytest.approx(r["modeled_us"] / r["floor_us"])
+    assert r["fixed_us"] == pytest.approx(
+      r["calls"] * costmodel.call_fixed_us(r["chip"]) + r["xla_ops"] * costmodel.XLA_OP_FIXED_US
+    )
   point = lambda r: (r["tokens"], r["chip"])  # noqa: E731
   by = {(point(r), r["impl"]): r for r in recs}
   for (p, impl), r in by.items():
-    if impl != "fused":
+    if impl not in ("fused", "moe_decode"):
       continue
     tpi, mb = by[(p, "tpu-inference-fused")], by[(p, "megablox-maxtext")]
     assert r["weight_bytes_read"] == r["floor_bytes"]  # only the non-empty experts, once
@@ -169,10 +190,45 @@ def test_records_fields_bytes_and_floor(qwen_records):
     assert tpi["weight_bytes_read"] == r["local_experts"] * dec.expert_bytes(QWEN, "bf16")
     assert r["modeled_us"] >= r["floor_us"]
     assert mb["calls"] == 3 and mb["xla_ops"] == dec.MEGABLOX_XLA_OPS
-    assert r["fixed_us"] == pytest.approx(costmodel.call_fixed_us(r["chip"]))
-  # v5p: the fused call runs on one of the device's two TensorCores (half its bandwidth).
-  v5p = by[((8, "v5p"), "fused")]
-  assert v5p["ratio"] > 2.0 and v5p["both_cores_us"] < v5p["kernel_us"]
+    # v5p: the weight stream split over the device's two TensorCores, the partial sums added
+    # by one XLA op; each core reads half the bytes at one TensorCore's bandwidth.
+    cores = get_generation(r["chip"]).tensorcores_per_device
+    assert r["tensorcores"] == cores and r["xla_ops"] == cores - 1 and r["calls"] == 1
+    assert r["steps"] == cores * r["core_steps"]
+    core_bw = dec.tensorcore_rates(r["chip"])[1]
+    assert r["dma_us"] * 1e-6 == pytest.approx(r["weight_bytes_read"] / cores / core_bw)
+    if impl == "moe_decode":
+      assert r["path"] == "fused" and r["layer_xla_ops"] == dec.DECODE_XLA_OPS
+  # Two TensorCores on v5p: within 1.5x of the floor, as v6e (one core at the device's rate).
+  assert by[((8, "v5p"), "moe_decode")]["ratio"] < 1.5
+  assert by[((8, "v5p"), "tpu-inference-fused")]["ratio"] > 2.0  # one core: half the bandwidth
+
+
+def test_serving_paths():
+  """`moe_decode`'s paths as `plan_decode` picks them: the tokens layout up to 256 tokens on the
+  expert axis (every visited expert over all of them), moe_block's gmm pair above it, and no
+  path for block-scaled weights there."""
+  sizes = dec.route(experts=256, top_k=8, ep=8, tokens=32)[0]
+  r = dec.model_serving(DSV3, "bf16", sizes, "v6e", ep=8, tokens=32)
+  assert r["path"] == "fused" and r["window"] == 128 and r["calls"] == 1
+  gen = get_generation("v6e")
+  plan = dec.fe.plan_fused(
+    rows=256, d=DSV3.d, f=DSV3.f, num_experts=32, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16,
+    generation=gen, by_token=True,
+  )  # fmt: skip
+  per_window = dec.window_macs(plan, gen) * 2 / dec.tensorcore_rates(gen)[0]
+  visited = int((sizes > 0).sum())
+  assert r["mxu_us"] == pytest.approx(visited * plan.chunks * 2 * per_window * 1e6)  # 2 windows
+  none = dec.model_serving(DSV3, "fp8-block", sizes, "v6e", ep=32, tokens=32)
+  assert none["path"] == "none" and "1024 > 256 tokens" in none["reason"]
+  qwen = dec.route(experts=128, top_k=8, ep=8, tokens=128)[0]
+  block = dec.model_serving(QWEN, "bf16", qwen, "v6e", ep=8, tokens=128)
+  assert block["path"] == "block" and block["calls"] == 2
+  assert block["xla_ops"] == dec.BLOCK_EXPERT_XLA_OPS and block["layer_xla_ops"] == 128
+  assert block["buffer_rows"] == 8 * 128 * 8 and block["expected_rows"] == 128 * 8
+  swiglu = 8192 * 3 * QWEN.f * 2 / dec.device_bandwidth("v6e") * 1e6
+  assert block["swiglu_us"] == pytest.approx(swiglu)
+  assert block["kernel_us"] > swiglu + dec.expert_bytes(QWEN, "bf16") * 16 / 1638e9 * 1e6
 
 
 def test_fp8_block_reads_the_floor_bytes_with_scales():
@@ -189,11 +245,14 @@ def test_sensitivity_and_verdict(qwen_records):
   assert len(rows) == 3 * 4 + 1
   zero = next(r for r in rows if r["call"] == 0.0 and r["op_us"] == 0.25)
   fitted = next(r for r in rows if r["call"] == "fitted" and r["op_us"] == 2.0)
-  assert zero["fused"]["median"] < fitted["fused"]["median"]
+  for impl in ("moe_decode", "fused"):
+    assert zero[impl]["median"] < fitted[impl]["median"]
   v = dec.verdict(qwen_records)
-  assert v["points"] == 4 and len(v["meets"]) + len(v["impossible"]) + len(v["other"]) == 4
+  assert v["impl"] == dec.HEADLINE and v["points"] == 4 and not v["no_path"]
+  assert len(v["meets"]) + len(v["impossible"]) + len(v["other"]) == 4
   # Qwen3 at 1 token on v6e: 16.6 µs per call is more than 10% of a 58 µs floor.
   assert any(r["chip"] == "v6e" and r["tokens"] == 1 for r in v["impossible"])
+  assert "fixed +" in v["impossible"][0]["why"]
 
 
 def test_cli_writes_json(tmp_path):
