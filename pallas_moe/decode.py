@@ -161,6 +161,20 @@ def _check(config: MoEConfig, wi) -> None:
       )
 
 
+def _gmm_weights(params: dict, config: MoEConfig) -> dict:
+  """The params as `moe_block`'s gmm kernels take them: block-scaled experts dequantized.
+
+  NOTE: the gmm kernels scale per output channel, not per 128 x 128 block. Above the fused
+  path's token count a call multiplies each weight by many rows, so one pass writing the
+  compute-dtype weights (and reading them back) is a small share of the call.
+  """
+  out = dict(params)
+  for key in ("wi", "wo"):
+    if fe.weight_kind(params[key]) == "block":
+      out[key] = quant.dequantize_blocks(params[key], dtype=config.compute_dtype)
+  return out
+
+
 def _expert_weights(routing, *, config: MoEConfig, ep_index, e_local: int):
   """([E_l, N] f32 each token's routing weight for each local expert, 0 where it chose
   another; [E_l] int32 tokens per local expert)."""
@@ -210,7 +224,7 @@ def decode_block(
       f"expert_parallelism={ep})."
     )
   if plan.path == "block":
-    return moe_block(params, x, config)[0]
+    return moe_block(_gmm_weights(params, config), x, config)[0]
   e_local = _local_experts(config, ep)
   x = x.astype(dt)
   with jax.named_scope("dispatch"):

@@ -112,6 +112,33 @@ def test_deepseek_v3_fp8_checkpoint(per_device):
   _close(_run(params, jnp.asarray(x), config), want)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_above_the_fused_path(fp8):
+  """320 tokens on the expert axis: moe_block's forward (fp8 block-scaled experts dequantized
+  for its gmms), still equal to HF's float64 forward."""
+  per_device = 80
+  if fp8:
+    config = _fp8_config(gmm_impl="xla")
+    sd = fp8_state_dict(config)
+    ref = {k: np.asarray(v, np.float64) for k, v in sd.items() if not k.endswith("_scale_inv")}
+    for key in list(ref):
+      if f"{key}_scale_inv" in sd:
+        ref[key] = _deq64(sd, key.removesuffix(".weight"))
+  else:
+    config = dataclasses.replace(CONFIGS["qwen3_moe"], gmm_impl="xla")
+    sd = hf_state_dict("qwen3_moe", fused=False)
+    ref = {k: np.asarray(v, np.float64) for k, v in sd.items()}
+  family = "deepseek_v3" if fp8 else "qwen3_moe"
+  params = from_hf(sd, config)
+  plan = decode.plan_decode(
+    config, tokens_per_device=per_device, expert_parallelism=EP, weights=params["wi"]
+  )
+  assert plan.path == "block"
+  x = _tokens(config.d_model, per_device)
+  want = hf_moe(np, family, ref, x, hf_choice(family, ref, x.astype(np.float64)))
+  _close(_run(params, jnp.asarray(x), config), want)
+
+
 def test_plan_and_errors():
   config = CONFIGS["qwen3_moe"]
   plan = decode.plan_decode(config, tokens_per_device=8, expert_parallelism=EP)
