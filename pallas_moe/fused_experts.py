@@ -140,10 +140,13 @@ class FusedPlan:
 
 
 def _vmem_bytes(*, rows, d, chunk, x_item, w_item, out_item, kind, window, experts) -> int:
-  resident = rows * d * (2 * x_item + 2 * out_item + 4)  # rows and result (2 buffers), sums
+  # NOTE: the rows (one copy), the result (2 buffers), the f32 sums.
+  resident = rows * d * (x_item + 2 * out_item + 4)
   if experts:
-    # NOTE: the [E, rows, 1] routing-weight columns (2 buffers), a column padded to 128 lanes.
-    resident += 2 * experts * rows * 128 * 4
+    # NOTE: the [E, 1, rows] routing weights, each row padded to 8 sublanes.
+    resident += experts * 8 * rows * 4
+  else:
+    resident += rows * 128 * 4  # the [rows, 1] row weights, padded to 128 lanes
   weights = 2 * 3 * d * chunk * w_item  # two slots of gate, up, down
   upcast = 3 * d * chunk * x_item if w_item != x_item else 0
   work = window * (4 * chunk * 4 + d * 4)  # gate, up, activation, the down product
@@ -200,6 +203,9 @@ def plan_fused(
   align = 8 * max(1, 4 // x_item)
   padded = max(align, -(-rows // align) * align)
   window = min(padded, _MAX_WINDOW)
+  if by_token:
+    # NOTE: windows over the tokens start on the 128-lane grid of the [E, 1, rows] weights.
+    padded = -(-padded // window) * window
   if kind == "block" and (d % block or f % block):
     raise ValueError(f"block-scaled weights need d={d} and f={f} to be multiples of block={block}.")
   granule = block if kind == "block" else 128
@@ -447,7 +453,7 @@ def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot) -> N
     row = r0 + lax.broadcasted_iota(jnp.int32, (plan.window, 1), 0)
     mine = (row >= jnp.maximum(lo, nominal)) & (row < hi)
     if plan.by_token:
-      act = act * row_weights[expert, pl.ds(r0, plan.window), :]
+      act = act * _token_column(row_weights, expert, r0, plan.window)
     elif row_weights is not None:
       act = act * row_weights[pl.ds(r0, plan.window), :]
     act = jnp.where(mine, act, 0.0)
@@ -456,6 +462,13 @@ def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot) -> N
     return carry
 
   lax.fori_loop(0, windows, body, 0)
+
+
+def _token_column(weights, expert, r0, window):
+  """[window, 1] routing weights of tokens [r0, r0 + window) for `expert`, from the [E, 1,
+  rows] lanes (a column would take 128 lanes of VMEM per token)."""
+  lanes = weights[expert, :, pl.ds(pl.multiple_of(r0, window), window)]  # [1, window]
+  return jnp.transpose(jnp.broadcast_to(lanes, (8, window)))[:, :1]
 
 
 def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
@@ -640,17 +653,19 @@ def fused_experts(
   if pad:
     x = jnp.pad(x, ((0, pad), (0, 0)))
   full = lambda shape: pl.BlockSpec(shape, lambda c, *_: (0,) * len(shape))  # noqa: E731
-  operands, in_specs = [x], [full((plan.rows, d))]
+  # NOTE: inputs read whole (one VMEM copy each; a blocked input would be double-buffered).
+  whole = pl.BlockSpec(memory_space=pltpu.VMEM)
+  operands, in_specs = [x], [whole]
   if by_token:
-    # NOTE: [E, rows, 1]: the kernel reads expert e's column as a [window, 1] block.
+    # NOTE: [E, 1, rows]: the kernel reads expert e's window of tokens as lanes.
     ew = expert_weights.astype(jnp.float32)
-    ew = (jnp.pad(ew, ((0, 0), (0, pad))) if pad else ew)[:, :, None]
+    ew = (jnp.pad(ew, ((0, 0), (0, pad))) if pad else ew)[:, None, :]
     operands.append(ew)
-    in_specs.append(full(ew.shape))
+    in_specs.append(whole)
   elif row_weights is not None:
     rw = row_weights.astype(jnp.float32)
     operands.append(jnp.pad(rw, (0, pad))[:, None] if pad else rw[:, None])
-    in_specs.append(full((plan.rows, 1)))
+    in_specs.append(whole)
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   if kind == "float":
     operands += [wi_v, wo_v]
