@@ -87,6 +87,9 @@ class FusedPlan:
       per row. True: the rows are tokens, every expert runs over all of them, each token's
       product scaled by its routing weight for the expert (0 where it did not choose it), and
       the result is the per-token sum (`fused_experts(expert_weights=)`).
+    gather: with `by_token`: each visited expert runs over its own tokens only, gathered into
+      windows in VMEM by a one-hot product with the token table (`expert_tokens`) and added
+      back by its transpose once the expert's last chunk is done; otherwise over all tokens.
     cores: TensorCores the call's weight stream is split over (2 on a megacore device: each
       core streams half of every visited expert's chunks and the call returns both cores'
       partial sums, which `fused_experts` adds).
@@ -108,6 +111,7 @@ class FusedPlan:
   vmem_limit_bytes: int
   by_token: bool = False
   cores: int = 1
+  gather: bool = False
 
   @property
   def chunks(self) -> int:
@@ -139,12 +143,14 @@ class FusedPlan:
     return self.chunks * self.step_weight_bytes
 
 
-def _vmem_bytes(*, rows, d, chunk, x_item, w_item, out_item, kind, window, experts) -> int:
+def _vmem_bytes(*, rows, d, chunk, x_item, w_item, out_item, kind, window, experts, gather) -> int:
   # NOTE: the rows (one copy), the result (2 buffers), the f32 sums.
   resident = rows * d * (x_item + 2 * out_item + 4)
   if experts:
-    # NOTE: the [E, 1, rows] routing weights, each row padded to 8 sublanes.
-    resident += experts * 8 * rows * 4
+    # NOTE: the [E, 1, rows] routing weights (and token lists), each padded to 8 sublanes.
+    resident += experts * 8 * rows * 4 * (2 if gather else 1)
+  if gather:
+    resident += rows * d * (x_item + 4)  # an expert's gathered rows and their f32 sums
   else:
     resident += rows * 128 * 4  # the [rows, 1] row weights, padded to 128 lanes
   weights = 2 * 3 * d * chunk * w_item  # two slots of gate, up, down
@@ -169,6 +175,7 @@ def plan_fused(
   generation: Any = None,
   by_token: bool = False,
   cores: int | None = None,
+  gather: bool = False,
 ) -> FusedPlan:
   """The fused kernel's plan: the largest chunk of f whose double-buffered weight blocks fit.
 
@@ -185,6 +192,7 @@ def plan_fused(
     chunk: force the f columns per step (must divide f; a multiple of 128, or f).
     generation: the TPU generation whose VMEM bounds the plan (default: the current one).
     by_token: see `FusedPlan.by_token`.
+    gather: see `FusedPlan.gather` (with by_token).
     cores: TensorCores to split the weight stream over (default: the generation's TensorCores
       per JAX device, where f has an even number of chunks).
 
@@ -227,6 +235,7 @@ def plan_fused(
     kind=kind,
     window=window,
     experts=num_experts if by_token else 0,
+    gather=gather,
   )
   cores = gen.tensorcores_per_device if cores is None else cores
   fits = [c for c in candidates if _vmem_bytes(chunk=c, **kw) <= budget]
@@ -261,6 +270,7 @@ def plan_fused(
     vmem_limit_bytes=min(int(gen.vmem_bytes * 0.9), max(vmem + (4 << 20), 32 << 20)),
     by_token=by_token,
     cores=cores,
+    gather=gather and by_token,
   )
 
 
@@ -277,13 +287,16 @@ class _Scratch(NamedTuple):
   acc: Any  # [rows, d] f32 sums
   gate_up: Any  # [2 slots, 2, d, chunk] weights
   down: Any  # [2 slots, chunk, d]
-  gate_up_scales: Any  # channel: [2 slots, 2, 1, chunk] f32; block: SMEM [2, 2, cb, d / block]
-  down_scales: Any  # channel: [2 slots, 1, d] f32; block: SMEM [2, cb, d / block]
   sems: Any  # DMA semaphores [2 slots, 4]
   first_row: Any  # SMEM [E + 1]
   visits: Any  # SMEM [E]: the non-empty experts in order
+  # channel: [2 slots, 2, 1, chunk] f32; block: SMEM [2, 2, cb, d / block]
+  gate_up_scales: Any = None
+  down_scales: Any = None  # channel: [2 slots, 1, d] f32; block: SMEM [2, cb, d / block]
   dequant_in: Any = None  # block: [2, d, chunk] the step's gate / up in the compute dtype
   dequant_out: Any = None  # block: [chunk, d] its down
+  gathered: Any = None  # gather: [rows, d] the visited expert's tokens
+  expert_acc: Any = None  # gather: [rows, d] f32 their sums
 
 
 def _metadata(plan: FusedPlan, group_sizes, scratch: _Scratch):
@@ -464,6 +477,60 @@ def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot) -> N
   lax.fori_loop(0, windows, body, 0)
 
 
+def _token_onehot(expert_tokens, expert, r0, window: int, tokens: int):
+  """[window, tokens] one-hot rows of the expert's r0-th to (r0 + window)-th tokens."""
+  ids = _token_column(expert_tokens, expert, r0, window)
+  return ids == lax.broadcasted_iota(jnp.int32, (window, tokens), 1)
+
+
+def _gathered_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, first, last):
+  """One step over the expert's own tokens: gathered into windows at its first chunk, each
+  window through gate/up, the activation (times the weights) and down into the expert's f32
+  sums, added into the tokens' sums at its last chunk."""
+  table, weights, expert_tokens, group_sizes = refs
+  window, cdt = plan.window, jnp.dtype(plan.x_dtype)
+  windows = (group_sizes[expert] + window - 1) // window
+  exact = dict(preferred_element_type=jnp.float32)
+  if cdt == jnp.float32:
+    exact["precision"] = lax.Precision.HIGHEST
+
+  def gather(p, carry):
+    r0 = pl.multiple_of(p * window, window)
+    onehot = _token_onehot(expert_tokens, expert, r0, window, plan.rows).astype(cdt)
+    rows = jnp.dot(onehot, table[...], **exact)
+    scratch.gathered[pl.ds(r0, window), :] = rows.astype(cdt)
+    scratch.expert_acc[pl.ds(r0, window), :] = jnp.zeros((window, plan.d), jnp.float32)
+    return carry
+
+  def compute(p, carry):
+    r0 = pl.multiple_of(p * window, window)
+    gate, up = _project_in(plan, scratch.gathered, scratch, slot=slot, r0=r0)
+    act = jax.nn.silu(gate) * up * _token_column(weights, expert, r0, window)
+    # NOTE: list entries past the expert's count may name any token: they add nothing.
+    listed = r0 + lax.broadcasted_iota(jnp.int32, (window, 1), 0) < group_sizes[expert]
+    act = jnp.where(listed, act, 0.0)
+    scratch.expert_acc[pl.ds(r0, window), :] += _project_out(plan, act, scratch, slot=slot)
+    return carry
+
+  def scatter(p, carry):
+    r0 = pl.multiple_of(p * window, window)
+    onehot = _token_onehot(expert_tokens, expert, r0, window, plan.rows).astype(cdt)
+    rows = scratch.expert_acc[pl.ds(r0, window), :].astype(cdt)
+    dims = (((0,), (0,)), ((), ()))
+    scratch.acc[...] += lax.dot_general(onehot, rows, dims, **exact)
+    return carry
+
+  @pl.when(first)
+  def _():
+    lax.fori_loop(0, windows, gather, 0)
+
+  lax.fori_loop(0, windows, compute, 0)
+
+  @pl.when(last)
+  def _():
+    lax.fori_loop(0, windows, scatter, 0)
+
+
 def _token_column(weights, expert, r0, window):
   """[window, 1] routing weights of tokens [r0, r0 + window) for `expert`, from the [E, 1,
   rows] lanes (a column would take 128 lanes of VMEM per token)."""
@@ -476,13 +543,13 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
   group_sizes = refs.pop(0)
   x = refs.pop(0)
   row_weights = refs.pop(0) if has_weights else None
+  expert_tokens = refs.pop(0) if plan.gather else None
   if plan.kind != "float":
     wi, wi_s, wo, wo_s, out, *scr = refs
   else:
     (wi, wo, out, *scr), wi_s, wo_s = refs, None, None
-    scr = scr[:3] + [None, None] + scr[3:]
   w = _Weights(wi=wi, wo=wo, wi_scales=wi_s, wo_scales=wo_s)
-  scratch = _Scratch(*scr)
+  scratch = _Scratch(**dict(zip(_scratch_names(plan), scr, strict=True)))
 
   visited = _metadata(plan, group_sizes, scratch)
   per_expert = plan.core_chunks
@@ -519,7 +586,18 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     expert = scratch.visits[s // per_expert]
     if plan.kind == "block":
       _dequantize_step(plan, scratch, slot=s % 2)
-    _expert_step(plan, (x, row_weights), scratch, expert=expert, slot=s % 2)
+    if plan.gather:
+      _gathered_step(
+        plan,
+        (x, row_weights, expert_tokens, group_sizes),
+        scratch,
+        expert=expert,
+        slot=s % 2,
+        first=s % per_expert == 0,
+        last=s % per_expert == per_expert - 1,
+      )
+    else:
+      _expert_step(plan, (x, row_weights), scratch, expert=expert, slot=s % 2)
     return carry
 
   lax.fori_loop(0, steps, step, 0)
@@ -539,7 +617,9 @@ def _split(w: Any, name: str):
   return w.values, w.scales
 
 
-def _check(x, wi, wo, group_sizes, row_weights, expert_weights) -> tuple[int, int, int]:
+def _check(
+  x, wi, wo, group_sizes, row_weights, expert_weights, expert_tokens
+) -> tuple[int, int, int]:
   common.check_float_array("x", x, ndim=2)
   m, d = x.shape
   e, wd, f2 = wi.shape
@@ -563,6 +643,11 @@ def _check(x, wi, wo, group_sizes, row_weights, expert_weights) -> tuple[int, in
     )
   if row_weights is not None and tuple(row_weights.shape) != (m,):
     raise ValueError(f"row_weights must be [m={m}], got {tuple(row_weights.shape)}.")
+  if expert_tokens is not None and (expert_weights is None or tuple(expert_tokens.shape) != (e, m)):
+    raise ValueError(
+      f"expert_tokens must be [E={e}, m={m}] (each expert's tokens first) and come with "
+      "expert_weights in the same order."
+    )
   if expert_weights is not None and tuple(expert_weights.shape) != (e, m):
     raise ValueError(
       f"expert_weights must be [E={e}, m={m}] (each token's weight for each local expert), "
@@ -579,6 +664,7 @@ def fused_experts(
   *,
   row_weights: jax.Array | None = None,
   expert_weights: jax.Array | None = None,
+  expert_tokens: jax.Array | None = None,
   out_dtype: Any = None,
   chunk: int | None = None,
   plan: FusedPlan | None = None,
@@ -606,7 +692,11 @@ def fused_experts(
       whether it is 0 matters).
     row_weights: optional [m] f32 routing weight of each sorted row, applied to the activation.
     expert_weights: [E, m] f32 each token's routing weight for each local expert (0: not
-      routed there), applied to the activation.
+      routed there), applied to the activation. With `expert_tokens`, in its order.
+    expert_tokens: optional [E, m] int32: expert e's `group_sizes[e]` tokens first (their
+      weights at the same places of `expert_weights`), any value after. The kernel then
+      gathers each visited expert's own tokens instead of running it over all m (worth it
+      above 128 tokens, where all m would take more than one 128-row MXU pass).
     out_dtype: result dtype (default x's).
     chunk: f columns per streamed step (default: `plan_fused`'s).
     plan: a `FusedPlan` from `plan_fused` (default: planned here for the current generation).
@@ -624,9 +714,10 @@ def fused_experts(
   wi_v, wi_s = _split(wi, "wi")
   wo_v, wo_s = _split(wo, "wo")
   group_sizes = jnp.asarray(group_sizes)
-  m, d, f = _check(x, wi_v, wo_v, group_sizes, row_weights, expert_weights)
+  m, d, f = _check(x, wi_v, wo_v, group_sizes, row_weights, expert_weights, expert_tokens)
   kind = weight_kind(wi)
   by_token = expert_weights is not None
+  gather = expert_tokens is not None
   if plan is None:
     plan = plan_fused(
       rows=m,
@@ -640,11 +731,13 @@ def fused_experts(
       block=getattr(wi, "block", quant.BLOCK),
       chunk=chunk,
       by_token=by_token,
+      gather=gather,
     )
-  if plan.by_token != by_token:
+  if (plan.by_token, plan.gather) != (by_token, gather):
     raise ValueError(
-      f"plan.by_token={plan.by_token} but the call passes expert_weights={by_token}; plan with "
-      f"plan_fused(by_token={by_token})."
+      f"plan has by_token={plan.by_token}, gather={plan.gather}, but the call passes "
+      f"expert_weights: {by_token}, expert_tokens: {gather}; plan with "
+      f"plan_fused(by_token={by_token}, gather={gather})."
     )
   if plan.kind == "block":
     # NOTE: the kernel copies a step's scales as leading rows (see `_copies`).
@@ -662,6 +755,12 @@ def fused_experts(
     ew = (jnp.pad(ew, ((0, 0), (0, pad))) if pad else ew)[:, None, :]
     operands.append(ew)
     in_specs.append(whole)
+    if gather:
+      # NOTE: padding entries name no token (-1 matches no row of the one-hot).
+      et = expert_tokens.astype(jnp.int32)
+      et = jnp.pad(et, ((0, 0), (0, pad)), constant_values=-1) if pad else et
+      operands.append(et[:, None, :])
+      in_specs.append(whole)
   elif row_weights is not None:
     rw = row_weights.astype(jnp.float32)
     operands.append(jnp.pad(rw, (0, pad))[:, None] if pad else rw[:, None])
@@ -699,6 +798,19 @@ def fused_experts(
   return out[:m] if pad else out
 
 
+def _scratch_names(plan: FusedPlan) -> list[str]:
+  """The `_Scratch` fields `_scratch_shapes` allocates, in its order."""
+  names = ["acc", "gate_up", "down"]
+  if plan.kind != "float":
+    names += ["gate_up_scales", "down_scales"]
+  names += ["sems", "first_row", "visits"]
+  if plan.kind == "block":
+    names += ["dequant_in", "dequant_out"]
+  if plan.gather:
+    names += ["gathered", "expert_acc"]
+  return names
+
+
 def _scratch_shapes(plan: FusedPlan) -> list[Any]:
   vmem = pltpu.VMEM
   wdt = jnp.dtype(plan.w_dtype)
@@ -721,4 +833,6 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
   if plan.kind == "block":
     cdt = jnp.dtype(plan.x_dtype)
     shapes += [vmem((2, d, c), cdt), vmem((c, d), cdt)]
+  if plan.gather:
+    shapes += [vmem((plan.rows, d), jnp.dtype(plan.x_dtype)), vmem((plan.rows, d), jnp.float32)]
   return shapes

@@ -24,6 +24,7 @@ from tests.kernel_testing import (
 from tests.kernels.test_aot import _device as aot_device
 
 F32 = jnp.float32
+I32 = jnp.int32
 
 
 def np_experts(x, wi, wo, group_sizes, row_weights=None):
@@ -149,6 +150,37 @@ def test_tokens_layout(kind, mode, capfd):
   _check(out, np_token_experts(x, wi64, wo64, ew))
 
 
+@pytest.mark.parametrize("kind", ["float", "block-fp8"])
+@pytest.mark.parametrize("mode", ["hlo", "tpu", "races"])
+def test_gathered_tokens(kind, mode, capfd):
+  """Above one 128-row window of tokens: each expert's own tokens, listed first in
+  `expert_tokens` (entries past its count name random tokens with junk weights), gathered
+  in VMEM, run, and added back; 300 tokens, an expert's list spanning two windows."""
+  m, d, f, e = 300, 256, 256, 4
+  wi, wo, wi64, wo64 = _weights(kind, e=e, d=d, f=f)
+  rng = np.random.default_rng(13)
+  ew = _token_weights(rng, e=e, m=m, k=2)
+  counts = (ew > 0).sum(axis=1)
+  listed = np.arange(m)[None, :] < counts[:, None]
+  order = np.argsort(~(ew > 0), axis=1, kind="stable")
+  tokens = np.where(listed, order, rng.integers(0, m, (e, m))).astype(np.int32)
+  weights = np.where(listed, np.take_along_axis(ew, order, axis=1), 5.0).astype(np.float32)
+  x = random_array(14, (m, d), F32)
+  interpret = {"hlo": True, "tpu": pltpu.InterpretParams(), "races": RACE_PARAMS}[mode]
+  with no_races_or_oob(capfd):
+    out = fe.fused_experts(
+      x,
+      wi,
+      wo,
+      jnp.asarray(counts, jnp.int32),
+      expert_weights=jnp.asarray(weights),
+      expert_tokens=jnp.asarray(tokens),
+      chunk=128,
+      interpret=interpret,
+    )
+  _check(out, np_token_experts(x, wi64, wo64, ew))
+
+
 @pytest.mark.parametrize("by_token", [False, True])
 def test_two_tensorcores(by_token, capfd):
   """A megacore device's split: each of two TensorCores (grid steps under the simulator, with
@@ -252,8 +284,8 @@ AOT_CASES = [
 @pytest.mark.aot
 @pytest.mark.parametrize("gen,kind,d,f,e", AOT_CASES)
 def test_compiles_for_tpu(gen, kind, d, f, e):
-  """Mosaic compiles the kernel (real libtpu, ahead of time) at decode size, 64 rows sorted by
-  expert or 64 tokens; on v5p split over its two TensorCores."""
+  """Mosaic compiles the kernel (real libtpu, ahead of time) at decode size: 64 rows sorted by
+  expert, 64 tokens, 256 tokens gathered per expert; on v5p split over its two TensorCores."""
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -275,6 +307,7 @@ def test_compiles_for_tpu(gen, kind, d, f, e):
     wo = quant.BlockQuantizedWeights(wo_v, sds((e, f // 128, d // 128), F32))
   args = (sds((64, d), jnp.bfloat16), wi, wo, sds((e,), jnp.int32), sds((64,), F32))
   tokens = (*args[:4], sds((e, 64), F32))
+  gathered = (sds((256, d), jnp.bfloat16), *args[1:4], sds((e, 256), F32), sds((e, 256), I32))
 
   def by_rows(x, wi, wo, gs, rw):
     return fe.fused_experts(x, wi, wo, gs, row_weights=rw)
@@ -282,7 +315,10 @@ def test_compiles_for_tpu(gen, kind, d, f, e):
   def by_tokens(x, wi, wo, gs, ew):
     return fe.fused_experts(x, wi, wo, gs, expert_weights=ew)
 
+  def by_gathered(x, wi, wo, gs, ew, et):
+    return fe.fused_experts(x, wi, wo, gs, expert_weights=ew, expert_tokens=et)
+
   with tiling.use_generation(gen), jax.default_device(dev):
-    for fn, a in ((by_rows, args), (by_tokens, tokens)):
+    for fn, a in ((by_rows, args), (by_tokens, tokens), (by_gathered, gathered)):
       compiled = jax.jit(fn).lower(*a).compile()
       assert "pallas_moe_fused_experts" in compiled.as_text()

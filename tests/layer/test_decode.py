@@ -65,15 +65,18 @@ def _run(params, x, config, **kw):
   return jax.jit(lambda p, x: decode.moe_decode(p, x, config, _mesh(), **kw))(params, x)
 
 
-@pytest.mark.parametrize("per_device", [1, 8])
+@pytest.mark.parametrize("per_device", [1, 8, 40])
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_matches_hf_float64(family, per_device):
   """Greedy softmax routing (Qwen3) and DeepSeek-V3's biased group-limited routing with a
-  shared expert; at one token per device some devices hold no routed row at all."""
+  shared expert; at one token per device some devices hold no routed row at all; at 40, 160
+  tokens on the expert axis: each expert's own tokens gathered in the kernel."""
   config = CONFIGS[family]
   sd = hf_state_dict(family, fused=False)
   x = _tokens(config.d_model, per_device)
   params = from_hf(sd, config)
+  plan = decode.plan_decode(config, tokens_per_device=per_device, expert_parallelism=EP)
+  assert plan.fused.gather == (per_device * EP > decode.GATHER_ABOVE)
   ids = hf_choice(family, sd, x.astype(np.float64))
   if per_device == 1:
     assert _empty_devices(ids, num_experts=config.num_experts, per_device=1) > 0
@@ -114,9 +117,9 @@ def test_deepseek_v3_fp8_checkpoint(per_device):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_above_the_fused_path(fp8):
-  """320 tokens on the expert axis: moe_block's forward (fp8 block-scaled experts dequantized
+  """640 tokens on the expert axis: moe_block's forward (fp8 block-scaled experts dequantized
   for its gmms), still equal to HF's float64 forward."""
-  per_device = 80
+  per_device = 160
   if fp8:
     config = _fp8_config(gmm_impl="xla")
     sd = fp8_state_dict(config)
@@ -144,8 +147,8 @@ def test_plan_and_errors():
   plan = decode.plan_decode(config, tokens_per_device=8, expert_parallelism=EP)
   assert plan.path == "fused" and plan.fused.by_token and plan.fused.rows == EP * 8
   assert "fused kernel" in plan.describe()
-  big = decode.plan_decode(config, tokens_per_device=128, expert_parallelism=EP)
-  assert big.path == "block" and "512 > 256 tokens" in big.describe()
+  big = decode.plan_decode(config, tokens_per_device=256, expert_parallelism=EP)
+  assert big.path == "block" and "1024 > 512 tokens" in big.describe()
   params = moe.init_params(jax.random.key(0), config)
   x = jnp.zeros((4, config.d_model))
   with pytest.raises(ValueError, match="plan is for 8 tokens"):
