@@ -32,6 +32,7 @@ exchange, the gmm kernels), without its aux outputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -43,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from pallas_moe import fused_experts as fe
 from pallas_moe import mesh as mesh_lib
 from pallas_moe import quant
+from pallas_moe.block_plan import BlockPlan, plan_block
 from pallas_moe.config import MoEConfig
 from pallas_moe.moe import _axis_size, expert_slots, moe_block, param_specs, shared_mlp
 from pallas_moe.routing import BIAS_KEY, route
@@ -72,14 +74,20 @@ class DecodePlan:
     expert_parallelism: devices on the expert axis.
     path: "fused" (all-gather, the fused kernel over the ep * T tokens, reduce-scatter) or
       "block" (`moe.moe_block`'s forward: more tokens than the fused path takes).
-    fused: the fused kernel's plan (path "fused").
-    reason: why the path is "block" (empty for "fused").
+    fused: the fused kernel's plan (path "fused"), for one chunk of the tokens.
+    chunks: path "fused": the T tokens run as this many chunks of T / chunks, one after the
+      other, each reading its chosen experts' weights (block-scaled weights past the fused
+      path's token count, which the gmm kernels do not take).
+    block: path "block": `moe_block`'s plan.
+    reason: why the path or the chunks (empty when the tokens fit one fused call).
   """
 
   tokens: int
   expert_parallelism: int
   path: str
-  fused: fe.FusedPlan | None
+  fused: fe.FusedPlan | None = None
+  chunks: int = 1
+  block: BlockPlan | None = None
   reason: str = ""
 
   def describe(self) -> str:
@@ -87,10 +95,11 @@ class DecodePlan:
     if self.fused is None:
       return head + f"moe_block's forward ({self.reason})"
     p = self.fused
+    chunks = f" in {self.chunks} chunks ({self.reason})" if self.chunks > 1 else ""
+    layout = "each expert's tokens gathered" if p.gather else "every expert over all tokens"
     return head + (
-      f"the fused kernel over {self.tokens * self.expert_parallelism} tokens (chunk {p.chunk} "
-      f"of f={p.f}, {p.cores} TensorCore(s), {p.kind} weights, {p.vmem_bytes / 2**20:.1f} MiB "
-      "VMEM)"
+      f"the fused kernel over {p.rows} tokens per call{chunks}, {layout} (chunk {p.chunk} of "
+      f"f={p.f}, {p.cores} TensorCore(s), {p.kind} weights, {p.vmem_bytes / 2**20:.1f} MiB VMEM)"
     )
 
 
@@ -123,31 +132,51 @@ def plan_decode(
   Returns:
     A `DecodePlan`.
   """
-  ep = expert_parallelism
+  ep, t = expert_parallelism, tokens_per_device
   e_local = _local_experts(config, ep)
-  tokens = ep * tokens_per_device
   kind = fe.weight_kind(weights) if weights is not None else "float"
-  w_dtype = weights.dtype if weights is not None else config.weight_dtype
-  plan = functools.partial(DecodePlan, tokens=tokens_per_device, expert_parallelism=ep)
-  if tokens > MAX_FUSED_TOKENS:
-    return plan(path="block", fused=None, reason=f"{tokens} > {MAX_FUSED_TOKENS} tokens")
-  try:
-    fused = fe.plan_fused(
-      rows=tokens,
+  plan = functools.partial(DecodePlan, tokens=t, expert_parallelism=ep)
+
+  def fused(chunk_tokens: int) -> fe.FusedPlan:
+    return fe.plan_fused(
+      rows=ep * chunk_tokens,
       d=config.d_model,
       f=config.expert_ffn_dim,
       num_experts=e_local,
       x_dtype=config.compute_dtype,
-      w_dtype=w_dtype,
+      w_dtype=weights.dtype if weights is not None else config.weight_dtype,
       kind=kind,
       block=getattr(weights, "block", quant.BLOCK),
       generation=generation,
       by_token=True,
-      gather=tokens > GATHER_ABOVE,
+      gather=ep * chunk_tokens > GATHER_ABOVE,
     )
-  except ValueError as e:
-    return plan(path="block", fused=None, reason=str(e))
-  return plan(path="fused", fused=fused)
+
+  if kind == "block":
+    # NOTE: block-scaled weights run only in the fused kernel: in chunks where the tokens are
+    # more than one call takes (each chunk reads its chosen experts' weights again).
+    errors = []
+    for chunks in (c for c in range(1, t + 1) if t % c == 0):
+      if ep * t // chunks > MAX_FUSED_TOKENS:
+        continue
+      try:
+        reason = f"{ep * t} tokens > {MAX_FUSED_TOKENS} per call" if chunks > 1 else ""
+        return plan(path="fused", fused=fused(t // chunks), chunks=chunks, reason=reason)
+      except ValueError as e:
+        errors.append(str(e))
+    raise ValueError(
+      f"block-scaled experts run only in the fused kernel, and no chunk of the {t} tokens per "
+      f"device fits it: {errors[-1] if errors else ''} Load them with "
+      "from_hf(..., quantized_experts='dequantize') to run the gmm path."
+    )
+  reason = f"{ep * t} > {MAX_FUSED_TOKENS} tokens"
+  if ep * t <= MAX_FUSED_TOKENS:
+    try:
+      return plan(path="fused", fused=fused(t))
+    except ValueError as e:
+      reason = str(e)
+  block = plan_block(config, tokens_per_device=t, expert_parallelism=ep, tensor_parallelism=1)
+  return plan(path="block", block=block, reason=reason)
 
 
 def _check(config: MoEConfig, wi) -> None:
@@ -244,9 +273,34 @@ def decode_block(
       f"expert_parallelism={ep})."
     )
   if plan.path == "block":
-    return moe_block(_gmm_weights(params, config), x, config)[0]
-  e_local = _local_experts(config, ep)
+    return moe_block(_gmm_weights(params, config), x, config, plan=plan.block)[0]
   x = x.astype(dt)
+  tc = t // plan.chunks
+  ys = []
+  for c in range(plan.chunks):
+    with jax.named_scope(f"chunk_{c}") if plan.chunks > 1 else contextlib.nullcontext():
+      ys.append(
+        _routed(
+          params, x[c * tc : (c + 1) * tc], config, plan=plan, ep_axis=ep_axis, interpret=interpret
+        )
+      )
+  y = ys[0] if plan.chunks == 1 else jnp.concatenate(ys, axis=0)
+  if config.shared_width:
+    gate = params["shared_gate"] if config.shared_expert_gate else None
+    y = y + shared_mlp(
+      x,
+      params["shared_wi"],
+      params["shared_wo"],
+      gate=gate,
+      float32_gate=config.float32_gate_logits,
+    )
+  return y.astype(dt)
+
+
+def _routed(params, x, config: MoEConfig, *, plan: DecodePlan, ep_axis, interpret):
+  """The routed experts' output [T, d] f32 for one chunk of this device's tokens."""
+  ep = plan.expert_parallelism
+  e_local = _local_experts(config, ep)
   with jax.named_scope("dispatch"):
     tokens = x if ep == 1 else jax.lax.all_gather(x, ep_axis, tiled=True)
   with jax.named_scope("route"):
@@ -254,9 +308,9 @@ def decode_block(
   with jax.named_scope("sort"):
     me = jax.lax.axis_index(ep_axis) if ep_axis is not None else 0
     weights, counts = _expert_weights(routing, config=config, ep_index=me, e_local=e_local)
-    lists = _token_lists(weights) if plan.fused.gather else None
-    if lists is not None:
-      weights, lists = lists
+    lists = None
+    if plan.fused.gather:
+      weights, lists = _token_lists(weights)
   with jax.named_scope("experts"):
     y = fe.fused_experts(
       tokens,
@@ -271,16 +325,7 @@ def decode_block(
   with jax.named_scope("combine"):
     if ep > 1:
       y = jax.lax.psum_scatter(y, ep_axis, tiled=True)
-  if config.shared_width:
-    gate = params["shared_gate"] if config.shared_expert_gate else None
-    y = y + shared_mlp(
-      x,
-      params["shared_wi"],
-      params["shared_wo"],
-      gate=gate,
-      float32_gate=config.float32_gate_logits,
-    )
-  return y.astype(dt)
+  return y
 
 
 def moe_decode(

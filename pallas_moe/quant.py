@@ -265,8 +265,12 @@ def quantize_blocks(
 def dequantize_blocks(q: BlockQuantizedWeights, *, dtype: Any = jnp.float32) -> jax.Array:
   """`values * scales` with each scale repeated over its tile, in `dtype` (f32 by default)."""
   check_block_quantized(q)
-  s = jnp.repeat(jnp.repeat(q.scales, q.block, axis=1), q.block, axis=2)
-  return (q.values.astype(jnp.float32) * s).astype(dtype)
+  g, k, n = q.values.shape
+  b = q.block
+  # NOTE: a broadcast over [G, k/b, b, n/b, b] (one elementwise pass), not repeated scales (a
+  # full-size f32 array written and read back).
+  tiles = q.values.reshape(g, k // b, b, n // b, b).astype(jnp.float32)
+  return (tiles * q.scales[:, :, None, :, None]).reshape(g, k, n).astype(dtype)
 
 
 def check_block_quantized(q: Any) -> None:

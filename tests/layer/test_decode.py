@@ -117,8 +117,9 @@ def test_deepseek_v3_fp8_checkpoint(per_device):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_above_the_fused_path(fp8):
-  """640 tokens on the expert axis: moe_block's forward (fp8 block-scaled experts dequantized
-  for its gmms), still equal to HF's float64 forward."""
+  """640 tokens on the expert axis: moe_block's forward for float experts, two fused calls of
+  320 tokens for fp8 block-scaled ones (the gmm kernels do not take them); equal to HF's
+  float64 forward."""
   per_device = 160
   if fp8:
     config = _fp8_config(gmm_impl="xla")
@@ -136,7 +137,10 @@ def test_above_the_fused_path(fp8):
   plan = decode.plan_decode(
     config, tokens_per_device=per_device, expert_parallelism=EP, weights=params["wi"]
   )
-  assert plan.path == "block"
+  if fp8:
+    assert plan.path == "fused" and plan.chunks == 2 and plan.fused.gather
+  else:
+    assert plan.path == "block" and plan.block.tokens_per_device == per_device
   x = _tokens(config.d_model, per_device)
   want = hf_moe(np, family, ref, x, hf_choice(family, ref, x.astype(np.float64)))
   _close(_run(params, jnp.asarray(x), config), want)
@@ -217,6 +221,18 @@ def test_deepseek_v3_fp8_compiles(gen):
   topology = tiling.get_generation(gen).aot_topology
   compiled = _compile_decode(topology, _deepseek_v3(), per_device=8, fp8=True)
   assert "pallas_moe_fused_experts" in compiled.as_text()
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("fp8", [False, True])
+def test_large_batches_compile(fp8):
+  """Past the fused path's 512 tokens (256 per device at EP 4) on v6e: moe_block's forward for
+  bf16 weights, planned outside the shard_map; two fused calls for fp8 block-scaled ones."""
+  fields = _deepseek_v3() if fp8 else _qwen3()
+  compiled = _compile_decode("v6e:2x2", fields, per_device=256, fp8=fp8)
+  text = compiled.as_text()
+  kernels = text.count("pallas_moe_fused_experts") if fp8 else text.count("tpu_custom_call")
+  assert kernels >= 2
 
 
 @pytest.mark.aot
