@@ -12,14 +12,20 @@ exchange) four ways, fixed costs included:
 
 - "moe_decode" (the headline): ours as the serving path `pallas_moe.decode.moe_decode` runs it,
   planned by its own `plan_decode`. Path "fused" (ep x T <= `MAX_FUSED_TOKENS` and VMEM fits):
-  one `fused_experts` call in the tokens layout: every visited local expert (one a token chose)
-  runs over all ep x T tokens, ceil(padded tokens / window) windows per step, each token's
-  product scaled by its routing weight. Path "block" (more tokens, or VMEM does not fit):
-  `moe.moe_block`'s forward, our two row-tile gmm calls (gate/up, then down) over its receive
-  buffer (`block_plan.plan_block`'s rows, tiles and expected rows), each costed by
-  `bench.costmodel` on the real pallas_call as `bench.impls`' "pallas_moe-moe" builds it, with
-  the SwiGLU fusion between them; block-scaled weights have no block path (its gmm does not
-  take them): "no path".
+  one `fused_experts` call in the tokens layout, each token's product scaled by its routing
+  weight. Up to `GATHER_ABOVE` tokens every visited local expert (one a token chose) runs over
+  all ep x T tokens, one 128-row window per step; above, each visited expert runs over its own
+  tokens only (`FusedPlan.gather`): at its first chunk (per TensorCore) it gathers them into
+  ceil(count / 128) windows by a one-hot [128, N] x [N, d] product per window, each step runs
+  gate/up/down over those windows, and at its last chunk it adds them back by the transposed
+  product ([128, N] contracted over the 128 with [128, d]), both bf16 on the MXU. Block-scaled
+  weights above `MAX_FUSED_TOKENS` (or where VMEM does not fit one call) run the same kernel in
+  `DecodePlan.chunks` sequential calls of T / chunks tokens per device, each reading its chosen
+  experts' weights again and paying its own fixed costs. Path "block" (float weights above
+  `MAX_FUSED_TOKENS`, or VMEM does not fit): `moe.moe_block`'s forward at `plan_decode`'s
+  `plan_block(..., tensor_parallelism=1)`, our two row-tile gmm calls (gate/up, then down) over
+  its receive buffer, each costed by `bench.costmodel` on the real pallas_call as
+  `bench.impls`' "pallas_moe-moe" builds it, with the SwiGLU fusion between them.
 - "fused": the same kernel on the routed rows sorted by expert (`fused_experts` without
   `expert_weights`), whole experts packed into the fewest calls whose rows fit VMEM: what the
   kernel alone does where the serving path leaves it.
@@ -38,25 +44,31 @@ each copying `FusedPlan.step_weight_bytes`. On a device with two TensorCores (v5
 (2,) "parallel" and each core streams `FusedPlan.core_chunks` of every visited expert: each core
 is modeled at one TensorCore's rates with its half of the steps, the call's time is the busiest
 core's, and one XLA op adds the two f32 partial sums after the call. Per core: the activations'
-copies (rows in, routing weights in, result out) and the first step's weight copy are exposed,
-and each step costs max(its MXU work, the next step's copy), the copies being double-buffered.
+copies (rows in, routing weights in, result out; the inputs are read whole into one VMEM copy)
+and the first step's weight copy are exposed, and each step costs max(its MXU work, the next
+step's copy), the copies being double-buffered.
 MXU work per window of rows and step: one [window, d] x [d, chunk] product each for gate and up,
 one [window, chunk] x [chunk, d] for down, the window padded to `generations.min_pass_rows`,
 contraction and columns to the MXU edge (what `bench.costmodel` charges the kernel's dots), at one
-TensorCore's bf16 peak. 8-bit weights are upcast in VMEM, and block-scaled ones dequantized there
-per step (about `DEQUANT_VPU_OPS` VPU operations per weight element: upcast, scale multiply,
-downcast): that VPU work is not modeled.
+TensorCore's bf16 peak; in the gathered layout, a visited expert's first step on a core adds its
+windows' one-hot gathers and its last step their transposed adds (`gather_macs`). 8-bit weights
+are upcast in VMEM, and block-scaled ones dequantized there per step (about `DEQUANT_VPU_OPS` VPU
+operations per weight element: upcast, scale multiply, downcast): that VPU work is not modeled,
+nor the gathered layout's VPU work (building the one-hots, the [N, d] f32 add per window added
+back).
 
 Group sizes: one seeded draw per (model, ep, tokens): ep x tokens tokens each choose top_k
 distinct experts uniformly; a device's local experts are a contiguous block of E / ep. Reported:
 the device with the most non-empty local experts (ties: the most rows), since the layer waits for
-its slowest device.
+its slowest device. Calls over chunks of the tokens take that device's share of each chunk (the
+all-gathered tokens are device-major; chunk c holds each device's c-th T / chunks).
 
 Fixed costs (`bench.costmodel.fixed_cost_us`): per Pallas call, measured - modeled of tokamax's one
 small measured problem (`fit_call_fixed_us`); per XLA instruction, an assumption
 (`costmodel.XLA_OP_FIXED_US`). `sensitivity` shows how the ratios move with both. The layer's
-other XLA instructions (routing, the exchange) are not expert work: `DECODE_XLA_OPS` and
-`LAYER_XLA_OPS` give their fixed cost apart from the ratios.
+other XLA instructions (routing, the exchange) are not expert work: `DECODE_XLA_OPS`,
+`GATHER_XLA_OPS`, `BLOCK_LAYER_XLA_OPS` and `LAYER_XLA_OPS` give their fixed cost apart from the
+ratios.
 """
 
 from __future__ import annotations
@@ -101,19 +113,31 @@ __all__ = [
   "MEGABLOX_XLA_OPS",
   "DECODE_XLA_OPS",
   "LAYER_XLA_OPS",
+  "BLOCK_LAYER_XLA_OPS",
   "BLOCK_EXPERT_XLA_OPS",
+  "GATHER_XLA_OPS",
+  "route_choices",
   "route",
+  "chunk_sizes",
   "busiest_device",
   "expert_bytes",
   "device_bandwidth",
   "max_call_rows",
   "pack_calls",
   "window_macs",
+  "gather_macs",
   "expert_windows",
   "activation_bytes",
   "model_fused",
   "model_serving",
+  "serving_plan",
+  "path_label",
+  "path_kind",
+  "PATH_KINDS",
   "model_block_path",
+  "dequant_alternative",
+  "DEQUANT_XLA_OPS",
+  "DEQUANT_BYTES_PER_ELEMENT",
   "model_tpu_inference",
   "model_megablox",
   "fit_call_fixed_us",
@@ -150,22 +174,45 @@ MAXTEXT_PAD_ROWS = 512
 # identical ones), so this is per layer, not per call. Buffers of 8,192-32,768 rows compile to
 # 67-114: the figure is low for megablox's larger buffers (128 tokens at EP 8 and 32).
 MEGABLOX_XLA_OPS = 45
-# NOTE: `moe_decode`'s compiled layer (Qwen3-30B-A3B dims, 8 tokens per device, EP 4, v6e):
-# 34 top-level instructions, 22 beside parameters, tuples, bitcasts and constants, one of them
-# the Mosaic call. None of the 22 is expert work (routing, the selection fusion, the all-gather,
-# the reduce-scatter): they are reported apart from the ratios. `moe_layer`'s forward, which the
-# block path runs, compiles to 128 (`bench/results/decode-ops.md`), 38 of them in its experts
-# scope (the two gmm calls' group metadata, the receiver's expand and reduce): the block path's
-# expert work pays those 38.
-DECODE_XLA_OPS = 22
-LAYER_XLA_OPS = 128
-BLOCK_EXPERT_XLA_OPS = 38
+# NOTE: `moe_decode`'s compiled layer (`python -m bench.decode_ops`: Qwen3-30B-A3B dims, EP 4,
+# v6e:2x2, jax 0.12.0.1, libtpu 0.0.50.1, at 9110b14): 8 tokens per device, 33 top-level
+# instructions, 21 beside parameters, tuples, bitcasts and constants, one of them the Mosaic
+# call (`bench/results/decode-ops.md`'s 22 predate 63650e8, which dropped a layout op of the
+# routing weights). None of the 21 is expert work (routing, the selection fusion, the all-gather,
+# the reduce-scatter): they are reported apart from the ratios. At 64 tokens per device (256 on
+# the expert axis, the gathered layout) it compiles to 26: `GATHER_XLA_OPS` more (the token
+# lists' iota and sort of [E_l, N] and a fusion in the sort scope, two reshapes of the lists for
+# the kernel). A call over chunks of the tokens repeats its all-gather, routing and sort: chunks
+# x (21 + 5) and one concatenate (an estimate: not compiled). The block path, `moe_block`'s
+# forward, at 256 tokens per device (1,024 on the expert axis, past the fused path): 210
+# top-level, 143 costed, both for `moe_decode` and `moe_layer` (`--path layer`), 52 of them in
+# the experts scope (the two gmm calls' group metadata, the receiver's expand and reduce): the
+# block path's expert work pays those 52, the rest is reported apart. `moe_layer`'s forward at
+# 8 tokens per device compiles to 124 costed (38 experts scope; `bench/results/decode-ops.md`):
+# the column ours is compared with.
+DECODE_XLA_OPS = 21
+GATHER_XLA_OPS = 5
+LAYER_XLA_OPS = 124
+BLOCK_LAYER_XLA_OPS = 143
+BLOCK_EXPERT_XLA_OPS = 52
+# NOTE: a side note only (`dequant_alternative`; `moe_decode` never dequantizes block-scaled
+# experts now): `quant.dequantize_blocks` on DeepSeek-V3's 8 local experts' wi and wo to bf16,
+# compiled ahead of time for v6e:2x2 (jax 0.12.0.1, libtpu 0.0.50.1, at 9110b14): 14 top-level
+# instructions, 9 costed, 19.0 HBM bytes accessed per weight element (`cost_analysis`). The
+# scales' broadcast over [E, k/b, b, n/b, b] is not fused into the multiply: XLA writes it as an
+# f32 array of the weights' shape (4 bytes per element), a reshape copies it to the weights'
+# tiling (4 + 4), and the multiply-convert fusion reads it with the fp8 values (4 + 1) and writes
+# bf16 (2). One fusion per weight would move 3 (fp8 in, bf16 out) plus the scales.
+DEQUANT_XLA_OPS = 9
+DEQUANT_BYTES_PER_ELEMENT = 19
+_ONE_FUSION_BYTES_PER_ELEMENT = 3
+_ONE_FUSION_XLA_OPS = 2
 # NOTE: VPU operations per weight element of the fused kernel's block-scaled dequantization
 # (upcast to f32, the scale's multiply, the cast to the compute dtype): not modeled.
 DEQUANT_VPU_OPS = 3
 # Bytes of a block scale (DeepSeek-V3 stores f32 `weight_scale_inv`).
 _SCALE_BYTES = 4
-# NOTE: a [rows, 1] f32 column (a routing weight per row) is laid out in 128 lanes.
+# NOTE: the sorted-rows layout's [rows, 1] f32 row weights: a column laid out in 128 lanes.
 _COLUMN_BYTES = 128 * 4
 _ASSUMED_CALL_US = 2.0
 _OP_US_GRID = (0.25, 0.5, 1.0, 2.0)
@@ -218,25 +265,56 @@ MODELS = (
 # Routing and the floor.
 
 
-def route(*, experts: int, top_k: int, ep: int, tokens: int, seed: int = SEED) -> np.ndarray:
-  """Rows per local expert of every device after one seeded routing draw.
+def route_choices(*, experts: int, top_k: int, ep: int, tokens: int, seed: int = SEED):
+  """Each token's experts after one seeded routing draw.
 
   Args:
     experts: E.
     top_k: experts per token (distinct).
-    ep: devices (expert-parallel degree); device r holds experts [r E / ep, (r + 1) E / ep).
-    tokens: tokens per device (ep x tokens in all).
+    ep: devices (expert-parallel degree).
+    tokens: tokens per device (ep x tokens in all, device-major: device r's are r T to
+      (r + 1) T - 1, as `moe_decode`'s all-gather lays them out).
     seed: numpy seed.
 
   Returns:
-    int32 [ep, E / ep].
+    int [ep x tokens, top_k].
   """
   rng = np.random.default_rng(seed)
   keys = rng.random((ep * tokens, experts))
   # NOTE: the top_k smallest of i.i.d. uniform keys: a uniform subset of top_k distinct experts.
-  choice = np.argpartition(keys, top_k - 1, axis=1)[:, :top_k]
+  return np.argpartition(keys, top_k - 1, axis=1)[:, :top_k]
+
+
+def route(*, experts: int, top_k: int, ep: int, tokens: int, seed: int = SEED) -> np.ndarray:
+  """Rows per local expert of every device after one seeded routing draw (`route_choices`);
+  device r holds experts [r E / ep, (r + 1) E / ep).
+
+  Returns:
+    int32 [ep, E / ep].
+  """
+  choice = route_choices(experts=experts, top_k=top_k, ep=ep, tokens=tokens, seed=seed)
   sizes = np.bincount(choice.ravel(), minlength=experts)
   return sizes.reshape(ep, experts // ep).astype(np.int32)
+
+
+def chunk_sizes(
+  *, experts: int, top_k: int, ep: int, tokens: int, chunks: int, device: int, seed: int = SEED
+) -> np.ndarray:
+  """One device's rows per local expert in each of `chunks` calls over T / chunks tokens per
+  device (`decode.decode_block`: call c takes each device's c-th T / chunks tokens).
+
+  Returns:
+    int32 [chunks, E / ep], summing over the calls to `route(...)[device]`.
+  """
+  choice = route_choices(experts=experts, top_k=top_k, ep=ep, tokens=tokens, seed=seed)
+  local = experts // ep
+  tc = tokens // chunks
+  out = np.zeros((chunks, local), np.int32)
+  for c in range(chunks):
+    rows = choice.reshape(ep, chunks, tc, top_k)[:, c].ravel()
+    mine = rows[(rows >= device * local) & (rows < (device + 1) * local)] - device * local
+    out[c] = np.bincount(mine, minlength=local)
+  return out
 
 
 def busiest_device(sizes: np.ndarray) -> int:
@@ -349,13 +427,39 @@ def window_macs(plan: fe.FusedPlan, generation) -> float:
   return float(2 * rows * pad(d) * pad(c) + rows * pad(c) * pad(d))
 
 
+def gather_macs(plan: fe.FusedPlan, generation) -> tuple[float, float]:
+  """Padded MACs of one window's one-hot gather and of its transposed add, as
+  `bench.costmodel.kernel_dot_macs` counts them (`fused_experts._gathered_step`).
+
+  Returns:
+    (gather: [window, N] x [N, d], N = `plan.rows`; add back: [window, N] contracted over the
+    window with [window, d] into [N, d]): each window x N x d true MACs, the contraction and the
+    columns padded to the MXU edge (the add back's 128-deep contraction pads to 256 on a 256-wide
+    MXU). (0, 0) unless `plan.gather`.
+  """
+  if not plan.gather:
+    return 0.0, 0.0
+  gen = get_generation(generation)
+  mxu = gen.mxu_size
+
+  def pad(x: int) -> int:
+    return -(-x // mxu) * mxu
+
+  n, w, d = plan.rows, plan.window, plan.d
+  return float(max(w, min_pass_rows(gen)) * pad(n) * pad(d)), float(n * pad(w) * pad(d))
+
+
 def expert_windows(plan: fe.FusedPlan, sizes: np.ndarray) -> np.ndarray:
-  """Window passes per expert and step, as the kernel loops (`fused_experts._expert_step`).
+  """Window passes per expert and step, as the kernel loops (`fused_experts._expert_step`,
+  `_gathered_step`).
 
   Sorted rows: from the expert's first row rounded down to `plan.align` to its end, `plan.window`
-  rows at a time. Tokens (`plan.by_token`): every visited expert over all `plan.rows` tokens.
+  rows at a time. Tokens (`plan.by_token`): every visited expert over all `plan.rows` tokens;
+  gathered (`plan.gather`): over its own tokens, ceil(tokens / `plan.window`) windows.
   """
   sizes = np.asarray(sizes, np.int64)
+  if plan.gather:
+    return -(-sizes // plan.window)
   if plan.by_token:
     return np.where(sizes > 0, -(-plan.rows // plan.window), 0)
   ends = np.cumsum(sizes)
@@ -365,12 +469,17 @@ def expert_windows(plan: fe.FusedPlan, sizes: np.ndarray) -> np.ndarray:
 
 def activation_bytes(plan: fe.FusedPlan) -> int:
   """HBM bytes one TensorCore's call copies besides the weights, all exposed: its rows in, the
-  routing weights in ([E_l, rows, 1] tokens layout or [rows, 1], a column in 128 lanes), its
-  result out (the f32 partial sum where the call is split over TensorCores)."""
+  routing weights in (tokens layout: [E_l, 1, rows] f32, E_l x rows x 4 bytes, and as much again
+  for the gathered layout's [E_l, 1, rows] int32 token lists; sorted rows: [rows, 1] f32, a
+  column in 128 lanes), its result out (the f32 partial sum where the call is split over
+  TensorCores)."""
   x_item = jnp.dtype(plan.x_dtype).itemsize
   out_item = 4 if plan.cores > 1 else jnp.dtype(plan.out_dtype).itemsize
-  columns = plan.num_experts if plan.by_token else 1
-  return plan.rows * plan.d * (x_item + out_item) + columns * plan.rows * _COLUMN_BYTES
+  if plan.by_token:
+    weights = plan.num_experts * plan.rows * 4 * (2 if plan.gather else 1)
+  else:
+    weights = plan.rows * _COLUMN_BYTES
+  return plan.rows * plan.d * (x_item + out_item) + weights
 
 
 def _partial_sum_s(plan: fe.FusedPlan, gen) -> float:
@@ -383,11 +492,19 @@ def _partial_sum_s(plan: fe.FusedPlan, gen) -> float:
 
 def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> dict:
   """One call's schedule on one of its TensorCores (each streams `plan.core_chunks` of every
-  visited expert, so all are alike), at one TensorCore's rates (seconds and bytes)."""
+  visited expert, so all are alike), at one TensorCore's rates (seconds and bytes). Gathered: a
+  visited expert's first step adds its windows' one-hot gathers, its last step their adds back
+  (on each core)."""
   flops, bw = tensorcore_rates(gen)
   visits = np.arange(len(sizes)) if visit_all else np.flatnonzero(sizes)
   per_window = window_macs(plan, gen) * 2 / flops
-  mxu = np.repeat(expert_windows(plan, sizes)[visits] * per_window, plan.core_chunks)
+  windows = expert_windows(plan, sizes)[visits]
+  mxu = np.repeat(windows * per_window, plan.core_chunks).reshape(len(visits), plan.core_chunks)
+  gather, scatter = (m * 2 / flops for m in gather_macs(plan, gen))
+  if plan.gather and len(visits):
+    mxu[:, 0] += windows * gather
+    mxu[:, -1] += windows * scatter
+  mxu = mxu.ravel()
   steps = len(mxu)
   dma = plan.step_weight_bytes / bw
   nxt = np.full(steps, dma)
@@ -403,6 +520,7 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
     stream_s=stream,
     mxu_excess_s=stream - float(nxt.sum()),
     mxu_s=float(mxu.sum()),
+    gather_mxu_s=float(windows.sum() * (gather + scatter)),
     dma_s=steps * dma,
   )
 
@@ -421,6 +539,7 @@ def _summed(parts: list[dict], plans: list[fe.FusedPlan], gen, **extra) -> dict:
     core_steps=core_steps,
     weight_bytes_read=int(sum(p["weight_bytes"] for p in parts)),
     mxu_us=total("mxu_s"),
+    gather_mxu_us=total("gather_mxu_s"),
     dma_us=total("dma_s"),
     io_us=total("io_s"),
     exposed_us=total("exposed_s"),
@@ -456,8 +575,9 @@ def model_fused(model: DecodeModel, weights: str, sizes: np.ndarray, chip: str) 
   Returns:
     kernel_us (per-call and per-op fixed costs not included), calls, xla_ops (the partial sums
     of split calls), steps (all cores'), core_steps (one core's), weight_bytes_read; per core:
-    mxu_us, dma_us, io_us (activation copies), exposed_us (first weight copies), mxu_excess_us
-    (time the MXU work adds over the stream of copies); partial_sum_us, chunk (the narrowest of
+    mxu_us (gather_mxu_us of it: the gathered layout's one-hot products), dma_us, io_us
+    (activation copies), exposed_us (first weight copies), mxu_excess_us (time the MXU work adds
+    over the stream of copies); partial_sum_us, chunk (the narrowest of
     the calls'), window, tensorcores, step_overhead_us (the generation's per-step overhead times
     one core's steps: not charged, see `sensitivity`).
   """
@@ -509,35 +629,86 @@ def _stored(model: DecodeModel, weights: str, local: int):
   return quant.BlockQuantizedWeights(values=values, scales=scales, block=b)
 
 
+def serving_plan(
+  model: DecodeModel, weights: str, chip: str, *, ep: int, tokens: int
+) -> serving.DecodePlan:
+  """`plan_decode`'s plan for the device's local experts on `chip` (its block path's
+  `plan_block` under that generation's tiling, as on the chip)."""
+  from pallas_moe import tiling as tiling_lib
+
+  gen = get_generation(chip)
+  with tiling_lib.use_generation(gen):
+    return serving.plan_decode(
+      model.config(),
+      tokens_per_device=tokens,
+      expert_parallelism=ep,
+      weights=_stored(model, weights, model.experts // ep),
+      generation=gen,
+    )
+
+
+def _layer_ops(plan: serving.DecodePlan) -> int:
+  """The layer's XLA instructions beside the expert work: per fused call its all-gather,
+  routing and sort (`DECODE_XLA_OPS`, `GATHER_XLA_OPS` more for the token lists), one
+  concatenate after calls over chunks; `moe_layer`'s forward on the block path."""
+  if plan.path == "block":
+    return BLOCK_LAYER_XLA_OPS
+  per_call = DECODE_XLA_OPS + (GATHER_XLA_OPS if plan.fused.gather else 0)
+  return plan.chunks * per_call + (plan.chunks > 1)
+
+
 def model_serving(
-  model: DecodeModel, weights: str, sizes: np.ndarray, chip: str, *, ep: int, tokens: int
+  model: DecodeModel,
+  weights: str,
+  sizes: np.ndarray,
+  chip: str,
+  *,
+  ep: int,
+  tokens: int,
+  device: int | None = None,
 ) -> dict:
   """Ours as `pallas_moe.decode.moe_decode` runs it, on the path its `plan_decode` picks.
 
-  Path "fused": one `fused_experts` call in the tokens layout, every visited expert over the
-  ep x T tokens. Path "block": `model_block_path`. Path "none": block-scaled weights where the
-  plan leaves the fused kernel (`moe_block`'s gmm does not take them).
+  Path "fused": `fused_experts` in the tokens layout (every visited expert over all ep x T
+  tokens, or gathered: over its own), in `plan.chunks` calls over T / chunks tokens per device
+  one after the other (block-scaled weights past one call's tokens), each streaming the experts
+  its tokens chose. Path "block": `model_block_path` at the plan's `plan_block`.
+
+  Args:
+    device: the device `sizes` is (default: `busiest_device` of the draw); its share of each
+      chunk's tokens where the plan runs several calls.
 
   Returns:
-    As `model_fused` plus path, reason (why the path is not "fused") and layer_xla_ops (the
-    layer's XLA instructions beside the expert work); path "none": path and reason only.
+    As `model_fused` (plus gather_mxu_us), or `model_block_path`, plus path, layout ("all
+    tokens", "gathered" or "gmm"), chunks (calls over chunks of the tokens), reason (why the
+    path is not one fused call) and layer_xla_ops (the layer's XLA instructions beside the
+    expert work, `_layer_ops`).
   """
   gen = get_generation(chip)
   sizes = np.asarray(sizes)
-  plan = serving.plan_decode(
-    model.config(),
-    tokens_per_device=tokens,
-    expert_parallelism=ep,
-    weights=_stored(model, weights, len(sizes)),
-    generation=gen,
+  plan = serving_plan(model, weights, chip, ep=ep, tokens=tokens)
+  extra = dict(reason=plan.reason.split(";")[0], layer_xla_ops=_layer_ops(plan))
+  if plan.path == "block":
+    return model_block_path(model, sizes, chip, ep=ep, tokens=tokens, plan=plan.block) | extra
+  parts = [sizes]
+  if plan.chunks > 1:
+    kw = dict(experts=model.experts, top_k=model.top_k, ep=ep, tokens=tokens)
+    if device is None:
+      device = busiest_device(route(**kw))
+    parts = list(chunk_sizes(**kw, chunks=plan.chunks, device=device))
+    assert (sum(parts) == sizes).all(), "sizes are not the device's rows"
+  streams = [_stream(plan.fused, p, gen, visit_all=False) for p in parts]
+  layout = "gathered" if plan.fused.gather else "all tokens"
+  return _summed(
+    streams,
+    [plan.fused] * len(parts),
+    gen,
+    path="fused",
+    layout=layout,
+    chunks=plan.chunks,
+    rows_per_call=plan.fused.rows,
+    **extra,
   )
-  if plan.path == "fused":
-    part = _stream(plan.fused, sizes, gen, visit_all=False)
-    return _summed([part], [plan.fused], gen, path="fused", reason="", layer_xla_ops=DECODE_XLA_OPS)
-  reason = plan.reason.split(";")[0]
-  if WEIGHTS[weights][1] == "block":
-    return dict(path="none", reason=f"{reason}; moe_block's gmm takes no block-scaled weights")
-  return model_block_path(model, sizes, chip, ep=ep, tokens=tokens) | dict(reason=reason)
 
 
 class _BufferShape(Shape):
@@ -578,19 +749,28 @@ def _swiglu_us(rows: int, f: int, gen) -> float:
   return rows * 3 * f * 2 / device_bandwidth(gen) * 1e6
 
 
-def model_block_path(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int, tokens: int):
-  """`moe.moe_block`'s forward's expert work: our gmm on the receive buffer's rows
-  (`block_plan.plan_block`, one chunk: the exchange compiles synchronously by default), the
-  SwiGLU fusion, our gmm again; the experts scope's `BLOCK_EXPERT_XLA_OPS` instructions."""
+def model_block_path(
+  model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int, tokens: int, plan=None
+) -> dict:
+  """`moe.moe_block`'s forward's expert work: our gmm on the receive buffer's rows, the SwiGLU
+  fusion, our gmm again; the experts scope's `BLOCK_EXPERT_XLA_OPS` instructions.
+
+  Args:
+    plan: the `BlockPlan` (default: `plan_block(..., tensor_parallelism=1)` under the chip's
+      tiling, as `plan_decode` plans it); one chunk (no batch split) is modeled.
+  """
   from pallas_moe import block_plan
   from pallas_moe import tiling as tiling_lib
 
   gen = get_generation(chip)
-  cfg = model.config()
-  with tiling_lib.use_generation(gen):
-    bp = block_plan.plan_block(
-      cfg, tokens_per_device=tokens, expert_parallelism=ep, async_exchange=False
-    )
+  bp = plan
+  if bp is None:
+    with tiling_lib.use_generation(gen):
+      bp = block_plan.plan_block(
+        model.config(), tokens_per_device=tokens, expert_parallelism=ep, tensor_parallelism=1
+      )
+  if bp.batch_split != 1:
+    raise NotImplementedError(f"batch_split={bp.batch_split}: only one chunk is modeled")
   expected = bp.expected_rows or bp.expert_rows
   gs = np.asarray(sizes, np.int32).tobytes()
   kw = dict(tokens=expected, top_k=1, rows=bp.expert_rows, sizes=gs, chip=gen.name)
@@ -602,6 +782,8 @@ def model_block_path(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: in
   weight = sum(v for _, s, _ in calls for c in s for k, v in c.operand_bytes.items() if k == "in1")
   return dict(
     path="block",
+    layout="gmm",
+    chunks=1,
     kernel_us=sum(r.modeled_us for r in reps) + swiglu,
     calls=len(calls),
     xla_ops=BLOCK_EXPERT_XLA_OPS,
@@ -616,8 +798,37 @@ def model_block_path(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: in
     expected_rows=bp.expected_rows,
     tiles=[list(t) for t, _, _ in calls],
     tensorcores=max(c.tensorcores for r in reps for c in r.calls),
-    layer_xla_ops=LAYER_XLA_OPS,
+    layer_xla_ops=BLOCK_LAYER_XLA_OPS,
   )
+
+
+def dequant_alternative(r: dict) -> dict:
+  """A side note for a block-scaled record on calls over chunks: what dequantizing every local
+  expert to bf16 once (`quant.dequantize_blocks`) and running `moe_block`'s forward would model
+  at the same point (the bf16 gmm pair and SwiGLU of `model_block_path`, two calls' and
+  `BLOCK_EXPERT_XLA_OPS` fixed), with the pass as compiled (`DEQUANT_BYTES_PER_ELEMENT`,
+  `DEQUANT_XLA_OPS`) and were it one fusion per weight. Not what `moe_decode` runs.
+
+  Returns:
+    {key fields, ratio (ours), dequant_us, as_compiled, one_fusion (ratios over the fp8 floor)}.
+  """
+  model = next(m for m in MODELS if m.name == r["model"])
+  kw = dict(experts=model.experts, top_k=model.top_k, ep=r["ep"], tokens=r["tokens"])
+  sizes = route(**kw)[r["device"]]
+  bf16 = model_block_path(model, sizes, r["chip"], ep=r["ep"], tokens=r["tokens"])
+  elements = r["local_experts"] * 3 * model.d * model.f
+  scales = r["local_experts"] * expert_bytes(model, r["weights"]) - elements
+  bw = device_bandwidth(r["chip"])
+
+  def ratio(bytes_per_element: int, ops: int) -> tuple[float, float]:
+    deq = (elements * bytes_per_element + scales) / bw * 1e6
+    fixed = costmodel.fixed_cost_us(r["chip"], calls=bf16["calls"], xla_ops=bf16["xla_ops"] + ops)
+    return deq, (bf16["kernel_us"] + deq + fixed) / r["floor_us"]
+
+  deq, compiled = ratio(DEQUANT_BYTES_PER_ELEMENT, DEQUANT_XLA_OPS)
+  _, one = ratio(_ONE_FUSION_BYTES_PER_ELEMENT, _ONE_FUSION_XLA_OPS)
+  keep = ("model", "weights", "ep", "tokens", "chip", "ratio", "calls", "floor_us")
+  return {k: r[k] for k in keep} | dict(dequant_us=deq, as_compiled=compiled, one_fusion=one)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -720,9 +931,9 @@ def _cases(models, tokens):
           yield m, w, ep, t, dev, sizes[dev]
 
 
-def _impl_record(impl: str, m: DecodeModel, w: str, sizes: np.ndarray, chip: str, *, ep, t):
+def _impl_record(impl: str, m: DecodeModel, w: str, sizes: np.ndarray, chip: str, *, ep, t, dev):
   if impl == "moe_decode":
-    return model_serving(m, w, sizes, chip, ep=ep, tokens=t)
+    return model_serving(m, w, sizes, chip, ep=ep, tokens=t, device=dev)
   if impl == "fused":
     return model_fused(m, w, sizes, chip)
   if impl == "tpu-inference-fused":
@@ -739,8 +950,7 @@ def records(
   log=None,
 ) -> list[dict]:
   """One record per (model, weights, ep, tokens, chip, impl), fixed costs at the defaults
-  (`fits` False: the impl has no path there, `moe_decode` with block-scaled weights past the
-  fused kernel)."""
+  (weights_read_dtype: what the kernels read, bf16 for megablox-maxtext)."""
   out = []
   for m, w, ep, t, dev, sizes in _cases(models, tokens):
     t0 = time.time()
@@ -750,7 +960,7 @@ def records(
       gen = get_generation(chip)
       floor_us = floor_bytes / device_bandwidth(gen) * 1e6
       for impl in impls:
-        rec = _impl_record(impl, m, w, sizes, chip, ep=ep, t=t)
+        rec = _impl_record(impl, m, w, sizes, chip, ep=ep, t=t, dev=dev)
         base = dict(
           model=m.name,
           weights=w,
@@ -766,9 +976,6 @@ def records(
           floor_bytes=int(floor_bytes),
           call_fixed_us=costmodel.call_fixed_us(gen),
         )
-        if rec.get("path") == "none":
-          out.append(base | dict(modeled_us=None, ratio=None, fits=False, **rec))
-          continue
         fixed = costmodel.fixed_cost_us(gen, calls=rec["calls"], xla_ops=rec["xla_ops"])
         modeled = rec["kernel_us"] + fixed
         read_dtype = "bfloat16" if impl == "megablox-maxtext" else WEIGHTS[w][0]
@@ -779,7 +986,6 @@ def records(
             ratio=modeled / floor_us,
             fixed_us=fixed,
             weights_read_dtype=read_dtype,
-            fits=True,
             **rec,
           )
         )
@@ -809,11 +1015,7 @@ def sensitivity(recs: list[dict]) -> list[dict]:
     row = dict(call="fitted" if call is None else call, op_us=op_us, step_overhead=step)
     for impl in IMPLS:
       ratios = np.array(
-        [
-          _ratio(r, call_us=call, op_us=op_us, step=step)
-          for r in recs
-          if r["impl"] == impl and r["fits"]
-        ]
+        [_ratio(r, call_us=call, op_us=op_us, step=step) for r in recs if r["impl"] == impl]
       )
       if ratios.size:
         row[impl] = dict(
@@ -821,6 +1023,23 @@ def sensitivity(recs: list[dict]) -> list[dict]:
         )
     rows.append(row)
   return rows
+
+
+PATH_KINDS = ("fused", "fused, gathered", "fused, calls over chunks", "block")
+
+
+def path_label(r: dict) -> str:
+  """A headline record's path: "fused" (every visited expert over all tokens, one call),
+  "fused, gathered" (one call), "fused, N calls" (over chunks of the tokens) or "block"."""
+  if r.get("path", "fused") == "block":
+    return "block"
+  label = "fused, gathered" if r.get("layout") == "gathered" else "fused"
+  return f"fused, {r['calls']} calls" if r.get("chunks", 1) > 1 else label
+
+
+def path_kind(r: dict) -> str:
+  """`path_label` with the calls over chunks as one kind (`PATH_KINDS`)."""
+  return PATH_KINDS[2] if r.get("chunks", 1) > 1 else path_label(r)
 
 
 def _why(r: dict) -> str:
@@ -836,12 +1055,16 @@ def _why(r: dict) -> str:
     }
   else:
     core_bw = tensorcore_rates(r["chip"])[1] * r["tensorcores"]
+    mxu = "MXU over DMA"
+    if r.get("gather_mxu_us"):
+      mxu += f" (one-hot gather and add back: {r['gather_mxu_us'] / r['mxu_us']:.0%} of the MXU)"
+    calls = f"{r['calls']} calls' fixed" if r["calls"] > 1 else "fixed"
     parts = {
-      "fixed": r["fixed_us"],
+      calls: r["fixed_us"],
       "first copies": r["exposed_us"],
       "activation copies": r["io_us"],
       "partial sums": r["partial_sum_us"],
-      "MXU over DMA": r["mxu_excess_us"],
+      mxu: r["mxu_excess_us"],
       "one TensorCore of two": r["floor_bytes"] / core_bw * 1e6 - floor,
       "weights re-read": (r["weight_bytes_read"] - r["floor_bytes"]) / core_bw * 1e6,
     }
@@ -854,10 +1077,8 @@ _KEY = ("model", "weights", "ep", "tokens", "chip")
 
 def verdict(recs: list[dict], impl: str = HEADLINE) -> dict:
   """Which of `impl`'s points meet LIMIT x floor, which no kernel can (one call's fitted fixed
-  cost alone over LIMIT - 1 of the floor), which have no path, and why the others fail."""
-  head = [r for r in recs if r["impl"] == impl]
-  runs = [r for r in head if r["fits"]]
-  no_path = [{k: r[k] for k in _KEY} | {"reason": r["reason"]} for r in head if not r["fits"]]
+  cost alone over LIMIT - 1 of the floor), and why the others fail."""
+  runs = [r for r in recs if r["impl"] == impl]
   meets = [{k: r[k] for k in _KEY} | {"ratio": r["ratio"]} for r in runs if r["ratio"] <= LIMIT]
   impossible, other = [], []
   for r in runs:
@@ -867,22 +1088,22 @@ def verdict(recs: list[dict], impl: str = HEADLINE) -> dict:
       ratio=r["ratio"],
       floor_us=r["floor_us"],
       call_fixed_us=r["call_fixed_us"],
-      path=r.get("path", "fused"),
+      path=path_label(r),
       why=_why(r),
     )
     (impossible if r["call_fixed_us"] > (LIMIT - 1) * r["floor_us"] else other).append(row)
   by_path = {}
-  for r in runs:
-    p = by_path.setdefault(r.get("path", "fused"), dict(points=0, meets=0))
-    p["points"] += 1
-    p["meets"] += int(r["ratio"] <= LIMIT)
+  for kind in PATH_KINDS:
+    kinds = [r for r in runs if path_kind(r) == kind]
+    if kinds:
+      meets_kind = sum(r["ratio"] <= LIMIT for r in kinds)
+      by_path[kind] = dict(points=len(kinds), meets=int(meets_kind))
   return dict(
     impl=impl,
     meets=meets,
     impossible=impossible,
     other=other,
-    no_path=no_path,
-    points=len(head),
+    points=len(runs),
     by_path=by_path,
   )
 
@@ -925,9 +1146,8 @@ def _headline_cell(rs: list[dict]) -> str:
   r = _by_impl(rs).get(HEADLINE)
   if r is None:
     return ""
-  if not r["fits"]:
-    return "no path"
-  path = ", block" if r["path"] == "block" else ""
+  path = path_label(r).removeprefix("fused").removeprefix(", ")
+  path = f", {path}" if path else ""
   return (
     f"{_bold(r['ratio'])} ({r['floor_us']:,.0f} µs, {r['nonempty_experts']}/"
     f"{r['local_experts']}{path})"
@@ -939,8 +1159,7 @@ def _layer_ops_cell(rs: list[dict]) -> str:
   if r is None:
     return ""
   op, floor = costmodel.XLA_OP_FIXED_US, r["floor_us"]
-  ours = f"{r['layer_xla_ops'] * op / floor:.2f}" if r["fits"] else "-"
-  return f"{ours} · {LAYER_XLA_OPS * op / floor:.2f}"
+  return f"{r['layer_xla_ops'] * op / floor:.2f} · {LAYER_XLA_OPS * op / floor:.2f}"
 
 
 def _fused_cell(rs: list[dict]) -> str:
@@ -999,10 +1218,10 @@ def _sensitivity_lines(rows: list[dict]) -> list[str]:
 
 
 def _verdict_lines(v: dict) -> list[str]:
-  paths = ", ".join(f"{p} {c['meets']} of {c['points']}" for p, c in v["by_path"].items())
+  paths = "; ".join(f"{p}: {c['meets']} of {c['points']}" for p, c in v["by_path"].items())
   lines = [
     f"**{LABELS[v['impl']]} ≤ {LIMIT:.2f}x floor: {len(v['meets'])} of {v['points']} points** "
-    f"(by path: {paths}; no path: {len(v['no_path'])}).",
+    f"(by path: {paths}).",
     "",
     f"Points no kernel can bring to {LIMIT:.2f}x: one call's fitted fixed cost alone is more "
     f"than {LIMIT - 1:.0%} of the floor ({len(v['impossible'])}):",
@@ -1030,12 +1249,6 @@ def _verdict_lines(v: dict) -> list[str]:
       f"| {_config_label(r)} | {r['tokens']} | {r['chip']} | {r['ratio']:.2f} | {r['path']} "
       f"| {r['why']} |"
     )
-  if v["no_path"]:
-    lines += ["", f"No path ({len(v['no_path'])} points):", ""]
-    seen = {}
-    for r in v["no_path"]:
-      seen.setdefault((_config_label(r), r["tokens"], r["reason"]), []).append(r["chip"])
-    lines += [f"- {c} at T={t}: {why} ({', '.join(ch)})." for (c, t, why), ch in seen.items()]
   return lines
 
 
@@ -1072,21 +1285,49 @@ def markdown(result: dict) -> str:
   out += _fit_lines(result.get("fit"))
   out += ["", f"## {LABELS[HEADLINE]} / floor", ""]
   out += [
-    "`plan_decode`'s path: fused (every visited local expert over all ep x T tokens, one "
-    f"call) up to {serving.MAX_FUSED_TOKENS} tokens on the expert axis where VMEM fits; "
-    '"block": `moe_block`\'s forward (our two gmm calls over its receive buffer); "no path": '
-    "block-scaled weights past the fused kernel (`moe_block`'s gmm does not take them).",
+    "`plan_decode`'s path. No mark: one fused call in the tokens layout, every visited local "
+    f"expert over all ep x T tokens (up to {serving.GATHER_ABOVE} on the expert axis). "
+    '"gathered": one fused call, each visited expert over its own tokens, gathered by a one-hot '
+    f'product (up to {serving.MAX_FUSED_TOKENS}). "N calls": block-scaled weights past one '
+    "call's tokens or VMEM, the fused kernel over T / N tokens per device N times, each call "
+    'streaming the experts its tokens chose. "block": float weights past one call, '
+    "`moe_block`'s forward (our two gmm calls over its receive buffer).",
     "",
   ]
   out += _grid(recs, _headline_cell)
+  if result.get("dequant_alternative"):
+    out += ["", "## Side note: block-scaled weights past one call, against dequantize + block", ""]
+    out += [
+      "Not what `moe_decode` runs. The same points were every local expert dequantized to bf16 "
+      "once (`quant.dequantize_blocks`: as compiled for v6e at 9110b14, "
+      f"{DEQUANT_XLA_OPS} costed instructions and {DEQUANT_BYTES_PER_ELEMENT} HBM bytes per "
+      "weight element, XLA writing the scales' broadcast as an f32 array of the weights' shape "
+      "and copying it; or one fusion per weight, "
+      f"{_ONE_FUSION_BYTES_PER_ELEMENT} bytes per element plus the scales) and then "
+      "`moe_block`'s forward on bf16 (`model_block_path`).",
+      "",
+      "| model, weights, EP | T | chip | floor µs | ours (calls) | dequantize µs (as compiled) "
+      "| dequantize + block, as compiled | with one fusion per weight |",
+      "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for a in result["dequant_alternative"]:
+      out.append(
+        f"| {_config_label(a)} | {a['tokens']} | {a['chip']} | {a['floor_us']:,.0f} "
+        f"| {a['ratio']:.2f} ({a['calls']}) | {a['dequant_us']:,.0f} | {a['as_compiled']:.2f} "
+        f"| {a['one_fusion']:.2f} |"
+      )
   out += ["", "## Beside the expert work: the layer's XLA instructions / floor", ""]
   out += [
     f"Not in the ratios above. At {op:g} µs per instruction (assumed), over the same floor: "
-    f"ours · `moe_layer`'s. Ours: {DECODE_XLA_OPS} costed top-level instructions on the fused "
-    f"path (routing, the selection fusion, the all-gather, the reduce-scatter; one is the "
-    f"Mosaic call; counted once, Qwen3-30B-A3B dims, 8 tokens per device, EP 4, v6e), "
-    f"`moe_layer`'s {LAYER_XLA_OPS} (`bench/results/decode-ops.md`, the same dims) on the "
-    "block path, which is its forward; both counts applied to every point.",
+    f"ours · `moe_layer`'s. Ours on the fused path: {DECODE_XLA_OPS} costed top-level "
+    "instructions per call (routing, the selection fusion, the all-gather, the reduce-scatter; "
+    f"one is the Mosaic call), {GATHER_XLA_OPS} more per gathered call (the token lists' sort "
+    "and their reshapes for the kernel), one concatenate after calls over chunks (compiled "
+    "ahead of time for v6e:2x2 at Qwen3-30B-A3B dims, EP 4, 8 and 64 tokens per device; the "
+    f"chunks' repeats are an estimate); on the block path `moe_block`'s forward, "
+    f"{BLOCK_LAYER_XLA_OPS} (the same dims at 256 tokens per device). `moe_layer`'s: "
+    f"{LAYER_XLA_OPS} (`bench/results/decode-ops.md`, the same dims at 8 tokens per device). "
+    "The counts are applied to every point.",
     "",
   ]
   out += _grid(recs, _layer_ops_cell)
@@ -1118,30 +1359,41 @@ def _notes(fit: dict | None) -> list[str]:
     "kernel could come within 1.10x of the floor at any size on v5p and v6e.",
     f"Per XLA instruction: {costmodel.XLA_OP_FIXED_US:g} µs (assumed: no measurement pins it). "
     "Expert work pays: ours on the fused path, the one op adding a split call's two partial "
-    f"sums (v5p); ours on the block path, the {BLOCK_EXPERT_XLA_OPS} of `moe_layer`'s experts "
-    "scope (`bench/results/decode-ops.md`: the two gmm calls' group metadata, the receiver's "
-    f"expand and reduce); megablox-maxtext, {MEGABLOX_XLA_OPS} (its group metadata, shared by "
-    "its three calls, and the SwiGLU fusion; AOT-counted at a 512-row buffer: 44-48 on the four "
-    "chips, 67-114 at 8,192-32,768 rows, so low for its 128-token points); the "
+    f"sums (v5p), per call; ours on the block path, the {BLOCK_EXPERT_XLA_OPS} of its experts "
+    "scope (`moe_block`'s forward compiled for v6e:2x2 at Qwen3-30B-A3B dims, EP 4, 256 tokens "
+    "per device: the two gmm calls' group metadata, the receiver's expand and reduce; 38 at 8 "
+    "tokens per device, `bench/results/decode-ops.md`); megablox-maxtext, "
+    f"{MEGABLOX_XLA_OPS} (its group metadata, shared by its three calls, and the SwiGLU fusion; "
+    "AOT-counted at a 512-row buffer: 44-48 on the four chips, 67-114 at 8,192-32,768 rows, so "
+    "low for its 128-token points); the "
     "tpu-inference-style kernel, none. The layer's other instructions are reported apart.",
-    "Fused kernel: per TensorCore, the activations' copies (rows in, routing weights in as "
-    "lane-padded f32 columns, the result out) and the first weight copy exposed, then max(MXU "
-    "work, next copy) per step; a v5p call's two f32 partial sums added by one XLA op at the "
-    "device's bandwidth. The generation's per-step overhead is not charged per streamed step "
-    "(the next step's copies are issued before this step's work, so the DMA queue never runs "
-    "dry); the sensitivity table's last row charges it.",
+    "Fused kernel: per TensorCore, the activations' copies (the rows in, the routing weights in: "
+    "the tokens layout's [E_l, 1, rows] f32, E_l x rows x 4 bytes, and as much again for the "
+    "gathered layout's int32 token lists, or the sorted rows' [rows, 1] f32 column in 128 "
+    "lanes; the result out) and the first weight copy exposed, then max(MXU work, next copy) "
+    "per step; a v5p call's two f32 partial sums added by one XLA op at the device's bandwidth. "
+    "Calls over chunks of the tokens run one after the other, each paying all of this and its "
+    "own fixed cost, each streaming the experts its share of the tokens chose. The "
+    "generation's per-step overhead is not charged per streamed step (the next step's copies "
+    "are issued before this step's work, so the DMA queue never runs dry); the sensitivity "
+    "table's last row charges it.",
     "MXU: one TensorCore's bf16 peak; each window's rows padded to 128 (`min_pass_rows`), "
-    "contraction and columns to the MXU edge. fp8 block-scaled weights are dequantized per step "
-    f"in VMEM (about {DEQUANT_VPU_OPS} VPU operations per weight element: upcast, the scale's "
-    "multiply, the cast to bf16) before full-depth products: that VPU work is not modeled (at "
-    "HBM's rate a TensorCore must dequantize one weight element per fp8 byte it reads).",
+    "contraction and columns to the MXU edge. Gathered layout: per visited expert and "
+    "TensorCore, ceil(its tokens / 128) windows per step, plus at its first step one [128, N] x "
+    "[N, d] one-hot product per window and at its last the transposed one ([N, d] out, the "
+    "128-deep contraction padded to the MXU edge: twice the MACs on v6e and tpu7x), as "
+    "`costmodel.kernel_dot_macs` counts the kernel's dots. Not modeled: VPU work, i.e. fp8 "
+    f"block-scaled weights' dequantization per step in VMEM (about {DEQUANT_VPU_OPS} "
+    "operations per weight element: upcast, the scale's multiply, the cast to bf16; at HBM's "
+    "rate a TensorCore must dequantize one weight element per fp8 byte it reads), and the "
+    "gathered layout's one-hot builds and its [N, d] f32 add per window added back.",
     "DMA: at one TensorCore's bandwidth, no efficiency loss for the [d, chunk] gate/up blocks' "
     "strided rows (chunk x itemsize contiguous bytes per row).",
-    "Block path: `block_plan.plan_block` with one chunk (the exchange compiles synchronously by "
-    "default; with an async exchange the batch may split, each chunk paying its own two calls); "
-    "the gmm calls costed over the receive buffer's rows with the rows expected to be real as "
-    "their tiles' hint; the SwiGLU fusion over the whole static buffer ([rows, 2f] in, [rows, f] "
-    "out) at the device's bandwidth.",
+    "Block path (float weights only: block-scaled ones never take it): `plan_decode`'s "
+    "`plan_block(..., tensor_parallelism=1)` under the chip's tiling, one chunk at every point "
+    "here; the gmm calls costed over the receive buffer's rows with the rows expected to be "
+    "real as their tiles' hint; the SwiGLU fusion over the whole static buffer ([rows, 2f] in, "
+    "[rows, f] out) at the device's bandwidth.",
     "megablox-maxtext: bf16 weights (also for the fp8 records, whose floor stays fp8: MaxText "
     "runs DeepSeek-V3 dequantized); rows padded to MaxText's dropless buffer; three calls and "
     "the SwiGLU fusion over the buffer; the pad and MaxText's own sort / permute not charged.",
@@ -1150,7 +1402,8 @@ def _notes(fit: dict | None) -> list[str]:
     "exposed first copies and in-kernel all-to-all (the kernel also routes and exchanges) not "
     "charged: a lower bound for it.",
     f"Routing: seed {SEED}, one draw per (model, EP, tokens); top_k distinct experts per token, "
-    "uniform; the device with the most non-empty local experts.",
+    "uniform; the device with the most non-empty local experts (over all the tokens; calls "
+    "over chunks take its share of each chunk).",
   ]
 
 
@@ -1168,7 +1421,8 @@ def run(
 
   Returns:
     {"assumptions", "fit", "records", "sensitivity", "verdict" (the headline's),
-    "verdict_fused" (the fused kernel on sorted rows)}.
+    "verdict_fused" (the fused kernel on sorted rows), "dequant_alternative" (a side note:
+    `dequant_alternative` of the block-scaled points on calls over chunks)}.
   """
   from bench import measured
 
@@ -1191,8 +1445,13 @@ def run(
       megablox_xla_ops=MEGABLOX_XLA_OPS,
       decode_xla_ops=DECODE_XLA_OPS,
       layer_xla_ops=LAYER_XLA_OPS,
+      block_layer_xla_ops=BLOCK_LAYER_XLA_OPS,
       block_expert_xla_ops=BLOCK_EXPERT_XLA_OPS,
+      gather_xla_ops=GATHER_XLA_OPS,
+      dequant_xla_ops=DEQUANT_XLA_OPS,
+      dequant_bytes_per_element=DEQUANT_BYTES_PER_ELEMENT,
       dequant_vpu_ops_per_weight=DEQUANT_VPU_OPS,
+      gather_above=serving.GATHER_ABOVE,
       max_fused_tokens=serving.MAX_FUSED_TOKENS,
       maxtext_tiling=list(MAXTEXT_TILING),
       maxtext_pad_rows=MAXTEXT_PAD_ROWS,
@@ -1203,6 +1462,11 @@ def run(
     sensitivity=sensitivity(recs),
     verdict=verdict(recs),
     verdict_fused=verdict(recs, "fused"),
+    dequant_alternative=[
+      dequant_alternative(r)
+      for r in recs
+      if r["impl"] == HEADLINE and r.get("chunks", 1) > 1 and WEIGHTS[r["weights"]][1] == "block"
+    ],
   )
   text = markdown(result)
   print(text)

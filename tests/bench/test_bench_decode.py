@@ -7,6 +7,7 @@ tokamax is installed, from its own data.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -108,46 +109,72 @@ def test_pack_calls_keeps_experts_whole():
   assert len(dec.pack_calls(np.array([250], np.int32), 100)) == 3  # an expert over the cap
 
 
+def test_chunk_sizes_split_the_draw():
+  kw = dict(experts=256, top_k=8, ep=32, tokens=32)
+  sizes = dec.route(**kw)
+  dev = dec.busiest_device(sizes)
+  parts = dec.chunk_sizes(**kw, chunks=4, device=dev)
+  assert parts.shape == (4, 8)
+  np.testing.assert_array_equal(parts.sum(0), sizes[dev])
+  # Each call holds ep x T / 4 tokens: at most that many rows per expert.
+  assert parts.max() <= 32 * 32 // 4
+
+
 @pytest.mark.parametrize(
-  "chip, weights, by_token",
+  "chip, weights, by_token, gather",
   [
-    ("v5e", "bf16", False),
-    ("v5e", "fp8-block", False),
-    ("v6e", "fp8-block", False),
-    ("v5p", "bf16", False),
-    ("v6e", "bf16", True),
-    ("v5p", "fp8-block", True),
+    ("v5e", "bf16", False, False),
+    ("v5e", "fp8-block", False, False),
+    ("v6e", "fp8-block", False, False),
+    ("v5p", "bf16", False, False),
+    ("v6e", "bf16", True, False),
+    ("v5p", "fp8-block", True, False),
+    ("v5e", "bf16", True, True),
+    ("v6e", "bf16", True, True),
+    ("v5p", "fp8-block", True, True),
   ],
 )
-def test_window_macs_match_the_kernels_dots(chip, weights, by_token):
+def test_window_macs_match_the_kernels_dots(chip, weights, by_token, gather):
   """The schedule's MXU work per window and step is what `costmodel.kernel_dot_macs` counts in
   the fused kernel's traced body (the step and window loops are `while` loops, counted once):
-  block-scaled weights too (dequantized per step, then full-depth products), the tokens layout
-  and v5p's two-core grid."""
+  block-scaled weights too (dequantized per step, then full-depth products), the tokens layout,
+  v5p's two-core grid, and the gathered layout's one-hot gather and transposed add (the add's
+  128-deep contraction padded to v6e's 256-wide MXU)."""
   gen = get_generation(chip)
   dtype, kind = dec.WEIGHTS[weights]
-  e, d, f, m = 3, 256, 512, 40
+  e, d, f, m = 3, 256, 512, 200 if gather else 40
   plan = dec.fe.plan_fused(
     rows=m, d=d, f=f, num_experts=e, x_dtype=jnp.bfloat16, w_dtype=dtype, kind=kind, chunk=256,
-    generation=gen, by_token=by_token,
+    generation=gen, by_token=by_token, gather=gather,
   )  # fmt: skip
-  assert plan.cores == gen.tensorcores_per_device
+  assert plan.cores == gen.tensorcores_per_device and plan.gather == gather
   sds = jax.ShapeDtypeStruct
   wi, wo = sds((e, d, 2 * f), dtype), sds((e, f, d), dtype)
   if kind == "block":
     wi = quant.BlockQuantizedWeights(values=wi, scales=sds((e, d // 128, 2 * f // 128), "f4"))
     wo = quant.BlockQuantizedWeights(values=wo, scales=sds((e, f // 128, d // 128), "f4"))
   kw = dict(expert_weights=jnp.zeros((e, m), jnp.float32)) if by_token else {}
+  if gather:
+    kw["expert_tokens"] = jnp.zeros((e, m), jnp.int32)
   fn = functools.partial(dec.fe.fused_experts, plan=plan, interpret=False, **kw)
   gs = np.array([20, 0, 20], np.int32)
   (sched,) = costmodel.analyze(fn, sds((m, d), jnp.bfloat16), wi, wo, gs)
   macs, _, _ = costmodel.kernel_dot_macs(
     sched.kernel_jaxpr, mxu=gen.mxu_size, min_rows=min_pass_rows(gen)
   )
-  assert macs == dec.window_macs(plan, gen)
+  gathered, added = dec.gather_macs(plan, gen)
+  assert macs == dec.window_macs(plan, gen) + gathered + added
   # Full depth: one [window, d] x [d, chunk] product each for gate and up, one back for down.
   rows = max(plan.window, min_pass_rows(gen))
-  assert macs == 3 * rows * max(d, gen.mxu_size) * max(plan.chunk, gen.mxu_size)
+  assert dec.window_macs(plan, gen) == 3 * rows * max(d, gen.mxu_size) * max(
+    plan.chunk, gen.mxu_size
+  )
+  if gather:
+    # [128, N] x [N, d] one-hots and back: 128 x N x d each, the add's 128 padded to the MXU.
+    assert (plan.rows, plan.window) == (256, 128)
+    assert gathered == 128 * 256 * d and added == 256 * gen.mxu_size * d
+  else:
+    assert gathered == added == 0
   assert plan.expert_weight_bytes == dec.expert_bytes(
     dec.DecodeModel(name="t", experts=e, top_k=1, d=d, f=f, eps=(1,), weights=(weights,)),
     weights,
@@ -160,10 +187,20 @@ def test_expert_windows_follow_the_kernels_loop():
   assert (plan.window, plan.align) == (128, 16)
   # Expert 2 starts at row 30 (window from row 16): rows 16..160 need two windows.
   np.testing.assert_array_equal(dec.expert_windows(plan, np.array([30, 0, 130, 5])), [1, 0, 2, 1])
-  # Tokens: every visited expert over all 200 tokens (208 padded): two windows each.
+  # Sorted rows: the [rows, 1] f32 row weights are a column in 128 lanes.
+  assert dec.activation_bytes(plan) == 304 * 256 * (2 + 2) + 304 * 128 * 4
+  # Tokens: every visited expert over all 200 tokens (padded to two 128-token windows).
   tokens = dec.fe.plan_fused(rows=200, by_token=True, **kw)
+  assert (tokens.rows, tokens.window) == (256, 128)
   np.testing.assert_array_equal(dec.expert_windows(tokens, np.array([3, 0, 1, 9])), [2, 0, 2, 2])
-  assert dec.activation_bytes(tokens) == 208 * 256 * (2 + 2) + 4 * 208 * 128 * 4
+  # The [E, 1, rows] f32 routing weights: E x rows x 4 bytes in HBM.
+  assert dec.activation_bytes(tokens) == 256 * 256 * (2 + 2) + 4 * 256 * 4
+  # Gathered: each visited expert over its own tokens, 128 at a time; the int32 token lists
+  # come in beside the weights.
+  gathered = dec.fe.plan_fused(rows=200, by_token=True, gather=True, **kw)
+  sizes = np.array([3, 0, 129, 128])
+  np.testing.assert_array_equal(dec.expert_windows(gathered, sizes), [1, 0, 2, 1])
+  assert dec.activation_bytes(gathered) == 256 * 256 * (2 + 2) + 2 * 4 * 256 * 4
 
 
 def test_records_fields_bytes_and_floor(qwen_records):
@@ -205,30 +242,65 @@ def test_records_fields_bytes_and_floor(qwen_records):
 
 
 def test_serving_paths():
-  """`moe_decode`'s paths as `plan_decode` picks them: the tokens layout up to 256 tokens on the
-  expert axis (every visited expert over all of them), moe_block's gmm pair above it, and no
-  path for block-scaled weights there."""
+  """`moe_decode`'s paths as `plan_decode` picks them: up to 128 tokens on the expert axis every
+  visited expert over all of them; to 512 each over its own tokens, gathered by a one-hot
+  product; float weights above that run moe_block's gmm pair."""
+  gen = get_generation("v6e")
+  small = dec.route(experts=256, top_k=8, ep=8, tokens=8)[0]
+  r = dec.model_serving(DSV3, "bf16", small, "v6e", ep=8, tokens=8)
+  assert (r["path"], r["layout"], r["calls"], r["chunks"]) == ("fused", "all tokens", 1, 1)
+  assert r["gather_mxu_us"] == 0 and r["layer_xla_ops"] == dec.DECODE_XLA_OPS
   sizes = dec.route(experts=256, top_k=8, ep=8, tokens=32)[0]
   r = dec.model_serving(DSV3, "bf16", sizes, "v6e", ep=8, tokens=32)
-  assert r["path"] == "fused" and r["window"] == 128 and r["calls"] == 1
-  gen = get_generation("v6e")
-  plan = dec.fe.plan_fused(
-    rows=256, d=DSV3.d, f=DSV3.f, num_experts=32, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16,
-    generation=gen, by_token=True,
-  )  # fmt: skip
-  per_window = dec.window_macs(plan, gen) * 2 / dec.tensorcore_rates(gen)[0]
-  visited = int((sizes > 0).sum())
-  assert r["mxu_us"] == pytest.approx(visited * plan.chunks * 2 * per_window * 1e6)  # 2 windows
-  none = dec.model_serving(DSV3, "fp8-block", sizes, "v6e", ep=32, tokens=32)
-  assert none["path"] == "none" and "1024 > 256 tokens" in none["reason"]
+  assert (r["path"], r["layout"], r["window"], r["calls"]) == ("fused", "gathered", 128, 1)
+  assert r["layer_xla_ops"] == dec.DECODE_XLA_OPS + dec.GATHER_XLA_OPS
+  plan = dec.serving_plan(DSV3, "bf16", "v6e", ep=8, tokens=32).fused
+  assert plan.gather and plan.rows == 256 and r["chunk"] == plan.chunk
+  flops = dec.tensorcore_rates(gen)[0]
+  per_window = dec.window_macs(plan, gen) * 2 / flops
+  windows = -(-sizes // 128)  # each visited expert's own tokens, not all 256
+  gather = sum(dec.gather_macs(plan, gen)) * 2 / flops
+  assert r["mxu_us"] == pytest.approx(windows.sum() * (plan.chunks * per_window + gather) * 1e6)
+  assert r["gather_mxu_us"] == pytest.approx(windows.sum() * gather * 1e6)
+  assert r["weight_bytes_read"] == int((sizes > 0).sum()) * dec.expert_bytes(DSV3, "bf16")
   qwen = dec.route(experts=128, top_k=8, ep=8, tokens=128)[0]
   block = dec.model_serving(QWEN, "bf16", qwen, "v6e", ep=8, tokens=128)
-  assert block["path"] == "block" and block["calls"] == 2
-  assert block["xla_ops"] == dec.BLOCK_EXPERT_XLA_OPS and block["layer_xla_ops"] == 128
+  assert block["path"] == "block" and block["calls"] == 2 and dec.path_label(block) == "block"
+  assert block["xla_ops"] == dec.BLOCK_EXPERT_XLA_OPS == 52
+  assert block["layer_xla_ops"] == dec.BLOCK_LAYER_XLA_OPS == 143
+  assert "1024 > 512 tokens" in block["reason"]
   assert block["buffer_rows"] == 8 * 128 * 8 and block["expected_rows"] == 128 * 8
   swiglu = 8192 * 3 * QWEN.f * 2 / dec.device_bandwidth("v6e") * 1e6
   assert block["swiglu_us"] == pytest.approx(swiglu)
   assert block["kernel_us"] > swiglu + dec.expert_bytes(QWEN, "bf16") * 16 / 1638e9 * 1e6
+
+
+def test_fp8_block_runs_fused_calls_over_chunks():
+  """Block-scaled weights never take the block path: past 512 tokens on the expert axis they run
+  the fused kernel over chunks of the tokens, each call streaming its chosen experts again and
+  paying its own fixed cost."""
+  (r,) = dec.records(
+    models=[dataclasses.replace(DSV3, eps=(32,), weights=("fp8-block",))],
+    tokens=[32],
+    chips=["v6e"],
+    impls=["moe_decode"],
+  )
+  assert (r["path"], r["layout"], r["chunks"], r["calls"]) == ("fused", "gathered", 2, 2)
+  assert dec.path_label(r) == "fused, 2 calls" and r["rows_per_call"] == 512
+  assert "1024 tokens > 512 per call" in r["reason"]
+  parts = dec.chunk_sizes(experts=256, top_k=8, ep=32, tokens=32, chunks=2, device=r["device"])
+  stored = dec.expert_bytes(DSV3, "fp8-block")
+  assert r["weight_bytes_read"] == int((parts > 0).sum()) * stored == 2 * r["floor_bytes"]
+  assert r["fixed_us"] == pytest.approx(2 * costmodel.call_fixed_us("v6e"))
+  assert r["layer_xla_ops"] == 2 * (dec.DECODE_XLA_OPS + dec.GATHER_XLA_OPS) + 1
+  assert r["weights_read_dtype"] == "float8_e4m3fn" and "dequant_us" not in r
+  # Two calls, each at least its experts' bytes: over twice the floor.
+  assert r["ratio"] > 2.0 and "weights re-read +100%" in dec._why(r)
+  # The side note: dequantizing all 8 local experts once as compiled (19 bytes per weight
+  # element) is 19x this fp8 floor alone; one fusion per weight would move 3.
+  alt = dec.dequant_alternative(r)
+  assert alt["dequant_us"] / r["floor_us"] == pytest.approx(19, rel=0.01)
+  assert r["ratio"] < alt["one_fusion"] < alt["as_compiled"]  # two calls beat it on v6e
 
 
 def test_fp8_block_reads_the_floor_bytes_with_scales():
@@ -248,7 +320,8 @@ def test_sensitivity_and_verdict(qwen_records):
   for impl in ("moe_decode", "fused"):
     assert zero[impl]["median"] < fitted[impl]["median"]
   v = dec.verdict(qwen_records)
-  assert v["impl"] == dec.HEADLINE and v["points"] == 4 and not v["no_path"]
+  assert v["impl"] == dec.HEADLINE and v["points"] == 4 and "no_path" not in v
+  assert v["by_path"] == {"fused": dict(points=4, meets=len(v["meets"]))}
   assert len(v["meets"]) + len(v["impossible"]) + len(v["other"]) == 4
   # Qwen3 at 1 token on v6e: 16.6 µs per call is more than 10% of a 58 µs floor.
   assert any(r["chip"] == "v6e" and r["tokens"] == 1 for r in v["impossible"])
