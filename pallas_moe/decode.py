@@ -27,7 +27,9 @@ about a third of that layer's ops (`bench/results/decode-ops.md`).
 
 Above `MAX_FUSED_TOKENS` tokens on the expert axis, or where the tokens do not fit the fused
 kernel's VMEM (`fused_experts.plan_fused`), the forward is `moe.moe_block`'s (sort, ragged
-exchange, the gmm kernels), without its aux outputs.
+exchange, the gmm kernels), without its aux outputs; block-scaled experts, which the gmm
+kernels do not take, run the fused path over chunks of the tokens instead, one call after
+another, each reading its chosen experts' weights.
 """
 
 from __future__ import annotations
