@@ -105,6 +105,28 @@ SLOW_CASES = tuple(
     "kernels/test_fused_experts.py::test_tokens_layout[tpu-int8]",
     "kernels/test_fused_experts.py::test_tokens_layout[races-int8]",
     "layer/test_decode.py::test_large_batches_compile[True]",
+    "kernels/test_fused_experts.py::test_kinds_at_decode_sizes[hlo-fp8]",
+    "kernels/test_fused_experts.py::test_kinds_at_decode_sizes[hlo-block-int8]",
+    "kernels/test_fused_experts.py::test_kinds_at_decode_sizes[tpu-float]",
+    "kernels/test_fused_experts.py::test_tokens_layout[tpu-float]",
+    "kernels/test_fused_experts.py::test_tokens_layout[races-float]",
+    "kernels/test_fused_experts.py::test_tokens_layout[hlo-block-fp8]",
+    "kernels/test_fused_experts.py::test_tokens_layout[tpu-block-fp8]",
+    "kernels/test_fused_experts.py::test_tokens_layout[hlo-int8]",
+    "kernels/test_fused_experts.py::test_gathered_tokens[hlo-float]",
+    "kernels/test_fused_experts.py::test_gathered_tokens[tpu-float]",
+    "kernels/test_fused_experts.py::test_gathered_tokens[tpu-block-fp8]",
+    "kernels/test_fused_experts.py::test_gathered_tokens[races-block-fp8]",
+    "kernels/test_fused_experts.py::test_no_races_or_out_of_bounds[float]",
+    "kernels/test_fused_experts.py::test_compiles_for_tpu[v6e-int8-",
+    # The serving layer: one and eight tokens per device each on one family (both at 40); the
+    # fp8 checkpoint at eight; DeepSeek-V3's fp8 layer compiled on v5e and v6e (the kernel
+    # itself on v5p and tpu7x).
+    "layer/test_decode.py::test_matches_hf_float64[qwen3_moe-1]",
+    "layer/test_decode.py::test_matches_hf_float64[deepseek_v3-8]",
+    "layer/test_decode.py::test_deepseek_v3_fp8_checkpoint[1]",
+    "layer/test_decode.py::test_deepseek_v3_fp8_compiles[v5p]",
+    "layer/test_decode.py::test_deepseek_v3_fp8_compiles[tpu7x]",
   )
 )
 
