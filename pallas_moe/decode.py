@@ -48,7 +48,7 @@ from pallas_moe import mesh as mesh_lib
 from pallas_moe import quant
 from pallas_moe.block_plan import BlockPlan, plan_block
 from pallas_moe.config import MoEConfig
-from pallas_moe.moe import _axis_size, expert_slots, moe_block, param_specs, shared_mlp
+from pallas_moe.moe import _axis_size, expert_slots, moe_block, param_specs, shared_output
 from pallas_moe.routing import BIAS_KEY, route
 
 __all__ = [
@@ -288,14 +288,7 @@ def decode_block(
       )
   y = ys[0] if plan.chunks == 1 else jnp.concatenate(ys, axis=0)
   if config.shared_width:
-    gate = params["shared_gate"] if config.shared_expert_gate else None
-    y = y + shared_mlp(
-      x,
-      params["shared_wi"],
-      params["shared_wo"],
-      gate=gate,
-      float32_gate=config.float32_gate_logits,
-    )
+    y = y + shared_output(params, x, config)
   return y.astype(dt)
 
 

@@ -414,6 +414,20 @@ def _expert_mlp(
   return jax.checkpoint(down)(h, wo, group_sizes, row_weights)
 
 
+def shared_output(params: dict, x, config: MoEConfig, *, tensor_axis: str | None = None):
+  """The shared experts' output on the tokens x (`config.shared_width` > 0): `shared_mlp` with
+  the params' shared weights and, where the config gates it, the per-token gate."""
+  gate = params["shared_gate"] if config.shared_expert_gate else None
+  return shared_mlp(
+    x,
+    params["shared_wi"],
+    params["shared_wo"],
+    gate=gate,
+    float32_gate=config.float32_gate_logits,
+    tensor_axis=tensor_axis,
+  )
+
+
 def shared_mlp(
   x, wi, wo, *, gate=None, float32_gate: bool = True, tensor_axis: str | None = None
 ) -> jax.Array:
@@ -689,15 +703,7 @@ def moe_block(
       ys.append(jnp.einsum("tk,tkd->td", ch.weights, per_choice, precision=_HIGHEST))
   y = ys[0] if split == 1 else jnp.concatenate(ys, axis=0)
   if config.shared_width:
-    gate = params["shared_gate"] if config.shared_expert_gate else None
-    y = y + shared_mlp(
-      x,
-      params["shared_wi"],
-      params["shared_wo"],
-      gate=gate,
-      float32_gate=config.float32_gate_logits,
-      tensor_axis=tensor,
-    )
+    y = y + shared_output(params, x, config, tensor_axis=tensor)
   if tp > 1:
     # NOTE: the one tensor reduction of the layer: routed and shared partial outputs together,
     # in the output dtype (the bytes the reduction moves).
