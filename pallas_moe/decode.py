@@ -27,9 +27,10 @@ about a third of that layer's ops (`bench/results/decode-ops.md`).
 
 Above `MAX_FUSED_TOKENS` tokens on the expert axis, or where the tokens do not fit the fused
 kernel's VMEM (`fused_experts.plan_fused`), the forward is `moe.moe_block`'s (sort, ragged
-exchange, the gmm kernels), without its aux outputs; block-scaled experts, which the gmm
-kernels do not take, run the fused path over chunks of the tokens instead, one call after
-another, each reading its chosen experts' weights.
+exchange, the gmm kernels), without its aux outputs. Block-scaled experts, which the gmm
+kernels do not take, run the fused path over up to `MAX_FUSED_CALLS` chunks of the tokens
+instead, one call after another, each reading its chosen experts' weights; past that, one pass
+dequantizes them for `moe_block`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ __all__ = [
   "moe_decode",
   "GATHER_ABOVE",
   "MAX_FUSED_TOKENS",
+  "MAX_FUSED_CALLS",
 ]
 
 # NOTE: up to one 128-row MXU pass, every visited expert runs over all ep * T tokens; above,
@@ -65,6 +67,12 @@ __all__ = [
 # an expert's rows, against 3 * d * f for its MLP: a third more for Qwen3's f = 768 at 512).
 GATHER_ABOVE = 128
 MAX_FUSED_TOKENS = 512
+# NOTE: block-scaled experts past one fused call: up to this many calls over chunks of the
+# tokens, each reading the chosen experts' fp8 weights again; past it, one dequantizing pass
+# (fp8 in, bf16 out: 3 bytes per element) and the gmm path, which reads them once more as bf16.
+# Modeled for DeepSeek-V3 (`python -m bench --decode`): 2 calls are 2.1-2.6x the floor against
+# 5.2-5.7x dequantized; 4 calls 7.0-8.1x against 5.3-6.0x; 8-16 calls 9.1-32x against 6.6-7.6x.
+MAX_FUSED_CALLS = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -154,25 +162,24 @@ def plan_decode(
       gather=ep * chunk_tokens > GATHER_ABOVE,
     )
 
+  reason = f"{ep * t} > {MAX_FUSED_TOKENS} tokens"
   if kind == "block":
-    # NOTE: block-scaled weights run only in the fused kernel: in chunks where the tokens are
-    # more than one call takes (each chunk reads its chosen experts' weights again).
-    errors = []
-    for chunks in (c for c in range(1, t + 1) if t % c == 0):
+    # NOTE: block-scaled weights run in the fused kernel, in chunks where the tokens are more
+    # than one call takes (each chunk reads its chosen experts' weights again); past
+    # MAX_FUSED_CALLS chunks they are dequantized for the gmm path (`_gmm_weights`).
+    for chunks in (c for c in range(1, min(t, MAX_FUSED_CALLS) + 1) if t % c == 0):
       if ep * t // chunks > MAX_FUSED_TOKENS:
         continue
       try:
-        reason = f"{ep * t} tokens > {MAX_FUSED_TOKENS} per call" if chunks > 1 else ""
-        return plan(path="fused", fused=fused(t // chunks), chunks=chunks, reason=reason)
+        why = f"{ep * t} tokens > {MAX_FUSED_TOKENS} per call" if chunks > 1 else ""
+        return plan(path="fused", fused=fused(t // chunks), chunks=chunks, reason=why)
       except ValueError as e:
-        errors.append(str(e))
-    raise ValueError(
-      f"block-scaled experts run only in the fused kernel, and no chunk of the {t} tokens per "
-      f"device fits it: {errors[-1] if errors else ''} Load them with "
-      "from_hf(..., quantized_experts='dequantize') to run the gmm path."
+        reason = str(e)
+    reason = (
+      f"{reason}; block-scaled experts dequantized to {jnp.dtype(config.compute_dtype).name} "
+      f"(more than {MAX_FUSED_CALLS} fused calls)"
     )
-  reason = f"{ep * t} > {MAX_FUSED_TOKENS} tokens"
-  if ep * t <= MAX_FUSED_TOKENS:
+  elif ep * t <= MAX_FUSED_TOKENS:
     try:
       return plan(path="fused", fused=fused(t))
     except ValueError as e:
@@ -205,9 +212,10 @@ def _check(config: MoEConfig, wi) -> None:
 def _gmm_weights(params: dict, config: MoEConfig) -> dict:
   """The params as `moe_block`'s gmm kernels take them: block-scaled experts dequantized.
 
-  NOTE: the gmm kernels scale per output channel, not per 128 x 128 block. Above the fused
-  path's token count a call multiplies each weight by many rows, so one pass writing the
-  compute-dtype weights (and reading them back) is a small share of the call.
+  NOTE: the gmm kernels scale per output channel, not per 128 x 128 block. The pass reads the
+  fp8 values and writes the compute dtype (3 bytes per element, `quant.dequantize_blocks`); the
+  plan takes this path only where more than `MAX_FUSED_CALLS` fused calls would read the fp8
+  weights more often than that.
   """
   out = dict(params)
   for key in ("wi", "wo"):

@@ -115,12 +115,14 @@ def test_deepseek_v3_fp8_checkpoint(per_device):
   _close(_run(params, jnp.asarray(x), config), want)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_above_the_fused_path(fp8):
-  """640 tokens on the expert axis: moe_block's forward for float experts, two fused calls of
-  320 tokens for fp8 block-scaled ones (the gmm kernels do not take them); equal to HF's
-  float64 forward."""
-  per_device = 160
+@pytest.mark.parametrize(
+  "fp8, per_device", [(False, 160), (True, 160), (True, 288)], ids=["float", "fp8", "fp8-3x"]
+)
+def test_above_the_fused_path(fp8, per_device):
+  """Past one fused call's 512 tokens on the expert axis: moe_block's forward for float experts
+  (640 tokens); for fp8 block-scaled ones (which the gmm kernels do not take) two fused calls
+  of 320 tokens, and at 1,152 tokens (three calls) one dequantizing pass and moe_block's
+  forward. Each equal to HF's float64 forward."""
   if fp8:
     config = _fp8_config(gmm_impl="xla")
     sd = fp8_state_dict(config)
@@ -137,10 +139,11 @@ def test_above_the_fused_path(fp8):
   plan = decode.plan_decode(
     config, tokens_per_device=per_device, expert_parallelism=EP, weights=params["wi"]
   )
-  if fp8:
+  if fp8 and per_device == 160:
     assert plan.path == "fused" and plan.chunks == 2 and plan.fused.gather
   else:
     assert plan.path == "block" and plan.block.tokens_per_device == per_device
+    assert ("dequantized" in plan.reason) == fp8
   x = _tokens(config.d_model, per_device)
   want = hf_moe(np, family, ref, x, hf_choice(family, ref, x.astype(np.float64)))
   _close(_run(params, jnp.asarray(x), config), want)
