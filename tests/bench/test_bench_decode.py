@@ -296,11 +296,31 @@ def test_fp8_block_runs_fused_calls_over_chunks():
   assert r["weights_read_dtype"] == "float8_e4m3fn" and "dequant_us" not in r
   # Two calls, each at least its experts' bytes: over twice the floor.
   assert r["ratio"] > 2.0 and "weights re-read +100%" in dec._why(r)
-  # The side note: dequantizing all 8 local experts once as compiled (19 bytes per weight
-  # element) is 19x this fp8 floor alone; one fusion per weight would move 3.
+  # The side note: dequantizing all 8 local experts once as compiled (3.13 bytes per weight
+  # element) is over 3x this fp8 floor alone, so two calls beat it on v6e.
   alt = dec.dequant_alternative(r)
-  assert alt["dequant_us"] / r["floor_us"] == pytest.approx(19, rel=0.01)
-  assert r["ratio"] < alt["one_fusion"] < alt["as_compiled"]  # two calls beat it on v6e
+  assert alt["dequant_us"] / r["floor_us"] == pytest.approx(3.13, rel=0.01)
+  assert r["ratio"] < alt["dequantized"]
+
+
+def test_fp8_block_past_two_calls_is_dequantized_for_the_block_path():
+  """Past `MAX_FUSED_CALLS` fused calls (EP 32 with 128 tokens: 4,096 tokens on the expert
+  axis), block-scaled experts are dequantized once and run the gmm path."""
+  (r,) = dec.records(
+    models=[dataclasses.replace(DSV3, eps=(32,), weights=("fp8-block",))],
+    tokens=[128],
+    chips=["v6e"],
+    impls=["moe_decode"],
+  )
+  assert (r["path"], r["layout"], r["calls"]) == ("block", "gmm, dequantized", 2)
+  assert r["reason"] == "4096 > 512 tokens"
+  plan = dec.serving_plan(DSV3, "fp8-block", "v6e", ep=32, tokens=128)
+  assert "dequantized to bfloat16 (more than 2 fused calls)" in plan.reason
+  deq = dec.dequantize_us(DSV3, "fp8-block", local=8, chip="v6e")
+  assert r["dequant_us"] == pytest.approx(deq)
+  assert r["xla_ops"] == dec.BLOCK_EXPERT_XLA_OPS + dec.DEQUANT_XLA_OPS
+  # The pass alone: 3.13 bytes per fp8 weight element over HBM, about 3x the floor.
+  assert 3.0 < deq / r["floor_us"] < 3.2 and r["ratio"] > deq / r["floor_us"]
 
 
 def test_fp8_block_reads_the_floor_bytes_with_scales():
@@ -310,6 +330,24 @@ def test_fp8_block_reads_the_floor_bytes_with_scales():
   assert dec.expert_bytes(DSV3, "fp8-block") == per_expert
   assert r["weight_bytes_read"] == int((sizes > 0).sum()) * per_expert
   assert r["kernel_us"] * 1e-6 >= r["weight_bytes_read"] / dec.device_bandwidth("v6e")
+
+
+def test_mxu_floor_bounds_every_kernel():
+  sizes = np.array([1, 0, 3, 200])
+  elements = 3 * 7168 * 2048
+  # v5p: 2 TensorCores of 4 128x128 MXUs at 1.75 GHz take in 0.90e12 weight elements per
+  # second each, against 1.38e12 fp8 bytes per second of HBM each: 1.5x the floor at 1 row.
+  v5p = dec.mxu_floor_us(DSV3, "fp8-block", np.array([1]), "v5p") * 1e-6
+  assert v5p == pytest.approx(elements * 2 * 128 / 459e12, rel=1e-3)
+  assert v5p / (elements / dec.device_bandwidth("v5p")) > 1.5
+  # Rows above 128 cost one cycle each; empty experts nothing.
+  mix = dec.mxu_floor_us(DSV3, "bf16", sizes, "v6e")
+  one = dec.mxu_floor_us(DSV3, "bf16", np.array([1]), "v6e")
+  assert mix == pytest.approx(one * (128 + 128 + 200) / 128)
+  # tpu7x multiplies fp8 natively: twice bf16's rate.
+  fp8 = dec.mxu_floor_us(DSV3, "fp8-block", sizes, "tpu7x")
+  assert fp8 == pytest.approx(dec.mxu_floor_us(DSV3, "bf16", sizes, "tpu7x") / 2)
+  assert dec.bound_us(100.0, 150.0, 10.0) == 160.0
 
 
 def test_sensitivity_and_verdict(qwen_records):
@@ -326,6 +364,11 @@ def test_sensitivity_and_verdict(qwen_records):
   # Qwen3 at 1 token on v6e: 16.6 µs per call is more than 10% of a 58 µs floor.
   assert any(r["chip"] == "v6e" and r["tokens"] == 1 for r in v["impossible"])
   assert "fixed +" in v["impossible"][0]["why"]
+  for r in v["impossible"]:
+    assert r["bound_us"] > dec.LIMIT * r["floor_us"] and r["limit"] == "fixed cost"
+  for r in v["other"]:
+    assert r["bound_us"] <= dec.LIMIT * r["floor_us"]
+  assert 0 < v["near_bound"] <= 4
 
 
 def test_cli_writes_json(tmp_path):
