@@ -93,7 +93,19 @@ class FusedPlan:
     cores: TensorCores the call's weight stream is split over (2 on a megacore device: each
       core streams half of every visited expert's chunks and the call returns both cores'
       partial sums, which `fused_experts` adds).
+    stream: sorted rows that stay in HBM (any number of them): each visit copies its expert's
+      rows in, `align` rows at a time, and its finished rows out (`_stream_step`). Only the
+      rows of `group_sizes` are read or written; the rest of the buffer is never touched.
+    visit_rows: with `stream`, the rows one visit holds in VMEM: an expert whose rows (from
+      its first row rounded down to `align`) span more is visited again for the rest, its
+      weights streamed again.
   """
+
+  @property
+  def max_visits(self) -> int:
+    """A bound on the visits of a streamed call: each expert once, plus one per further
+    `visit_rows - align` rows (a visit holds at least that many of its expert's rows)."""
+    return self.num_experts + self.rows // (self.visit_rows - self.align) + 1
 
   rows: int
   d: int
@@ -112,6 +124,8 @@ class FusedPlan:
   by_token: bool = False
   cores: int = 1
   gather: bool = False
+  stream: bool = False
+  visit_rows: int = 0
 
   @property
   def chunks(self) -> int:
@@ -143,15 +157,23 @@ class FusedPlan:
     return self.chunks * self.step_weight_bytes
 
 
-def _vmem_bytes(*, rows, d, chunk, x_item, w_item, out_item, kind, window, experts, gather) -> int:
-  # NOTE: the rows (one copy), the result (2 buffers), the f32 sums.
-  resident = rows * d * (x_item + 2 * out_item + 4)
+def _vmem_bytes(
+  *, rows, d, chunk, x_item, w_item, out_item, kind, window, experts, gather, stream=0
+) -> int:
+  if stream:
+    # NOTE: one visit's rows, their row weights (128 lanes), f32 sums and output staging, and
+    # the carried tile; the rows themselves stay in HBM.
+    held = stream + 16
+    resident = held * (d * (x_item + 4 + out_item) + 128 * 4) + 16 * d * 4
+  else:
+    # NOTE: the rows (one copy), the result (2 buffers), the f32 sums.
+    resident = rows * d * (x_item + 2 * out_item + 4)
   if experts:
     # NOTE: the [E, 1, rows] routing weights (and token lists), each padded to 8 sublanes.
     resident += experts * 8 * rows * 4 * (2 if gather else 1)
   if gather:
     resident += rows * d * (x_item + 4)  # an expert's gathered rows and their f32 sums
-  else:
+  elif not stream:
     resident += rows * 128 * 4  # the [rows, 1] row weights, padded to 128 lanes
   weights = 2 * 3 * d * chunk * w_item  # two slots of gate, up, down
   upcast = 3 * d * chunk * x_item if w_item != x_item else 0
@@ -176,6 +198,8 @@ def plan_fused(
   by_token: bool = False,
   cores: int | None = None,
   gather: bool = False,
+  stream: bool = False,
+  visit_rows: int = 256,
 ) -> FusedPlan:
   """The fused kernel's plan: the largest chunk of f whose double-buffered weight blocks fit.
 
@@ -195,6 +219,9 @@ def plan_fused(
     gather: see `FusedPlan.gather` (with by_token).
     cores: TensorCores to split the weight stream over (default: the generation's TensorCores
       per JAX device, where f has an even number of chunks).
+    stream: see `FusedPlan.stream` (rows sorted by expert; one TensorCore).
+    visit_rows: with `stream`, the most rows one visit holds (rounded up to the rows' granule,
+      at most the rows).
 
   Returns:
     A `FusedPlan`.
@@ -211,6 +238,17 @@ def plan_fused(
   align = 8 * max(1, 4 // x_item)
   padded = max(align, -(-rows // align) * align)
   window = min(padded, _MAX_WINDOW)
+  if stream:
+    if by_token:
+      raise ValueError("stream takes rows sorted by expert, not tokens (by_token).")
+    # NOTE: rows are copied in and out `align` at a time: a whole VMEM tile of both dtypes.
+    align = max(align, 8 * max(1, 4 // out_item))
+    padded = max(align, -(-rows // align) * align)
+    window = min(padded, _MAX_WINDOW)
+    # NOTE: a visit holds at least one granule of its expert's rows past its rounded-down start.
+    visit_rows = max(2 * align, min(-(-visit_rows // align) * align, padded + align))
+    window = min(window, visit_rows)
+    cores = 1
   if by_token:
     # NOTE: windows over the tokens start on the 128-lane grid of the [E, 1, rows] weights.
     padded = -(-padded // window) * window
@@ -236,6 +274,7 @@ def plan_fused(
     window=window,
     experts=num_experts if by_token else 0,
     gather=gather,
+    stream=visit_rows if stream else 0,
   )
   cores = gen.tensorcores_per_device if cores is None else cores
   fits = [c for c in candidates if _vmem_bytes(chunk=c, **kw) <= budget]
@@ -271,6 +310,8 @@ def plan_fused(
     by_token=by_token,
     cores=cores,
     gather=gather and by_token,
+    stream=stream,
+    visit_rows=visit_rows if stream else 0,
   )
 
 
@@ -297,6 +338,13 @@ class _Scratch(NamedTuple):
   dequant_out: Any = None  # block: [chunk, d] its down
   gathered: Any = None  # gather: [rows, d] the visited expert's tokens
   expert_acc: Any = None  # gather: [rows, d] f32 their sums
+  visit_lo: Any = None  # stream: SMEM [max visits] each visit's first row
+  visit_hi: Any = None  # stream: SMEM [max visits] one past its last row
+  x_rows: Any = None  # stream: [held, d] the visit's rows, from its first row rounded down
+  row_weights: Any = None  # stream: [held, 1] f32 their routing weights
+  staging: Any = None  # stream: [held, d] the visit's sums in the output dtype, to copy out
+  carry: Any = None  # stream: [align, d] f32 the last, unfinished granule of rows
+  row_sems: Any = None  # stream: DMA semaphores [2]: rows in, rows out
 
 
 def _metadata(plan: FusedPlan, group_sizes, scratch: _Scratch):
@@ -316,6 +364,40 @@ def _metadata(plan: FusedPlan, group_sizes, scratch: _Scratch):
   row, count = lax.fori_loop(0, plan.num_experts, body, (jnp.int32(0), jnp.int32(0)))
   scratch.first_row[plan.num_experts] = row
   return count
+
+
+def _stream_metadata(plan: FusedPlan, group_sizes, scratch: _Scratch):
+  """Writes the visits of a streamed call to SMEM: (expert, first row, end row) per visit, in
+  row order; an expert whose rows span more than `visit_rows` from its first row rounded down
+  to `align` gets one visit per such span.
+
+  Returns:
+    (number of visits, one past the last row of any expert).
+  """
+  align, held = plan.align, plan.visit_rows
+
+  def expert_visits(e, carry):
+    row, count = carry
+    end = row + group_sizes[e]
+
+    def more(c):
+      return c[0] < end
+
+    def visit(c):
+      lo, n = c
+      # NOTE: a visit's rows start at a granule boundary in VMEM (its first row rounded down),
+      # so it holds rows up to that boundary plus `visit_rows`.
+      hi = jnp.minimum(end, (lo // align) * align + held)
+      scratch.visits[n] = e
+      scratch.visit_lo[n] = lo
+      scratch.visit_hi[n] = hi
+      return hi, n + 1
+
+    _, count = lax.while_loop(more, visit, (row, count))
+    return end, count
+
+  total, count = lax.fori_loop(0, plan.num_experts, expert_visits, (jnp.int32(0), jnp.int32(0)))
+  return count, total
 
 
 def _copies(plan: FusedPlan, w: _Weights, scratch: _Scratch, *, expert, chunk, slot, part):
@@ -444,11 +526,21 @@ def _dequantize_step(plan: FusedPlan, scratch: _Scratch, *, slot) -> None:
   lax.fori_loop(0, plan.d // b, cols, 0)
 
 
-def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot) -> None:
+def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, span=None) -> None:
   """One step's compute: every window of the expert's rows through gate/up, the activation and
-  down into the f32 sums."""
+  down into the f32 sums.
+
+  Args:
+    span: (lo, hi, rows): the rows [lo, hi) of `refs`' first `rows` rows to run (a streamed
+      visit's, in its VMEM copy); None: the expert's rows of the resident buffer (or every
+      token, `by_token`).
+  """
   x_rows, row_weights = refs
-  if plan.by_token:
+  bound = plan.rows
+  if span is not None:
+    lo, hi, bound = span
+    start = 0
+  elif plan.by_token:
     # NOTE: every token, scaled by its weight for this expert (0: not routed to it).
     lo, hi, start = 0, plan.rows, 0
   else:
@@ -460,7 +552,7 @@ def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot) -> N
     nominal = start + p * plan.window
     # NOTE: a window that would cross the buffer's end moves back to end there; it keeps only
     # the rows from its nominal start, so no row is added twice.
-    r0 = pl.multiple_of(jnp.minimum(nominal, plan.rows - plan.window), plan.align)
+    r0 = pl.multiple_of(jnp.minimum(nominal, bound - plan.window), plan.align)
     gate, up = _project_in(plan, x_rows, scratch, slot=slot, r0=r0)
     act = jax.nn.silu(gate) * up
     row = r0 + lax.broadcasted_iota(jnp.int32, (plan.window, 1), 0)
@@ -475,6 +567,78 @@ def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot) -> N
     return carry
 
   lax.fori_loop(0, windows, body, 0)
+
+
+def _row_copies(plan: FusedPlan, src, dst, sem, *, src_row, dst_row, tiles):
+  """`tiles` copies of `align` rows each, src rows from `src_row` to dst rows from `dst_row`:
+  the descriptors, as a function of the tile."""
+  a = plan.align
+
+  def copy(p):
+    return pltpu.make_async_copy(
+      src.at[pl.ds(pl.multiple_of(src_row + p * a, a), a)],
+      dst.at[pl.ds(pl.multiple_of(dst_row + p * a, a), a)],
+      sem,
+    )
+
+  def run(method):
+    def body(p, carry):
+      getattr(copy(p), method)()
+      return carry
+
+    lax.fori_loop(0, tiles, body, 0)
+
+  return run
+
+
+def _stream_step(plan: FusedPlan, refs, scratch: _Scratch, *, visit, expert, slot, first, last):
+  """One step of a streamed visit: at its first chunk the visit's rows (and row weights) are
+  copied in, from its first row rounded down to `align`, and its sums start from the granule
+  the previous visit left unfinished; every chunk runs its rows as `_expert_step`; at its last
+  chunk the finished granules are copied out and the unfinished last one is carried on.
+
+  NOTE: visits come in row order and are contiguous, so the granule a visit starts in is the
+  one the previous visit ended in: its rows of earlier visits arrive in the carry, and no
+  granule is copied out before every row in it is done. Rows of later visits in a granule are
+  masked (zero) until their own visit.
+  """
+  x_hbm, w_hbm, out_hbm = refs
+  a = plan.align
+  lo, hi = scratch.visit_lo[visit], scratch.visit_hi[visit]
+  base = (lo // a) * a
+  held = plan.visit_rows + a
+  rows_in = scratch.row_sems.at[0]
+
+  @pl.when(first)
+  def _():
+    tiles = (hi - base + a - 1) // a
+    copies = [
+      _row_copies(plan, x_hbm, scratch.x_rows, rows_in, src_row=base, dst_row=0, tiles=tiles)
+    ]
+    if w_hbm is not None:
+      copies.append(
+        _row_copies(plan, w_hbm, scratch.row_weights, rows_in, src_row=base, dst_row=0, tiles=tiles)
+      )
+    for c in copies:
+      c("start")
+    for c in copies:
+      c("wait")
+    scratch.acc[...] = jnp.zeros_like(scratch.acc)
+    scratch.acc[0:a, :] = scratch.carry[...]
+
+  refs = (scratch.x_rows, scratch.row_weights if w_hbm is not None else None)
+  _expert_step(plan, refs, scratch, expert=expert, slot=slot, span=(lo - base, hi - base, held))
+
+  @pl.when(last)
+  def _():
+    full = (hi - base) // a
+    scratch.staging[...] = scratch.acc[...].astype(scratch.staging.dtype)
+    out = _row_copies(
+      plan, scratch.staging, out_hbm, scratch.row_sems.at[1], src_row=0, dst_row=base, tiles=full
+    )
+    out("start")
+    out("wait")
+    scratch.carry[...] = scratch.acc[pl.ds(pl.multiple_of(full * a, a), a), :]
 
 
 def _token_onehot(expert_tokens, expert, r0, window: int, tokens: int):
@@ -551,12 +715,16 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
   w = _Weights(wi=wi, wo=wo, wi_scales=wi_s, wo_scales=wo_s)
   scratch = _Scratch(**dict(zip(_scratch_names(plan), scr, strict=True)))
 
-  visited = _metadata(plan, group_sizes, scratch)
+  if plan.stream:
+    visited, total = _stream_metadata(plan, group_sizes, scratch)
+    scratch.carry[...] = jnp.zeros_like(scratch.carry)
+  else:
+    visited = _metadata(plan, group_sizes, scratch)
+    scratch.acc[...] = jnp.zeros_like(scratch.acc)
   per_expert = plan.core_chunks
   steps = visited * per_expert
   # NOTE: TensorCore c streams chunks [c * per_expert, (c + 1) * per_expert) of each expert.
   first_chunk = pl.program_id(0) * per_expert
-  scratch.acc[...] = jnp.zeros_like(scratch.acc)
 
   def copies(s, part):
     expert = scratch.visits[s // per_expert]
@@ -586,7 +754,18 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     expert = scratch.visits[s // per_expert]
     if plan.kind == "block":
       _dequantize_step(plan, scratch, slot=s % 2)
-    if plan.gather:
+    if plan.stream:
+      _stream_step(
+        plan,
+        (x, row_weights, out),
+        scratch,
+        visit=s // per_expert,
+        expert=expert,
+        slot=s % 2,
+        first=s % per_expert == 0,
+        last=s % per_expert == per_expert - 1,
+      )
+    elif plan.gather:
       _gathered_step(
         plan,
         (x, row_weights, expert_tokens, group_sizes),
@@ -601,7 +780,26 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     return carry
 
   lax.fori_loop(0, steps, step, 0)
-  out[...] = scratch.acc[...].reshape(out.shape).astype(out.dtype)
+  if not plan.stream:
+    out[...] = scratch.acc[...].reshape(out.shape).astype(out.dtype)
+    return
+  a = plan.align
+
+  # NOTE: the last visit's unfinished granule: its rows past the last expert's come out zero.
+  @pl.when(total % a != 0)
+  def _():
+    scratch.staging[0:a, :] = scratch.carry[...].astype(scratch.staging.dtype)
+    last = _row_copies(
+      plan,
+      scratch.staging,
+      out,
+      scratch.row_sems.at[1],
+      src_row=0,
+      dst_row=(total // a) * a,
+      tiles=1,
+    )
+    last("start")
+    last("wait")
 
 
 def _split(w: Any, name: str):
@@ -667,6 +865,8 @@ def fused_experts(
   expert_tokens: jax.Array | None = None,
   out_dtype: Any = None,
   chunk: int | None = None,
+  stream: bool = False,
+  unowned_rows: str = "zero",
   plan: FusedPlan | None = None,
   interpret: Any = None,
 ) -> jax.Array:
@@ -699,6 +899,13 @@ def fused_experts(
       above 128 tokens, where all m would take more than one 128-row MXU pass).
     out_dtype: result dtype (default x's).
     chunk: f columns per streamed step (default: `plan_fused`'s).
+    stream: rows sorted by expert stay in HBM, any number of them: each visited expert's rows
+      are copied in and its results out (`FusedPlan.stream`; one TensorCore). For receive
+      buffers much larger than the rows they hold: nothing is read or written past
+      `sum(group_sizes)`.
+    unowned_rows: with `stream`, the result's rows past `sum(group_sizes)`: "zero" (one XLA
+      select over the result) or "undefined" (never written: for callers that never read
+      them, as `moe.expert_mlp`'s). The other layouts always write zeros there.
     plan: a `FusedPlan` from `plan_fused` (default: planned here for the current generation).
     interpret: see `common.run_kernel`: None compiles for TPU and interprets elsewhere; True or
       `pltpu.InterpretParams(...)` force interpret mode.
@@ -732,13 +939,16 @@ def fused_experts(
       chunk=chunk,
       by_token=by_token,
       gather=gather,
+      stream=stream,
     )
-  if (plan.by_token, plan.gather) != (by_token, gather):
+  if (plan.by_token, plan.gather, plan.stream) != (by_token, gather, stream):
     raise ValueError(
-      f"plan has by_token={plan.by_token}, gather={plan.gather}, but the call passes "
-      f"expert_weights: {by_token}, expert_tokens: {gather}; plan with "
-      f"plan_fused(by_token={by_token}, gather={gather})."
+      f"plan has by_token={plan.by_token}, gather={plan.gather}, stream={plan.stream}, but the "
+      f"call passes expert_weights: {by_token}, expert_tokens: {gather}, stream={stream}; plan "
+      f"with plan_fused(by_token={by_token}, gather={gather}, stream={stream})."
     )
+  if unowned_rows not in ("zero", "undefined"):
+    raise ValueError(f"unowned_rows must be 'zero' or 'undefined', got {unowned_rows!r}.")
   if plan.kind == "block":
     # NOTE: the kernel copies a step's scales as leading rows (see `_copies`).
     wi_s = jnp.swapaxes(wi_s, 1, 2)
@@ -746,8 +956,12 @@ def fused_experts(
   if pad:
     x = jnp.pad(x, ((0, pad), (0, 0)))
   full = lambda shape: pl.BlockSpec(shape, lambda c, *_: (0,) * len(shape))  # noqa: E731
-  # NOTE: inputs read whole (one VMEM copy each; a blocked input would be double-buffered).
+  # NOTE: inputs read whole (one VMEM copy each; a blocked input would be double-buffered);
+  # streamed rows stay in HBM.
   whole = pl.BlockSpec(memory_space=pltpu.VMEM)
+  hbm = pl.BlockSpec(memory_space=pl.ANY)
+  if plan.stream:
+    whole = hbm
   operands, in_specs = [x], [whole]
   if by_token:
     # NOTE: [E, 1, rows]: the kernel reads expert e's window of tokens as lanes.
@@ -765,7 +979,6 @@ def fused_experts(
     rw = row_weights.astype(jnp.float32)
     operands.append(jnp.pad(rw, (0, pad))[:, None] if pad else rw[:, None])
     in_specs.append(whole)
-  hbm = pl.BlockSpec(memory_space=pl.ANY)
   if kind == "float":
     operands += [wi_v, wo_v]
     in_specs += [hbm, hbm]
@@ -776,6 +989,8 @@ def fused_experts(
   out_dtype = jnp.float32 if split else plan.out_dtype
   out_shape = (plan.cores, plan.rows, d) if split else (plan.rows, d)
   out_spec = pl.BlockSpec((1, plan.rows, d), lambda c, *_: (c, 0, 0)) if split else full(out_shape)
+  if plan.stream:
+    out_spec = hbm
   out = common.call_kernel(
     lambda *refs: _kernel(plan, by_token or row_weights is not None, *refs),
     name="pallas_moe_fused_experts",
@@ -795,6 +1010,9 @@ def fused_experts(
   if split:
     # NOTE: the two TensorCores' partial sums (each over half of f).
     out = jnp.sum(out, axis=0).astype(plan.out_dtype)
+  if plan.stream and unowned_rows == "zero":
+    total = jnp.sum(group_sizes.astype(jnp.int32))
+    out = jnp.where(jnp.arange(plan.rows)[:, None] < total, out, jnp.zeros((), out.dtype))
   return out[:m] if pad else out
 
 
@@ -808,6 +1026,8 @@ def _scratch_names(plan: FusedPlan) -> list[str]:
     names += ["dequant_in", "dequant_out"]
   if plan.gather:
     names += ["gathered", "expert_acc"]
+  if plan.stream:
+    names += ["visit_lo", "visit_hi", "x_rows", "row_weights", "staging", "carry", "row_sems"]
   return names
 
 
@@ -815,8 +1035,9 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
   vmem = pltpu.VMEM
   wdt = jnp.dtype(plan.w_dtype)
   d, c = plan.d, plan.chunk
+  held = plan.visit_rows + plan.align
   shapes = [
-    vmem((plan.rows, d), jnp.float32),
+    vmem((held if plan.stream else plan.rows, d), jnp.float32),
     vmem((2, 2, d, c), wdt),
     vmem((2, c, d), wdt),
   ]
@@ -828,11 +1049,22 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
   shapes += [
     pltpu.SemaphoreType.DMA((2, 4)),
     pltpu.SMEM((plan.num_experts + 1,), jnp.int32),
-    pltpu.SMEM((plan.num_experts,), jnp.int32),
+    pltpu.SMEM((plan.max_visits if plan.stream else plan.num_experts,), jnp.int32),
   ]
   if plan.kind == "block":
     cdt = jnp.dtype(plan.x_dtype)
     shapes += [vmem((2, d, c), cdt), vmem((c, d), cdt)]
   if plan.gather:
     shapes += [vmem((plan.rows, d), jnp.dtype(plan.x_dtype)), vmem((plan.rows, d), jnp.float32)]
+  if plan.stream:
+    visits = pltpu.SMEM((plan.max_visits,), jnp.int32)
+    shapes += [
+      visits,
+      visits,
+      vmem((held, d), jnp.dtype(plan.x_dtype)),
+      vmem((held, 1), jnp.float32),
+      vmem((held, d), jnp.dtype(plan.out_dtype)),
+      vmem((plan.align, d), jnp.float32),
+      pltpu.SemaphoreType.DMA((2,)),
+    ]
   return shapes

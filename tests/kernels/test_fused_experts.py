@@ -4,6 +4,8 @@ compiles for each TPU generation."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -225,6 +227,71 @@ def test_no_races_or_out_of_bounds(kind, capfd):
   _check(out, np_experts(x, wi64, wo64, gs))
 
 
+def _streamed(x, wi, wo, gs, *, visit_rows, **kw):
+  m, d = x.shape
+  values = getattr(wi, "values", wi)
+  plan = fe.plan_fused(
+    rows=m,
+    d=d,
+    f=values.shape[2] // 2,
+    num_experts=values.shape[0],
+    x_dtype=x.dtype,
+    w_dtype=values.dtype,
+    kind=fe.weight_kind(wi),
+    chunk=128,
+    stream=True,
+    visit_rows=visit_rows,
+  )
+  return fe.fused_experts(x, wi, wo, gs, stream=True, plan=plan, **kw)
+
+
+@pytest.mark.parametrize(
+  "mode, kind, dtype",
+  [("hlo", "float", F32), ("races", "block-fp8", jnp.bfloat16), ("tpu", "int8", jnp.bfloat16)],
+)
+def test_streamed_rows(mode, kind, dtype, capfd):
+  """Rows sorted by expert that stay in HBM: visits of 32 rows, so an expert of 40 or 70 rows
+  is visited two or three times and small experts share their first and last granules; rows
+  past the groups come out zero, or are left unwritten ("undefined") with every owned row
+  exact."""
+  d, f, e, m = 256, 256, 5, 112
+  wi, wo, wi64, wo64 = _weights(kind, e=e, d=d, f=f)
+  interpret = {"hlo": True, "tpu": pltpu.InterpretParams(), "races": RACE_PARAMS}[mode]
+  x = random_array(9, (m, d), F32).astype(dtype)
+  rw = jnp.asarray(np.random.default_rng(5).uniform(0.1, 1.0, m), F32)
+  tol = dict(atol=2e-5) if dtype == F32 else dict(atol=3e-2)
+  x64 = np.asarray(x.astype(F32))
+  for sizes in ([3, 0, 40, 1, 9], [70, 0, 0, 1, 2], [0, 0, 0, 0, 0]):
+    gs = jnp.asarray(sizes, I32)
+    want = np_experts(x64, wi64, wo64, gs, rw)
+    with no_races_or_oob(capfd) if mode == "races" else contextlib.nullcontext():
+      out = _streamed(x, wi, wo, gs, visit_rows=32, row_weights=rw, interpret=interpret)
+    _check(out.astype(F32), want, **tol)
+  loose = _streamed(
+    x,
+    wi,
+    wo,
+    gs := jnp.asarray([3, 0, 40, 1, 9], I32),
+    visit_rows=32,
+    row_weights=rw,
+    unowned_rows="undefined",
+    interpret=interpret,
+  )
+  _check(np.asarray(loose.astype(F32))[:53], np_experts(x64, wi64, wo64, gs, rw)[:53], **tol)
+
+
+@given(data=st.data())
+@examples(0.5)
+def test_streamed_group_sizes_property(data):
+  """Random group sizes over odd m and d, streamed in visits of 16 rows."""
+  m, d, f, e = 37, 72, 128, 5
+  gs = data.draw(group_sizes_strategy(m=m, num_groups=e))
+  wi, wo, _, _ = _weights("float", e=e, d=d, f=f)
+  x = random_array(5, (m, d), F32)
+  out = _streamed(x, wi, wo, jnp.asarray(gs), visit_rows=16, interpret=True)
+  _check(out, np_experts(x, wi, wo, gs))
+
+
 def test_plan_streams_only_what_fits():
   """DeepSeek-V3's expert at 64 rows: the chunk is the largest that fits VMEM, and the rows'
   needs are refused with a clear error where they cannot fit."""
@@ -285,7 +352,8 @@ AOT_CASES = [
 @pytest.mark.parametrize("gen,kind,d,f,e", AOT_CASES)
 def test_compiles_for_tpu(gen, kind, d, f, e):
   """Mosaic compiles the kernel (real libtpu, ahead of time) at decode size: 64 rows sorted by
-  expert, 64 tokens, 256 tokens gathered per expert; on v5p split over its two TensorCores."""
+  expert, 64 tokens, 256 tokens gathered per expert (on v5p split over its two TensorCores),
+  and 8,192 sorted rows streamed from HBM."""
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -318,7 +386,13 @@ def test_compiles_for_tpu(gen, kind, d, f, e):
   def by_gathered(x, wi, wo, gs, ew, et):
     return fe.fused_experts(x, wi, wo, gs, expert_weights=ew, expert_tokens=et)
 
+  streamed = (sds((8192, d), jnp.bfloat16), *args[1:4], sds((8192,), F32))
+
+  def by_streamed(x, wi, wo, gs, rw):
+    return fe.fused_experts(x, wi, wo, gs, row_weights=rw, stream=True, unowned_rows="undefined")
+
+  cases = ((by_rows, args), (by_tokens, tokens), (by_gathered, gathered), (by_streamed, streamed))
   with tiling.use_generation(gen), jax.default_device(dev):
-    for fn, a in ((by_rows, args), (by_tokens, tokens), (by_gathered, gathered)):
+    for fn, a in cases:
       compiled = jax.jit(fn).lower(*a).compile()
       assert "pallas_moe_fused_experts" in compiled.as_text()
