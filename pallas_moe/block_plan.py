@@ -11,6 +11,7 @@ values. `print(plan.describe())` says what was chosen and why.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +57,9 @@ class BlockPlan:
     wi: the gate/up projection's `ops.GmmPlan` (fwd, dlhs, drhs kernels); None for
       `gmm_impl="ragged_dot"`.
     wo: the down projection's.
+    fused: a streamed `fused_experts.FusedPlan` over the `expert_rows`: the experts run as one
+      fused kernel (gate/up, SwiGLU, down) reading only the received rows, forward only (the
+      serving path, `decode.plan_decode`); None: the gmm pair.
     reasons: (decision, why) pairs, in words.
   """
 
@@ -71,6 +75,7 @@ class BlockPlan:
   generation: str
   wi: ops.GmmPlan | None
   wo: ops.GmmPlan | None
+  fused: Any = None
   reasons: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 
   @property
@@ -106,6 +111,13 @@ class BlockPlan:
       f"  buffer_rows: {self.buffer_rows} per chunk ({why.get('buffer_rows', '')}); expert gmms "
       f"over {self.expert_rows} rows{expected}",
     ]
+    if self.fused is not None:
+      p = self.fused
+      lines.append(
+        f"  experts: the fused kernel streaming the received rows (visits of {p.visit_rows} "
+        f"rows, chunk {p.chunk} of f={p.f}, {p.kind} weights, forward only)"
+      )
+      return "\n".join(lines)
     for name, plan in (("wi", self.wi), ("wo", self.wo)):
       if plan is None:
         lines.append(f"  {name}: jax.lax.ragged_dot (gmm_impl='ragged_dot')")

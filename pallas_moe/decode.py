@@ -27,15 +27,14 @@ about a third of that layer's ops (`bench/results/decode-ops.md`).
 
 Above `MAX_FUSED_TOKENS` tokens on the expert axis, or where the tokens do not fit the fused
 kernel's VMEM (`fused_experts.plan_fused`), the forward is `moe.moe_block`'s (sort, ragged
-exchange, the gmm kernels), without its aux outputs. Block-scaled experts, which the gmm
-kernels do not take, run the fused path over up to `MAX_FUSED_CALLS` chunks of the tokens
-instead, one call after another, each reading its chosen experts' weights; past that, one pass
-dequantizes them for `moe_block`.
+exchange), without its aux outputs, and its experts are the fused kernel again, streaming the
+received rows from HBM (`fused_experts(stream=True)`): each non-empty expert's weights read
+once, only the received rows touched. On a megacore device (v5p) float experts run the gmm
+pair there instead, split over both TensorCores.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -47,8 +46,10 @@ from jax.sharding import PartitionSpec as P
 from pallas_moe import fused_experts as fe
 from pallas_moe import mesh as mesh_lib
 from pallas_moe import quant
+from pallas_moe import tiling as tiling_lib
 from pallas_moe.block_plan import BlockPlan, plan_block
 from pallas_moe.config import MoEConfig
+from pallas_moe.generations import current_generation, get_generation
 from pallas_moe.moe import _axis_size, expert_slots, moe_block, param_specs, shared_output
 from pallas_moe.routing import BIAS_KEY, route
 
@@ -59,7 +60,6 @@ __all__ = [
   "moe_decode",
   "GATHER_ABOVE",
   "MAX_FUSED_TOKENS",
-  "MAX_FUSED_CALLS",
 ]
 
 # NOTE: up to one 128-row MXU pass, every visited expert runs over all ep * T tokens; above,
@@ -67,12 +67,6 @@ __all__ = [
 # an expert's rows, against 3 * d * f for its MLP: a third more for Qwen3's f = 768 at 512).
 GATHER_ABOVE = 128
 MAX_FUSED_TOKENS = 512
-# NOTE: block-scaled experts past one fused call: up to this many calls over chunks of the
-# tokens, each reading the chosen experts' fp8 weights again; past it, one dequantizing pass
-# (fp8 in, bf16 out: 3 bytes per element) and the gmm path, which reads them once more as bf16.
-# Modeled for DeepSeek-V3 (`python -m bench --decode`): 2 calls are 2.1-2.6x the floor against
-# 5.2-5.7x dequantized; 4 calls 7.0-8.1x against 5.3-6.0x; 8-16 calls 9.1-32x against 6.6-7.6x.
-MAX_FUSED_CALLS = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,31 +78,28 @@ class DecodePlan:
     expert_parallelism: devices on the expert axis.
     path: "fused" (all-gather, the fused kernel over the ep * T tokens, reduce-scatter) or
       "block" (`moe.moe_block`'s forward: more tokens than the fused path takes).
-    fused: the fused kernel's plan (path "fused"), for one chunk of the tokens.
-    chunks: path "fused": the T tokens run as this many chunks of T / chunks, one after the
-      other, each reading its chosen experts' weights (block-scaled weights past the fused
-      path's token count, which the gmm kernels do not take).
-    block: path "block": `moe_block`'s plan.
-    reason: why the path or the chunks (empty when the tokens fit one fused call).
+    fused: the fused kernel's plan (path "fused").
+    block: path "block": `moe_block`'s plan (its `fused`: the experts as the streamed fused
+      kernel, or None: the gmm pair).
+    reason: why the block path (empty on the fused path).
   """
 
   tokens: int
   expert_parallelism: int
   path: str
   fused: fe.FusedPlan | None = None
-  chunks: int = 1
   block: BlockPlan | None = None
   reason: str = ""
 
   def describe(self) -> str:
     head = f"decode: {self.tokens} tokens per device, EP {self.expert_parallelism}: "
     if self.fused is None:
-      return head + f"moe_block's forward ({self.reason})"
+      experts = "the gmm pair" if self.block.fused is None else "the streamed fused kernel"
+      return head + f"moe_block's forward, its experts {experts} ({self.reason})"
     p = self.fused
-    chunks = f" in {self.chunks} chunks ({self.reason})" if self.chunks > 1 else ""
     layout = "each expert's tokens gathered" if p.gather else "every expert over all tokens"
     return head + (
-      f"the fused kernel over {p.rows} tokens per call{chunks}, {layout} (chunk {p.chunk} of "
+      f"the fused kernel over {p.rows} tokens, {layout} (chunk {p.chunk} of "
       f"f={p.f}, {p.cores} TensorCore(s), {p.kind} weights, {p.vmem_bytes / 2**20:.1f} MiB VMEM)"
     )
 
@@ -163,28 +154,32 @@ def plan_decode(
     )
 
   reason = f"{ep * t} > {MAX_FUSED_TOKENS} tokens"
-  if kind == "block":
-    # NOTE: block-scaled weights run in the fused kernel, in chunks where the tokens are more
-    # than one call takes (each chunk reads its chosen experts' weights again); past
-    # MAX_FUSED_CALLS chunks they are dequantized for the gmm path (`_gmm_weights`).
-    for chunks in (c for c in range(1, min(t, MAX_FUSED_CALLS) + 1) if t % c == 0):
-      if ep * t // chunks > MAX_FUSED_TOKENS:
-        continue
-      try:
-        why = f"{ep * t} tokens > {MAX_FUSED_TOKENS} per call" if chunks > 1 else ""
-        return plan(path="fused", fused=fused(t // chunks), chunks=chunks, reason=why)
-      except ValueError as e:
-        reason = str(e)
-    reason = (
-      f"{reason}; block-scaled experts dequantized to {jnp.dtype(config.compute_dtype).name} "
-      f"(more than {MAX_FUSED_CALLS} fused calls)"
-    )
-  elif ep * t <= MAX_FUSED_TOKENS:
+  if ep * t <= MAX_FUSED_TOKENS:
     try:
       return plan(path="fused", fused=fused(t))
     except ValueError as e:
       reason = str(e)
-  block = plan_block(config, tokens_per_device=t, expert_parallelism=ep, tensor_parallelism=1)
+  gen = get_generation(generation) if generation is not None else current_generation()
+  with tiling_lib.use_generation(gen):
+    block = plan_block(config, tokens_per_device=t, expert_parallelism=ep, tensor_parallelism=1)
+  # NOTE: the experts of moe_block's forward as one fused kernel streaming only the received
+  # rows (no SwiGLU pass over the static buffer, no gmm metadata), on one TensorCore: where the
+  # device has one, and for block-scaled weights (which the gmm kernels do not take) anywhere.
+  # A megacore device (v5p) keeps float weights on the gmm pair, which splits over both cores.
+  if kind == "block" or gen.tensorcores_per_device == 1:
+    stream = fe.plan_fused(
+      rows=block.expert_rows,
+      d=config.d_model,
+      f=config.expert_ffn_dim,
+      num_experts=e_local,
+      x_dtype=config.compute_dtype,
+      w_dtype=weights.dtype if weights is not None else config.weight_dtype,
+      kind=kind,
+      block=getattr(weights, "block", quant.BLOCK),
+      generation=gen,
+      stream=True,
+    )
+    block = dataclasses.replace(block, fused=stream)
   return plan(path="block", block=block, reason=reason)
 
 
@@ -207,21 +202,6 @@ def _check(config: MoEConfig, wi) -> None:
         f"the serving forward keeps each device's experts whole: {role}={name!r} splits "
         "them; serve on a (data, expert) mesh or call moe_layer."
       )
-
-
-def _gmm_weights(params: dict, config: MoEConfig) -> dict:
-  """The params as `moe_block`'s gmm kernels take them: block-scaled experts dequantized.
-
-  NOTE: the gmm kernels scale per output channel, not per 128 x 128 block. The pass reads the
-  fp8 values and writes the compute dtype (3 bytes per element, `quant.dequantize_blocks`); the
-  plan takes this path only where more than `MAX_FUSED_CALLS` fused calls would read the fp8
-  weights more often than that.
-  """
-  out = dict(params)
-  for key in ("wi", "wo"):
-    if fe.weight_kind(params[key]) == "block":
-      out[key] = quant.dequantize_blocks(params[key], dtype=config.compute_dtype)
-  return out
 
 
 def _token_lists(weights):
@@ -283,25 +263,21 @@ def decode_block(
       f"expert_parallelism={ep})."
     )
   if plan.path == "block":
-    return moe_block(_gmm_weights(params, config), x, config, plan=plan.block)[0]
-  x = x.astype(dt)
-  tc = t // plan.chunks
-  ys = []
-  for c in range(plan.chunks):
-    with jax.named_scope(f"chunk_{c}") if plan.chunks > 1 else contextlib.nullcontext():
-      ys.append(
-        _routed(
-          params, x[c * tc : (c + 1) * tc], config, plan=plan, ep_axis=ep_axis, interpret=interpret
-        )
+    if plan.block.fused is None and fe.weight_kind(params["wi"]) == "block":
+      raise ValueError(
+        "block-scaled experts run only in the fused kernel, but the plan's block path has "
+        "none; plan with plan_decode(..., weights=params['wi'])."
       )
-  y = ys[0] if plan.chunks == 1 else jnp.concatenate(ys, axis=0)
+    return moe_block(params, x, config, plan=plan.block)[0]
+  x = x.astype(dt)
+  y = _routed(params, x, config, plan=plan, ep_axis=ep_axis, interpret=interpret)
   if config.shared_width:
     y = y + shared_output(params, x, config)
   return y.astype(dt)
 
 
 def _routed(params, x, config: MoEConfig, *, plan: DecodePlan, ep_axis, interpret):
-  """The routed experts' output [T, d] f32 for one chunk of this device's tokens."""
+  """The routed experts' output [T, d] f32 for this device's tokens."""
   ep = plan.expert_parallelism
   e_local = _local_experts(config, ep)
   with jax.named_scope("dispatch"):

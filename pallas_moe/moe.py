@@ -68,6 +68,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_moe import collectives, sharding
 from pallas_moe import dedup as dedup_lib
+from pallas_moe import fused_experts as fe
 from pallas_moe import mesh as mesh_lib
 from pallas_moe.block_plan import (
   BlockPlan,
@@ -349,6 +351,7 @@ def expert_mlp(
   row_weights: jax.Array | None = None,
   tilings: tuple[Tiling | None, Tiling | None] | None = None,
   tensor_axis: str | None = None,
+  fused: Any = None,
 ) -> jax.Array:
   """SwiGLU experts over rows sorted by (local) expert.
 
@@ -376,11 +379,22 @@ def expert_mlp(
       this device's share (`sharding`), its [gate | up] columns are paired across the axis
       (`sharding.pair_gate_up`), quantized `wo` scales span the whole width, and the output is
       this device's partial sum. None: the width is whole.
+    fused: a streamed `fused_experts.FusedPlan` (`BlockPlan.fused`): one fused kernel instead
+      of the gmm pair, reading and writing only the rows of `group_sizes`; forward only (a
+      gradient through it raises). wi / wo may then be quantized (`quant.QuantizedWeights`,
+      `quant.BlockQuantizedWeights`).
 
   Returns:
     [B, d] expert outputs (scaled by `row_weights`).
   """
   with jax.named_scope("experts"):
+    if fused is not None:
+      if tensor_axis is not None:
+        raise ValueError(
+          "the fused expert kernel keeps each expert's MLP whole; with a tensor axis plan "
+          "the block without it (BlockPlan.fused=None)."
+        )
+      return _fused_forward(rows, wi, wo, group_sizes, row_weights, plan=fused)
     return _expert_mlp(
       rows,
       wi,
@@ -392,6 +406,34 @@ def expert_mlp(
       tilings=tilings,
       tensor_axis=tensor_axis,
     )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused_forward(rows, wi, wo, group_sizes, row_weights, plan):
+  return fe.fused_experts(
+    rows,
+    wi,
+    wo,
+    group_sizes,
+    row_weights=row_weights,
+    stream=True,
+    unowned_rows="undefined",
+    plan=plan,
+  )
+
+
+def _fused_fwd(rows, wi, wo, group_sizes, row_weights, plan):
+  return _fused_forward(rows, wi, wo, group_sizes, row_weights, plan), None
+
+
+def _fused_bwd(plan, residuals, g):
+  raise ValueError(
+    "the fused expert kernel (BlockPlan.fused) is forward only: differentiate a block planned "
+    "with plan_block (the gmm pair), or serve with moe_decode."
+  )
+
+
+_fused_forward.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _expert_mlp(
@@ -684,7 +726,14 @@ def moe_block(
     for c, ch in enumerate(chunks):
       with _chunk_scope(c, split):
         ch.out = expert_mlp(
-          ch.rows, wi, wo, ch.group_sizes, config=config, tilings=tilings, tensor_axis=tensor
+          ch.rows,
+          wi,
+          wo,
+          ch.group_sizes,
+          config=config,
+          tilings=tilings,
+          tensor_axis=tensor,
+          fused=plan.fused,
         )
         ch.dropped = ch.dropped_exchange = jnp.zeros((), jnp.int32)
         ch.needed = jnp.asarray(tc * k, jnp.int32)
@@ -934,6 +983,7 @@ def _pipelined_dedup_exchange(
         row_weights=weight,
         tilings=tilings,
         tensor_axis=tensor_axis,
+        fused=plan.fused,
       )
       y_u = dedup_lib.reduce_rows(y_rows, src=src, weight=None, valid=valid, num_rows=unique_rows)
       with jax.named_scope("combine"):
@@ -996,6 +1046,7 @@ def _pipelined_exchange(
         expected_rows=plan.expected_rows,
         tilings=tilings,
         tensor_axis=tensor_axis,
+        fused=plan.fused,
       )
       with jax.named_scope("combine"):
         back = collectives.combine(

@@ -95,10 +95,18 @@ def gather_model_dim(params: dict, *, d: int, axis: str | None, size: int, dtype
     if key not in params:
       continue
     w = params[key]
-    if key in dtypes:
+    # NOTE: quantized experts (`quant.QuantizedWeights`, `BlockQuantizedWeights`: the serving
+    # path's fused kernel takes them) keep their stored bytes and come whole.
+    quantized = hasattr(w, "scales")
+    if key in dtypes and not quantized:
       w = w.astype(dtypes[key])
     if w.shape[dim] == d:
       out[key] = w
+    elif quantized:
+      raise ValueError(
+        f"params[{key!r}] is quantized and holds {w.shape[dim]} of d = {d} on its model "
+        "dimension: quantized experts are served whole on each device (no fsdp split)."
+      )
     elif axis is not None and w.shape[dim] * size == d:
       # NOTE: the scope names the gathers in the compiled program's op_name metadata.
       with jax.named_scope("fsdp_gather"):

@@ -115,14 +115,12 @@ def test_deepseek_v3_fp8_checkpoint(per_device):
   _close(_run(params, jnp.asarray(x), config), want)
 
 
-@pytest.mark.parametrize(
-  "fp8, per_device", [(False, 160), (True, 160), (True, 288)], ids=["float", "fp8", "fp8-3x"]
-)
-def test_above_the_fused_path(fp8, per_device):
-  """Past one fused call's 512 tokens on the expert axis: moe_block's forward for float experts
-  (640 tokens); for fp8 block-scaled ones (which the gmm kernels do not take) two fused calls
-  of 320 tokens, and at 1,152 tokens (three calls) one dequantizing pass and moe_block's
-  forward. Each equal to HF's float64 forward."""
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+def test_above_the_fused_path(fp8):
+  """640 tokens on the expert axis, past one fused call's 512: moe_block's forward, its experts
+  the fused kernel streaming the received rows from HBM (float and fp8 block-scaled weights);
+  equal to HF's float64 forward."""
+  per_device = 160
   if fp8:
     config = _fp8_config(gmm_impl="xla")
     sd = fp8_state_dict(config)
@@ -139,14 +137,25 @@ def test_above_the_fused_path(fp8, per_device):
   plan = decode.plan_decode(
     config, tokens_per_device=per_device, expert_parallelism=EP, weights=params["wi"]
   )
-  if fp8 and per_device == 160:
-    assert plan.path == "fused" and plan.chunks == 2 and plan.fused.gather
-  else:
-    assert plan.path == "block" and plan.block.tokens_per_device == per_device
-    assert ("dequantized" in plan.reason) == fp8
+  assert plan.path == "block" and plan.block.tokens_per_device == per_device
+  assert plan.block.fused.stream and plan.block.fused.rows >= plan.block.expert_rows
+  assert "streamed fused kernel" in plan.describe()
   x = _tokens(config.d_model, per_device)
   want = hf_moe(np, family, ref, x, hf_choice(family, ref, x.astype(np.float64)))
   _close(_run(params, jnp.asarray(x), config), want)
+
+
+def test_streamed_block_is_forward_only():
+  """A gradient through the block's streamed fused experts raises a clear error (the training
+  path plans the gmm pair)."""
+  config = dataclasses.replace(CONFIGS["qwen3_moe"], gmm_impl="xla")
+  params = from_hf(hf_state_dict("qwen3_moe", fused=False), config)
+  plan = decode.plan_decode(config, tokens_per_device=600, generation="v6e")
+  assert plan.path == "block" and plan.block.fused is not None
+  x = jnp.asarray(_tokens(config.d_model, 600)[:600])
+  loss = lambda x: jnp.sum(moe.moe_block(params, x, config, plan=plan.block)[0])  # noqa: E731
+  with pytest.raises(ValueError, match="forward only"):
+    jax.grad(loss)(x)
 
 
 def test_plan_and_errors():
@@ -229,13 +238,14 @@ def test_deepseek_v3_fp8_compiles(gen):
 @pytest.mark.aot
 @pytest.mark.parametrize("fp8", [False, True])
 def test_large_batches_compile(fp8):
-  """Past the fused path's 512 tokens (256 per device at EP 4) on v6e: moe_block's forward for
-  bf16 weights, planned outside the shard_map; two fused calls for fp8 block-scaled ones."""
+  """Past the fused path's 512 tokens (256 per device at EP 4) on v6e: moe_block's forward,
+  planned outside the shard_map, its experts one streamed fused kernel (bf16 and fp8
+  block-scaled weights), no gmm."""
   fields = _deepseek_v3() if fp8 else _qwen3()
   compiled = _compile_decode("v6e:2x2", fields, per_device=256, fp8=fp8)
   text = compiled.as_text()
-  kernels = text.count("pallas_moe_fused_experts") if fp8 else text.count("tpu_custom_call")
-  assert kernels >= 2
+  assert text.count("tpu_custom_call") == 1 and "pallas_moe_fused_experts" in text
+  assert "pallas_moe_gmm" not in text
 
 
 @pytest.mark.aot
