@@ -18,14 +18,14 @@ exchange) four ways, fixed costs included:
   tokens only (`FusedPlan.gather`): at its first chunk (per TensorCore) it gathers them into
   ceil(count / 128) windows by a one-hot [128, N] x [N, d] product per window, each step runs
   gate/up/down over those windows, and at its last chunk it adds them back by the transposed
-  product ([128, N] contracted over the 128 with [128, d]), both bf16 on the MXU. Block-scaled
-  weights above `MAX_FUSED_TOKENS` (or where VMEM does not fit one call) run the same kernel in
-  `DecodePlan.chunks` sequential calls of T / chunks tokens per device, each reading its chosen
-  experts' weights again and paying its own fixed costs. Path "block" (float weights above
-  `MAX_FUSED_TOKENS`, or VMEM does not fit): `moe.moe_block`'s forward at `plan_decode`'s
-  `plan_block(..., tensor_parallelism=1)`, our two row-tile gmm calls (gate/up, then down) over
-  its receive buffer, each costed by `bench.costmodel` on the real pallas_call as
-  `bench.impls`' "pallas_moe-moe" builds it, with the SwiGLU fusion between them.
+  product ([128, N] contracted over the 128 with [128, d]), both bf16 on the MXU. Path "block"
+  (above `MAX_FUSED_TOKENS`, or VMEM does not fit): `moe.moe_block`'s forward at `plan_decode`'s
+  `plan_block(..., tensor_parallelism=1)`. Its experts are the fused kernel streaming the
+  receive buffer's rows (`BlockPlan.fused`, `model_block_stream`: each visit copies its rows in
+  and its finished rows out, exposed) on one TensorCore; on a megacore device (v5p) float
+  weights keep our two row-tile gmm calls (gate/up, then down) over the buffer, each costed by
+  `bench.costmodel` on the real pallas_call as `bench.impls`' "pallas_moe-moe" builds it, with
+  the SwiGLU fusion between them (`model_block_path`).
 - "fused": the same kernel on the routed rows sorted by expert (`fused_experts` without
   `expert_weights`), whole experts packed into the fewest calls whose rows fit VMEM: what the
   kernel alone does where the serving path leaves it.
@@ -60,8 +60,7 @@ back).
 Group sizes: one seeded draw per (model, ep, tokens): ep x tokens tokens each choose top_k
 distinct experts uniformly; a device's local experts are a contiguous block of E / ep. Reported:
 the device with the most non-empty local experts (ties: the most rows), since the layer waits for
-its slowest device. Calls over chunks of the tokens take that device's share of each chunk (the
-all-gathered tokens are device-major; chunk c holds each device's c-th T / chunks).
+its slowest device.
 
 Fixed costs (`bench.costmodel.fixed_cost_us`): per Pallas call, measured - modeled of tokamax's one
 small measured problem (`fit_call_fixed_us`); per XLA instruction, an assumption
@@ -118,7 +117,6 @@ __all__ = [
   "GATHER_XLA_OPS",
   "route_choices",
   "route",
-  "chunk_sizes",
   "busiest_device",
   "expert_bytes",
   "device_bandwidth",
@@ -135,9 +133,9 @@ __all__ = [
   "path_kind",
   "PATH_KINDS",
   "model_block_path",
-  "dequant_alternative",
-  "DEQUANT_XLA_OPS",
-  "DEQUANT_BYTES_PER_ELEMENT",
+  "BLOCK_STREAM_LAYER_XLA_OPS",
+  "model_block_stream",
+  "stream_visits",
   "model_tpu_inference",
   "model_megablox",
   "fit_call_fixed_us",
@@ -182,28 +180,20 @@ MEGABLOX_XLA_OPS = 45
 # the reduce-scatter): they are reported apart from the ratios. At 64 tokens per device (256 on
 # the expert axis, the gathered layout) it compiles to 26: `GATHER_XLA_OPS` more (the token
 # lists' iota and sort of [E_l, N] and a fusion in the sort scope, two reshapes of the lists for
-# the kernel). A call over chunks of the tokens repeats its all-gather, routing and sort: chunks
-# x (21 + 5) and one concatenate (an estimate: not compiled). The block path, `moe_block`'s
-# forward, at 256 tokens per device (1,024 on the expert axis, past the fused path): 210
-# top-level, 143 costed, both for `moe_decode` and `moe_layer` (`--path layer`), 52 of them in
-# the experts scope (the two gmm calls' group metadata, the receiver's expand and reduce): the
-# block path's expert work pays those 52, the rest is reported apart. `moe_layer`'s forward at
-# 8 tokens per device compiles to 124 costed (38 experts scope; `bench/results/decode-ops.md`):
-# the column ours is compared with.
+# the kernel). The block path, `moe_block`'s forward, at 256 tokens per device (1,024 on the
+# expert axis, past the fused path): with the gmm pair 210 top-level, 143 costed, both for
+# `moe_decode` and `moe_layer` (`--path layer`), 52 of them in the experts scope (the two gmm
+# calls' group metadata, the receiver's expand and reduce): the block path's expert work pays
+# those 52, the rest is reported apart. With the streamed fused kernel (`moe_decode` since
+# 5511db3), 127 top-level, 88 costed, and the experts scope is the one Mosaic call. `moe_layer`'s
+# forward at 8 tokens per device compiles to 124 costed (38 experts scope;
+# `bench/results/decode-ops.md`): the column ours is compared with.
 DECODE_XLA_OPS = 21
 GATHER_XLA_OPS = 5
 LAYER_XLA_OPS = 124
 BLOCK_LAYER_XLA_OPS = 143
 BLOCK_EXPERT_XLA_OPS = 52
-# NOTE: `quant.dequantize_blocks` on DeepSeek-V3's 8 local experts' wi and wo to bf16, compiled
-# ahead of time for v6e (jax 0.12.0.1, libtpu 0.0.50.1): 8 costed top-level instructions (per
-# weight: the scales' copy, their repeat along n as a broadcast and a reshape, and one
-# multiply-convert fusion), 3.13 HBM bytes accessed per weight element (`cost_analysis`: fp8 in,
-# bf16 out, the scales repeated along n at 1/128 of the weights' elements). `moe_decode` runs it
-# where block-scaled experts would need more than `decode.MAX_FUSED_CALLS` fused calls. Before,
-# the scales were broadcast over [E, k/b, b, n/b, b]: 9 instructions and 19.0 bytes per element.
-DEQUANT_XLA_OPS = 8
-DEQUANT_BYTES_PER_ELEMENT = 3.13
+BLOCK_STREAM_LAYER_XLA_OPS = 88
 # NOTE: VPU operations per weight element of the fused kernel's block-scaled dequantization
 # (upcast to f32, the scale's multiply, the cast to the compute dtype): not modeled.
 DEQUANT_VPU_OPS = 3
@@ -292,26 +282,6 @@ def route(*, experts: int, top_k: int, ep: int, tokens: int, seed: int = SEED) -
   choice = route_choices(experts=experts, top_k=top_k, ep=ep, tokens=tokens, seed=seed)
   sizes = np.bincount(choice.ravel(), minlength=experts)
   return sizes.reshape(ep, experts // ep).astype(np.int32)
-
-
-def chunk_sizes(
-  *, experts: int, top_k: int, ep: int, tokens: int, chunks: int, device: int, seed: int = SEED
-) -> np.ndarray:
-  """One device's rows per local expert in each of `chunks` calls over T / chunks tokens per
-  device (`decode.decode_block`: call c takes each device's c-th T / chunks tokens).
-
-  Returns:
-    int32 [chunks, E / ep], summing over the calls to `route(...)[device]`.
-  """
-  choice = route_choices(experts=experts, top_k=top_k, ep=ep, tokens=tokens, seed=seed)
-  local = experts // ep
-  tc = tokens // chunks
-  out = np.zeros((chunks, local), np.int32)
-  for c in range(chunks):
-    rows = choice.reshape(ep, chunks, tc, top_k)[:, c].ravel()
-    mine = rows[(rows >= device * local) & (rows < (device + 1) * local)] - device * local
-    out[c] = np.bincount(mine, minlength=local)
-  return out
 
 
 def busiest_device(sizes: np.ndarray) -> int:
@@ -671,76 +641,110 @@ def serving_plan(
 
 
 def _layer_ops(plan: serving.DecodePlan) -> int:
-  """The layer's XLA instructions beside the expert work: per fused call its all-gather,
-  routing and sort (`DECODE_XLA_OPS`, `GATHER_XLA_OPS` more for the token lists), one
-  concatenate after calls over chunks; `moe_layer`'s forward on the block path."""
+  """The layer's XLA instructions beside the expert work: the fused call's all-gather, routing
+  and sort (`DECODE_XLA_OPS`, `GATHER_XLA_OPS` more for the token lists); `moe_block`'s forward
+  on the block path (`BLOCK_STREAM_LAYER_XLA_OPS` with the streamed kernel)."""
   if plan.path == "block":
-    return BLOCK_LAYER_XLA_OPS
-  per_call = DECODE_XLA_OPS + (GATHER_XLA_OPS if plan.fused.gather else 0)
-  return plan.chunks * per_call + (plan.chunks > 1)
+    return BLOCK_LAYER_XLA_OPS if plan.block.fused is None else BLOCK_STREAM_LAYER_XLA_OPS
+  return DECODE_XLA_OPS + (GATHER_XLA_OPS if plan.fused.gather else 0)
 
 
 def model_serving(
-  model: DecodeModel,
-  weights: str,
-  sizes: np.ndarray,
-  chip: str,
-  *,
-  ep: int,
-  tokens: int,
-  device: int | None = None,
+  model: DecodeModel, weights: str, sizes: np.ndarray, chip: str, *, ep: int, tokens: int
 ) -> dict:
   """Ours as `pallas_moe.decode.moe_decode` runs it, on the path its `plan_decode` picks.
 
-  Path "fused": `fused_experts` in the tokens layout (every visited expert over all ep x T
-  tokens, or gathered: over its own), in `plan.chunks` calls over T / chunks tokens per device
-  one after the other (block-scaled weights past one call's tokens), each streaming the experts
-  its tokens chose. Path "block": `model_block_path` at the plan's `plan_block`.
-
-  Args:
-    device: the device `sizes` is (default: `busiest_device` of the draw); its share of each
-      chunk's tokens where the plan runs several calls.
+  Path "fused": one `fused_experts` call in the tokens layout (every visited expert over all
+  ep x T tokens, or gathered: over its own). Path "block": at the plan's `plan_block`, its
+  experts the streamed fused kernel (`model_block_stream`) or the gmm pair (`model_block_path`).
 
   Returns:
-    As `model_fused` (plus gather_mxu_us), or `model_block_path`, plus path, layout ("all
-    tokens", "gathered" or "gmm"), chunks (calls over chunks of the tokens), reason (why the
-    path is not one fused call) and layer_xla_ops (the layer's XLA instructions beside the
-    expert work, `_layer_ops`).
+    As `model_fused` (plus gather_mxu_us), `model_block_stream` or `model_block_path`, plus
+    path, layout ("all tokens", "gathered", "streamed" or "gmm"), reason (why the path is not
+    one fused call) and layer_xla_ops (the layer's XLA instructions beside the expert work,
+    `_layer_ops`).
   """
   gen = get_generation(chip)
   sizes = np.asarray(sizes)
   plan = serving_plan(model, weights, chip, ep=ep, tokens=tokens)
-  extra = dict(reason=plan.reason.split(";")[0], layer_xla_ops=_layer_ops(plan))
+  extra = dict(reason=plan.reason, layer_xla_ops=_layer_ops(plan))
   if plan.path == "block":
-    rec = model_block_path(model, sizes, chip, ep=ep, tokens=tokens, plan=plan.block) | extra
-    if WEIGHTS[weights][1] == "block":
-      deq = dequantize_us(model, weights, local=len(sizes), chip=chip)
-      rec.update(
-        kernel_us=rec["kernel_us"] + deq,
-        xla_ops=rec["xla_ops"] + DEQUANT_XLA_OPS,
-        dequant_us=deq,
-        layout="gmm, dequantized",
-      )
-    return rec
-  parts = [sizes]
-  if plan.chunks > 1:
-    kw = dict(experts=model.experts, top_k=model.top_k, ep=ep, tokens=tokens)
-    if device is None:
-      device = busiest_device(route(**kw))
-    parts = list(chunk_sizes(**kw, chunks=plan.chunks, device=device))
-    assert (sum(parts) == sizes).all(), "sizes are not the device's rows"
-  streams = [_stream(plan.fused, p, gen, visit_all=False) for p in parts]
+    if plan.block.fused is not None:
+      return model_block_stream(plan.block.fused, sizes, chip) | extra
+    return model_block_path(model, sizes, chip, ep=ep, tokens=tokens, plan=plan.block) | extra
   layout = "gathered" if plan.fused.gather else "all tokens"
+  stream = _stream(plan.fused, sizes, gen, visit_all=False)
   return _summed(
-    streams,
-    [plan.fused] * len(parts),
-    gen,
-    path="fused",
-    layout=layout,
-    chunks=plan.chunks,
-    rows_per_call=plan.fused.rows,
-    **extra,
+    [stream], [plan.fused], gen, path="fused", layout=layout, rows_per_call=plan.fused.rows, **extra
   )
+
+
+def stream_visits(plan: fe.FusedPlan, sizes: np.ndarray) -> tuple[np.ndarray, ...]:
+  """A streamed call's visits as the kernel makes them (`fused_experts._stream_metadata`), rows
+  sorted by expert in `sizes` order.
+
+  Returns:
+    Per visit: (expert, first row, end row, granules copied in, granules copied out): a visit
+    holds its rows from the first rounded down to `plan.align`, at most `plan.visit_rows` past
+    that; it copies out the granules it finishes (the last, unfinished one is carried on, and
+    the call's last is copied out at its end).
+  """
+  a, held = plan.align, plan.visit_rows
+  out, row = [], 0
+  for e, size in enumerate(np.asarray(sizes, np.int64)):
+    end, lo = row + int(size), row
+    while lo < end:
+      base = lo // a * a
+      hi = min(end, base + held)
+      out.append((e, lo, hi, -(-(hi - base) // a), (hi - base) // a))
+      lo = hi
+    row = end
+  cols = np.array(out, np.int64).reshape(-1, 5)
+  if row % a:
+    cols[-1, 4] += 1  # NOTE: the call's last granule, copied out after the last visit.
+  return tuple(cols.T)
+
+
+def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict:
+  """The streamed fused kernel over the block path's receive buffer (`BlockPlan.fused`), one
+  TensorCore: per visit, its rows copied in at its first step and its finished rows out at its
+  last, both exposed (the kernel waits for them); the weight steps as `_stream`'s, one per
+  (visit, chunk): an expert over `visit_rows` rows is streamed again.
+
+  Returns:
+    As `_summed`, plus path "block", layout "streamed", visits, row_copy_us.
+  """
+  gen = get_generation(chip)
+  flops, bw = tensorcore_rates(gen)
+  expert, lo, hi, tiles_in, tiles_out = stream_visits(plan, sizes)
+  windows = -(-(hi - lo // plan.align * plan.align) // plan.window)
+  per_window = window_macs(plan, gen) * 2 / flops
+  mxu = np.repeat(windows * per_window, plan.chunks)
+  steps = len(mxu)
+  dma = plan.step_weight_bytes / bw
+  nxt = np.full(steps, dma)
+  if steps:
+    nxt[-1] = 0.0
+  stream = float(np.maximum(mxu, nxt).sum())
+  granule_in = plan.align * (plan.d * jnp.dtype(plan.x_dtype).itemsize + 4)
+  granule_out = plan.align * plan.d * jnp.dtype(plan.out_dtype).itemsize
+  rows_s = (tiles_in.sum() * granule_in + tiles_out.sum() * granule_out) / bw
+  part = dict(
+    core_steps=steps,
+    steps=steps,
+    weight_bytes=steps * plan.step_weight_bytes,
+    io_s=float(rows_s),
+    exposed_s=dma if steps else 0.0,
+    stream_s=stream,
+    mxu_excess_s=stream - float(nxt.sum()),
+    mxu_s=float(mxu.sum()),
+    gather_mxu_s=0.0,
+    dma_s=steps * dma,
+  )
+  return _summed(
+    [part], [plan], gen, path="block", layout="streamed", visits=len(expert),
+    row_copy_us=float(rows_s) * 1e6,
+  )  # fmt: skip
 
 
 class _BufferShape(Shape):
@@ -831,37 +835,6 @@ def model_block_path(
     tiles=[list(t) for t, _, _ in calls],
     tensorcores=max(c.tensorcores for r in reps for c in r.calls),
     layer_xla_ops=BLOCK_LAYER_XLA_OPS,
-  )
-
-
-def dequantize_us(model: DecodeModel, weights: str, *, local: int, chip: str) -> float:
-  """`quant.dequantize_blocks` of every local expert's wi and wo, as compiled
-  (`DEQUANT_BYTES_PER_ELEMENT` per weight element plus the stored scales), at the device's
-  bandwidth."""
-  elements = local * 3 * model.d * model.f
-  scales = local * expert_bytes(model, weights) - elements
-  return (elements * DEQUANT_BYTES_PER_ELEMENT + scales) / device_bandwidth(chip) * 1e6
-
-
-def dequant_alternative(r: dict) -> dict:
-  """A side note for a block-scaled record on fused calls over chunks: what the dequantizing
-  path (`dequantize_us`, then `moe_block`'s forward on bf16: `model_block_path`, with its two
-  calls' and `BLOCK_EXPERT_XLA_OPS` + `DEQUANT_XLA_OPS` fixed) would model at the same point.
-  `moe_decode` takes it only past `decode.MAX_FUSED_CALLS` calls.
-
-  Returns:
-    {key fields, ratio (ours), dequant_us, dequantized (its ratio over the fp8 floor)}.
-  """
-  model = next(m for m in MODELS if m.name == r["model"])
-  kw = dict(experts=model.experts, top_k=model.top_k, ep=r["ep"], tokens=r["tokens"])
-  sizes = route(**kw)[r["device"]]
-  bf16 = model_block_path(model, sizes, r["chip"], ep=r["ep"], tokens=r["tokens"])
-  deq = dequantize_us(model, r["weights"], local=r["local_experts"], chip=r["chip"])
-  ops = bf16["xla_ops"] + DEQUANT_XLA_OPS
-  fixed = costmodel.fixed_cost_us(r["chip"], calls=bf16["calls"], xla_ops=ops)
-  keep = ("model", "weights", "ep", "tokens", "chip", "ratio", "calls", "floor_us")
-  return {k: r[k] for k in keep} | dict(
-    dequant_us=deq, dequantized=(bf16["kernel_us"] + deq + fixed) / r["floor_us"]
   )
 
 
@@ -967,7 +940,7 @@ def _cases(models, tokens):
 
 def _impl_record(impl: str, m: DecodeModel, w: str, sizes: np.ndarray, chip: str, *, ep, t, dev):
   if impl == "moe_decode":
-    return model_serving(m, w, sizes, chip, ep=ep, tokens=t, device=dev)
+    return model_serving(m, w, sizes, chip, ep=ep, tokens=t)
   if impl == "fused":
     return model_fused(m, w, sizes, chip)
   if impl == "tpu-inference-fused":
@@ -1063,37 +1036,33 @@ def sensitivity(recs: list[dict]) -> list[dict]:
   return rows
 
 
-PATH_KINDS = ("fused", "fused, gathered", "fused, calls over chunks", "block")
+PATH_KINDS = ("fused", "fused, gathered", "block, streamed", "block, gmm")
 
 
 def path_label(r: dict) -> str:
-  """A headline record's path: "fused" (every visited expert over all tokens, one call),
-  "fused, gathered" (one call), "fused, N calls" (over chunks of the tokens) or "block"."""
+  """A headline record's path (`PATH_KINDS`): "fused" (every visited expert over all tokens),
+  "fused, gathered", "block, streamed" (moe_block's forward, its experts the streamed fused
+  kernel) or "block, gmm" (its experts the gmm pair)."""
   if r.get("path", "fused") == "block":
-    return "block"
-  label = "fused, gathered" if r.get("layout") == "gathered" else "fused"
-  return f"fused, {r['calls']} calls" if r.get("chunks", 1) > 1 else label
+    return "block, streamed" if r.get("layout") == "streamed" else "block, gmm"
+  return "fused, gathered" if r.get("layout") == "gathered" else "fused"
 
 
 def path_kind(r: dict) -> str:
-  """`path_label` with the calls over chunks as one kind (`PATH_KINDS`)."""
-  return PATH_KINDS[2] if r.get("chunks", 1) > 1 else path_label(r)
+  """`path_label`: one of `PATH_KINDS`."""
+  return path_label(r)
 
 
 def _why(r: dict) -> str:
   """What puts a record above the floor, as shares of the floor."""
   floor = r["floor_us"]
   op_us = costmodel.XLA_OP_FIXED_US
-  if r.get("path") == "block" or r["impl"] == "megablox-maxtext":
+  if r.get("layout") == "gmm" or r["impl"] == "megablox-maxtext":
     parts = {
       f"{r['calls']} calls' fixed": r["calls"] * r["call_fixed_us"],
       f"{r['xla_ops']} XLA ops": r["xla_ops"] * op_us,
       "SwiGLU over the buffer": r["swiglu_us"],
-      "dequantizing pass": r.get("dequant_us", 0.0),
-      "gmm kernels over the floor": r["kernel_us"]
-      - r["swiglu_us"]
-      - r.get("dequant_us", 0.0)
-      - floor,
+      "gmm kernels over the floor": r["kernel_us"] - r["swiglu_us"] - floor,
     }
   else:
     core_bw = tensorcore_rates(r["chip"])[1] * r["tensorcores"]
@@ -1347,45 +1316,23 @@ def markdown(result: dict) -> str:
     "`plan_decode`'s path. No mark: one fused call in the tokens layout, every visited local "
     f"expert over all ep x T tokens (up to {serving.GATHER_ABOVE} on the expert axis). "
     '"gathered": one fused call, each visited expert over its own tokens, gathered by a one-hot '
-    f'product (up to {serving.MAX_FUSED_TOKENS}). "N calls": block-scaled weights past one '
-    "call's tokens or VMEM, the fused kernel over T / N tokens per device N times, each call "
-    'streaming the experts its tokens chose. "block": float weights past one call, '
-    "`moe_block`'s forward (our two gmm calls over its receive buffer).",
+    f'product (up to {serving.MAX_FUSED_TOKENS}). "block": past one call, `moe_block`\'s '
+    "forward, its experts the fused kernel streaming the receive buffer's rows from HBM (one "
+    'TensorCore); "block, gmm": float weights on v5p, our two gmm calls over its receive '
+    "buffer (both TensorCores).",
     "",
   ]
   out += _grid(recs, _headline_cell)
-  if result.get("dequant_alternative"):
-    out += [
-      "",
-      "## Side note: block-scaled weights on fused calls over chunks, against dequantizing",
-      "",
-    ]
-    out += [
-      f"Not what `moe_decode` runs up to {serving.MAX_FUSED_CALLS} calls. The same points with "
-      "every local expert dequantized to bf16 once (`quant.dequantize_blocks`: as compiled for "
-      f"v6e, {DEQUANT_XLA_OPS} costed instructions and {DEQUANT_BYTES_PER_ELEMENT} HBM bytes per "
-      "weight element) and then `moe_block`'s forward on bf16 (`model_block_path`), the path "
-      "`moe_decode` takes past that many calls.",
-      "",
-      "| model, weights, EP | T | chip | floor µs | ours (calls) | dequantize µs "
-      "| dequantize + block |",
-      "|---|---:|---|---:|---:|---:|---:|",
-    ]
-    for a in result["dequant_alternative"]:
-      out.append(
-        f"| {_config_label(a)} | {a['tokens']} | {a['chip']} | {a['floor_us']:,.0f} "
-        f"| {a['ratio']:.2f} ({a['calls']}) | {a['dequant_us']:,.0f} | {a['dequantized']:.2f} |"
-      )
   out += ["", "## Beside the expert work: the layer's XLA instructions / floor", ""]
   out += [
     f"Not in the ratios above. At {op:g} µs per instruction (assumed), over the same floor: "
     f"ours · `moe_layer`'s. Ours on the fused path: {DECODE_XLA_OPS} costed top-level "
     "instructions per call (routing, the selection fusion, the all-gather, the reduce-scatter; "
     f"one is the Mosaic call), {GATHER_XLA_OPS} more per gathered call (the token lists' sort "
-    "and their reshapes for the kernel), one concatenate after calls over chunks (compiled "
-    "ahead of time for v6e:2x2 at Qwen3-30B-A3B dims, EP 4, 8 and 64 tokens per device; the "
-    f"chunks' repeats are an estimate); on the block path `moe_block`'s forward, "
-    f"{BLOCK_LAYER_XLA_OPS} (the same dims at 256 tokens per device). `moe_layer`'s: "
+    "and their reshapes for the kernel; compiled ahead of time for v6e:2x2 at Qwen3-30B-A3B "
+    "dims, EP 4, 8 and 64 tokens per device); on the block path `moe_block`'s forward, "
+    f"{BLOCK_STREAM_LAYER_XLA_OPS} with the streamed kernel and {BLOCK_LAYER_XLA_OPS} with "
+    "the gmm pair (the same dims at 256 tokens per device). `moe_layer`'s: "
     f"{LAYER_XLA_OPS} (`bench/results/decode-ops.md`, the same dims at 8 tokens per device). "
     "The counts are applied to every point.",
     "",
@@ -1432,8 +1379,10 @@ def _notes(fit: dict | None) -> list[str]:
     "gathered layout's int32 token lists, or the sorted rows' [rows, 1] f32 column in 128 "
     "lanes; the result out) and the first weight copy exposed, then max(MXU work, next copy) "
     "per step; a v5p call's two f32 partial sums added by one XLA op at the device's bandwidth. "
-    "Calls over chunks of the tokens run one after the other, each paying all of this and its "
-    "own fixed cost, each streaming the experts its share of the tokens chose. The "
+    "Streamed (the block path's experts): one TensorCore; each visit's rows copied in (and "
+    "their f32 row weights) at its first step and its finished rows out at its last, both "
+    "exposed, in whole granules of 16 rows; an expert's rows past one visit's "
+    "`visit_rows` stream its weights again. The "
     "generation's per-step overhead is not charged per streamed step (the next step's copies "
     "are issued before this step's work, so the DMA queue never runs dry); the sensitivity "
     "table's last row charges it.",
@@ -1449,7 +1398,7 @@ def _notes(fit: dict | None) -> list[str]:
     "gathered layout's one-hot builds and its [N, d] f32 add per window added back.",
     "DMA: at one TensorCore's bandwidth, no efficiency loss for the [d, chunk] gate/up blocks' "
     "strided rows (chunk x itemsize contiguous bytes per row).",
-    "Block path (float weights only: block-scaled ones never take it): `plan_decode`'s "
+    "Block path with the gmm pair (float weights on v5p): `plan_decode`'s "
     "`plan_block(..., tensor_parallelism=1)` under the chip's tiling, one chunk at every point "
     "here; the gmm calls costed over the receive buffer's rows with the rows expected to be "
     "real as their tiles' hint; the SwiGLU fusion over the whole static buffer ([rows, 2f] in, "
@@ -1462,8 +1411,7 @@ def _notes(fit: dict | None) -> list[str]:
     "exposed first copies and in-kernel all-to-all (the kernel also routes and exchanges) not "
     "charged: a lower bound for it.",
     f"Routing: seed {SEED}, one draw per (model, EP, tokens); top_k distinct experts per token, "
-    "uniform; the device with the most non-empty local experts (over all the tokens; calls "
-    "over chunks take its share of each chunk).",
+    "uniform; the device with the most non-empty local experts.",
   ]
 
 
@@ -1481,8 +1429,7 @@ def run(
 
   Returns:
     {"assumptions", "fit", "records", "sensitivity", "verdict" (the headline's),
-    "verdict_fused" (the fused kernel on sorted rows), "dequant_alternative" (a side note:
-    `dequant_alternative` of the block-scaled points on calls over chunks)}.
+    "verdict_fused" (the fused kernel on sorted rows)}.
   """
   from bench import measured
 
@@ -1508,8 +1455,6 @@ def run(
       block_layer_xla_ops=BLOCK_LAYER_XLA_OPS,
       block_expert_xla_ops=BLOCK_EXPERT_XLA_OPS,
       gather_xla_ops=GATHER_XLA_OPS,
-      dequant_xla_ops=DEQUANT_XLA_OPS,
-      dequant_bytes_per_element=DEQUANT_BYTES_PER_ELEMENT,
       dequant_vpu_ops_per_weight=DEQUANT_VPU_OPS,
       gather_above=serving.GATHER_ABOVE,
       max_fused_tokens=serving.MAX_FUSED_TOKENS,
@@ -1522,11 +1467,6 @@ def run(
     sensitivity=sensitivity(recs),
     verdict=verdict(recs),
     verdict_fused=verdict(recs, "fused"),
-    dequant_alternative=[
-      dequant_alternative(r)
-      for r in recs
-      if r["impl"] == HEADLINE and r.get("chunks", 1) > 1 and WEIGHTS[r["weights"]][1] == "block"
-    ],
   )
   text = markdown(result)
   print(text)

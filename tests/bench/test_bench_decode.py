@@ -109,17 +109,6 @@ def test_pack_calls_keeps_experts_whole():
   assert len(dec.pack_calls(np.array([250], np.int32), 100)) == 3  # an expert over the cap
 
 
-def test_chunk_sizes_split_the_draw():
-  kw = dict(experts=256, top_k=8, ep=32, tokens=32)
-  sizes = dec.route(**kw)
-  dev = dec.busiest_device(sizes)
-  parts = dec.chunk_sizes(**kw, chunks=4, device=dev)
-  assert parts.shape == (4, 8)
-  np.testing.assert_array_equal(parts.sum(0), sizes[dev])
-  # Each call holds ep x T / 4 tokens: at most that many rows per expert.
-  assert parts.max() <= 32 * 32 // 4
-
-
 @pytest.mark.parametrize(
   "chip, weights, by_token, gather",
   [
@@ -248,7 +237,7 @@ def test_serving_paths():
   gen = get_generation("v6e")
   small = dec.route(experts=256, top_k=8, ep=8, tokens=8)[0]
   r = dec.model_serving(DSV3, "bf16", small, "v6e", ep=8, tokens=8)
-  assert (r["path"], r["layout"], r["calls"], r["chunks"]) == ("fused", "all tokens", 1, 1)
+  assert (r["path"], r["layout"], r["calls"]) == ("fused", "all tokens", 1)
   assert r["gather_mxu_us"] == 0 and r["layer_xla_ops"] == dec.DECODE_XLA_OPS
   sizes = dec.route(experts=256, top_k=8, ep=8, tokens=32)[0]
   r = dec.model_serving(DSV3, "bf16", sizes, "v6e", ep=8, tokens=32)
@@ -263,64 +252,55 @@ def test_serving_paths():
   assert r["mxu_us"] == pytest.approx(windows.sum() * (plan.chunks * per_window + gather) * 1e6)
   assert r["gather_mxu_us"] == pytest.approx(windows.sum() * gather * 1e6)
   assert r["weight_bytes_read"] == int((sizes > 0).sum()) * dec.expert_bytes(DSV3, "bf16")
+  # Past 512 tokens: moe_block's forward, its experts the streamed fused kernel on v6e, the
+  # gmm pair for float weights on v5p (both TensorCores).
   qwen = dec.route(experts=128, top_k=8, ep=8, tokens=128)[0]
   block = dec.model_serving(QWEN, "bf16", qwen, "v6e", ep=8, tokens=128)
-  assert block["path"] == "block" and block["calls"] == 2 and dec.path_label(block) == "block"
-  assert block["xla_ops"] == dec.BLOCK_EXPERT_XLA_OPS == 52
-  assert block["layer_xla_ops"] == dec.BLOCK_LAYER_XLA_OPS == 143
-  assert "1024 > 512 tokens" in block["reason"]
-  assert block["buffer_rows"] == 8 * 128 * 8 and block["expected_rows"] == 128 * 8
-  swiglu = 8192 * 3 * QWEN.f * 2 / dec.device_bandwidth("v6e") * 1e6
-  assert block["swiglu_us"] == pytest.approx(swiglu)
-  assert block["kernel_us"] > swiglu + dec.expert_bytes(QWEN, "bf16") * 16 / 1638e9 * 1e6
+  assert (block["path"], block["layout"], block["calls"], block["xla_ops"]) == (
+    "block", "streamed", 1, 0
+  )  # fmt: skip
+  assert dec.path_label(block) == "block, streamed" and "1024 > 512 tokens" in block["reason"]
+  assert block["layer_xla_ops"] == dec.BLOCK_STREAM_LAYER_XLA_OPS
+  assert block["weight_bytes_read"] == int((qwen > 0).sum()) * dec.expert_bytes(QWEN, "bf16")
+  gmm = dec.model_serving(QWEN, "bf16", qwen, "v5p", ep=8, tokens=128)
+  assert (gmm["path"], gmm["layout"], gmm["calls"]) == ("block", "gmm", 2)
+  assert gmm["xla_ops"] == dec.BLOCK_EXPERT_XLA_OPS and dec.path_label(gmm) == "block, gmm"
+  assert gmm["buffer_rows"] == 8 * 128 * 8 and gmm["expected_rows"] == 128 * 8
+  swiglu = 8192 * 3 * QWEN.f * 2 / dec.device_bandwidth("v5p") * 1e6
+  assert gmm["swiglu_us"] == pytest.approx(swiglu)
 
 
-def test_fp8_block_runs_fused_calls_over_chunks():
-  """Block-scaled weights never take the block path: past 512 tokens on the expert axis they run
-  the fused kernel over chunks of the tokens, each call streaming its chosen experts again and
-  paying its own fixed cost."""
-  (r,) = dec.records(
-    models=[dataclasses.replace(DSV3, eps=(32,), weights=("fp8-block",))],
-    tokens=[32],
-    chips=["v6e"],
-    impls=["moe_decode"],
-  )
-  assert (r["path"], r["layout"], r["chunks"], r["calls"]) == ("fused", "gathered", 2, 2)
-  assert dec.path_label(r) == "fused, 2 calls" and r["rows_per_call"] == 512
-  assert "1024 tokens > 512 per call" in r["reason"]
-  parts = dec.chunk_sizes(experts=256, top_k=8, ep=32, tokens=32, chunks=2, device=r["device"])
-  stored = dec.expert_bytes(DSV3, "fp8-block")
-  assert r["weight_bytes_read"] == int((parts > 0).sum()) * stored == 2 * r["floor_bytes"]
-  assert r["fixed_us"] == pytest.approx(2 * costmodel.call_fixed_us("v6e"))
-  assert r["layer_xla_ops"] == 2 * (dec.DECODE_XLA_OPS + dec.GATHER_XLA_OPS) + 1
-  assert r["weights_read_dtype"] == "float8_e4m3fn" and "dequant_us" not in r
-  # Two calls, each at least its experts' bytes: over twice the floor.
-  assert r["ratio"] > 2.0 and "weights re-read +100%" in dec._why(r)
-  # The side note: dequantizing all 8 local experts once as compiled (3.13 bytes per weight
-  # element) is over 3x this fp8 floor alone, so two calls beat it on v6e.
-  alt = dec.dequant_alternative(r)
-  assert alt["dequant_us"] / r["floor_us"] == pytest.approx(3.13, rel=0.01)
-  assert r["ratio"] < alt["dequantized"]
+def test_stream_visits_follow_the_kernel():
+  """Visits as `fused_experts._stream_metadata` makes them: an expert's rows from its first row
+  rounded down to 16, at most `visit_rows` past that per visit; granules in and out."""
+  plan = dec.fe.plan_fused(
+    rows=400, d=256, f=256, num_experts=4, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16,
+    stream=True, visit_rows=64,
+  )  # fmt: skip
+  assert (plan.align, plan.visit_rows) == (16, 64)
+  expert, lo, hi, tiles_in, tiles_out = dec.stream_visits(plan, np.array([3, 0, 130, 10]))
+  np.testing.assert_array_equal(expert, [0, 2, 2, 2, 3])
+  np.testing.assert_array_equal(lo, [0, 3, 64, 128, 133])
+  np.testing.assert_array_equal(hi, [3, 64, 128, 133, 143])
+  np.testing.assert_array_equal(tiles_in, [1, 4, 4, 1, 1])
+  # Finished granules out; the call's last (rows 128-143) after the last visit.
+  np.testing.assert_array_equal(tiles_out, [0, 4, 4, 0, 1])
 
 
-def test_fp8_block_past_two_calls_is_dequantized_for_the_block_path():
-  """Past `MAX_FUSED_CALLS` fused calls (EP 32 with 128 tokens: 4,096 tokens on the expert
-  axis), block-scaled experts are dequantized once and run the gmm path."""
+def test_fp8_block_past_one_call_streams_once():
+  """Block-scaled weights past 512 tokens on the expert axis: moe_block's forward with the
+  streamed fused kernel, each visited expert's fp8 weights read once, one call."""
   (r,) = dec.records(
     models=[dataclasses.replace(DSV3, eps=(32,), weights=("fp8-block",))],
     tokens=[128],
     chips=["v6e"],
     impls=["moe_decode"],
   )
-  assert (r["path"], r["layout"], r["calls"]) == ("block", "gmm, dequantized", 2)
-  assert r["reason"] == "4096 > 512 tokens"
-  plan = dec.serving_plan(DSV3, "fp8-block", "v6e", ep=32, tokens=128)
-  assert "dequantized to bfloat16 (more than 2 fused calls)" in plan.reason
-  deq = dec.dequantize_us(DSV3, "fp8-block", local=8, chip="v6e")
-  assert r["dequant_us"] == pytest.approx(deq)
-  assert r["xla_ops"] == dec.BLOCK_EXPERT_XLA_OPS + dec.DEQUANT_XLA_OPS
-  # The pass alone: 3.13 bytes per fp8 weight element over HBM, about 3x the floor.
-  assert 3.0 < deq / r["floor_us"] < 3.2 and r["ratio"] > deq / r["floor_us"]
+  assert (r["path"], r["layout"], r["calls"]) == ("block", "streamed", 1)
+  assert r["weight_bytes_read"] == r["floor_bytes"] and r["weights_read_dtype"] == "float8_e4m3fn"
+  assert r["fixed_us"] == pytest.approx(costmodel.call_fixed_us("v6e"))
+  assert r["visits"] >= r["nonempty_experts"] and r["row_copy_us"] > 0
+  assert r["modeled_us"] >= r["floor_us"]
 
 
 def test_fp8_block_reads_the_floor_bytes_with_scales():
