@@ -164,7 +164,7 @@ def _vmem_bytes(
     # NOTE: one visit's rows, their row weights (128 lanes), f32 sums and output staging, and
     # the carried tile; the rows themselves stay in HBM.
     held = stream + 16
-    resident = held * (d * (x_item + 4 + out_item) + 128 * 4) + 16 * d * 4
+    resident = held * (d * (2 * x_item + 4 + out_item) + 2 * 128 * 4) + 16 * d * 4
   else:
     # NOTE: the rows (one copy), the result (2 buffers), the f32 sums.
     resident = rows * d * (x_item + 2 * out_item + 4)
@@ -340,11 +340,11 @@ class _Scratch(NamedTuple):
   expert_acc: Any = None  # gather: [rows, d] f32 their sums
   visit_lo: Any = None  # stream: SMEM [max visits] each visit's first row
   visit_hi: Any = None  # stream: SMEM [max visits] one past its last row
-  x_rows: Any = None  # stream: [held, d] the visit's rows, from its first row rounded down
-  row_weights: Any = None  # stream: [held, 1] f32 their routing weights
+  x_rows: Any = None  # stream: [2 slots, held, d] a visit's rows, from its first rounded down
+  row_weights: Any = None  # stream: [2 slots, held, 1] f32 their routing weights
   staging: Any = None  # stream: [held, d] the visit's sums in the output dtype, to copy out
   carry: Any = None  # stream: [align, d] f32 the last, unfinished granule of rows
-  row_sems: Any = None  # stream: DMA semaphores [2]: rows in, rows out
+  row_sems: Any = None  # stream: DMA semaphores [2, 2]: rows in (per slot), rows out
 
 
 def _metadata(plan: FusedPlan, group_sizes, scratch: _Scratch):
@@ -591,53 +591,84 @@ def _row_copies(plan: FusedPlan, src, dst, sem, *, src_row, dst_row, tiles):
   return run
 
 
-def _stream_step(plan: FusedPlan, refs, scratch: _Scratch, *, visit, expert, slot, first, last):
-  """One step of a streamed visit: at its first chunk the visit's rows (and row weights) are
-  copied in, from its first row rounded down to `align`, and its sums start from the granule
-  the previous visit left unfinished; every chunk runs its rows as `_expert_step`; at its last
-  chunk the finished granules are copied out and the unfinished last one is carried on.
+def _visit_rows_in(plan: FusedPlan, refs, scratch: _Scratch, visit, method: str) -> None:
+  """Starts or waits for ("start" / "wait") the copies of a visit's rows and row weights into
+  its slot (visit % 2), from its first row rounded down to `align`."""
+  x_hbm, w_hbm, _ = refs
+  a, slot = plan.align, visit % 2
+  lo, hi = scratch.visit_lo[visit], scratch.visit_hi[visit]
+  base = (lo // a) * a
+  tiles = (hi - base + a - 1) // a
+  sem = scratch.row_sems.at[0, slot]
+  kw = dict(src_row=base, dst_row=0, tiles=tiles)
+  _row_copies(plan, x_hbm, scratch.x_rows.at[slot], sem, **kw)(method)
+  if w_hbm is not None:
+    _row_copies(plan, w_hbm, scratch.row_weights.at[slot], sem, **kw)(method)
+
+
+def _visit_rows_out(plan: FusedPlan, refs, scratch: _Scratch, visit, method: str) -> None:
+  """Starts or waits for the copies of a visit's finished granules out of the staging rows."""
+  a = plan.align
+  lo, hi = scratch.visit_lo[visit], scratch.visit_hi[visit]
+  base = (lo // a) * a
+  out = _row_copies(
+    plan, scratch.staging, refs[2], scratch.row_sems.at[1, 0], src_row=0, dst_row=base,
+    tiles=(hi - base) // a,
+  )  # fmt: skip
+  out(method)
+
+
+def _stream_step(
+  plan: FusedPlan, refs, scratch: _Scratch, *, visit, visits, expert, slot, first, last
+):
+  """One step of a streamed visit: its rows (and row weights) were copied into slot visit % 2
+  while the previous visit computed; at its first chunk it waits for them, starts the next
+  visit's into the other slot, and starts its sums from the granule the previous visit left
+  unfinished; every chunk runs its rows as `_expert_step`; at its last chunk its finished
+  granules are copied out (the previous visit's copy out is waited for first: it had this
+  whole visit to finish) and the unfinished last one is carried on.
 
   NOTE: visits come in row order and are contiguous, so the granule a visit starts in is the
   one the previous visit ended in: its rows of earlier visits arrive in the carry, and no
   granule is copied out before every row in it is done. Rows of later visits in a granule are
   masked (zero) until their own visit.
   """
-  x_hbm, w_hbm, out_hbm = refs
   a = plan.align
   lo, hi = scratch.visit_lo[visit], scratch.visit_hi[visit]
   base = (lo // a) * a
   held = plan.visit_rows + a
-  rows_in = scratch.row_sems.at[0]
+  rows = visit % 2
 
   @pl.when(first)
   def _():
-    tiles = (hi - base + a - 1) // a
-    copies = [
-      _row_copies(plan, x_hbm, scratch.x_rows, rows_in, src_row=base, dst_row=0, tiles=tiles)
-    ]
-    if w_hbm is not None:
-      copies.append(
-        _row_copies(plan, w_hbm, scratch.row_weights, rows_in, src_row=base, dst_row=0, tiles=tiles)
-      )
-    for c in copies:
-      c("start")
-    for c in copies:
-      c("wait")
+    _visit_rows_in(plan, refs, scratch, visit, "wait")
+
+    @pl.when(visit + 1 < visits)
+    def _():
+      _visit_rows_in(plan, refs, scratch, visit + 1, "start")
+
     scratch.acc[...] = jnp.zeros_like(scratch.acc)
     scratch.acc[0:a, :] = scratch.carry[...]
 
-  refs = (scratch.x_rows, scratch.row_weights if w_hbm is not None else None)
-  _expert_step(plan, refs, scratch, expert=expert, slot=slot, span=(lo - base, hi - base, held))
+  weights = scratch.row_weights.at[rows] if refs[1] is not None else None
+  _expert_step(
+    plan,
+    (scratch.x_rows.at[rows], weights),
+    scratch,
+    expert=expert,
+    slot=slot,
+    span=(lo - base, hi - base, held),
+  )
 
   @pl.when(last)
   def _():
+    @pl.when(visit > 0)
+    def _():
+      _visit_rows_out(plan, refs, scratch, visit - 1, "wait")
+
     full = (hi - base) // a
     scratch.staging[...] = scratch.acc[...].astype(scratch.staging.dtype)
-    out = _row_copies(
-      plan, scratch.staging, out_hbm, scratch.row_sems.at[1], src_row=0, dst_row=base, tiles=full
-    )
-    out("start")
-    out("wait")
+    _visit_rows_out(plan, refs, scratch, visit, "start")
     scratch.carry[...] = scratch.acc[pl.ds(pl.multiple_of(full * a, a), a), :]
 
 
@@ -733,6 +764,8 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
 
   @pl.when(steps > 0)
   def _():
+    if plan.stream:
+      _visit_rows_in(plan, (x, row_weights, out), scratch, 0, "start")
     _start(copies(0, "gate_up"))
     _start(copies(0, "down"))
 
@@ -760,6 +793,7 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
         (x, row_weights, out),
         scratch,
         visit=s // per_expert,
+        visits=visited,
         expert=expert,
         slot=s % 2,
         first=s % per_expert == 0,
@@ -784,20 +818,20 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     out[...] = scratch.acc[...].reshape(out.shape).astype(out.dtype)
     return
   a = plan.align
+  refs = (x, row_weights, out)
+
+  @pl.when(visited > 0)
+  def _():
+    _visit_rows_out(plan, refs, scratch, visited - 1, "wait")
 
   # NOTE: the last visit's unfinished granule: its rows past the last expert's come out zero.
   @pl.when(total % a != 0)
   def _():
     scratch.staging[0:a, :] = scratch.carry[...].astype(scratch.staging.dtype)
     last = _row_copies(
-      plan,
-      scratch.staging,
-      out,
-      scratch.row_sems.at[1],
-      src_row=0,
-      dst_row=(total // a) * a,
+      plan, scratch.staging, out, scratch.row_sems.at[1, 0], src_row=0, dst_row=(total // a) * a,
       tiles=1,
-    )
+    )  # fmt: skip
     last("start")
     last("wait")
 
@@ -1061,10 +1095,10 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
     shapes += [
       visits,
       visits,
-      vmem((held, d), jnp.dtype(plan.x_dtype)),
-      vmem((held, 1), jnp.float32),
+      vmem((2, held, d), jnp.dtype(plan.x_dtype)),
+      vmem((2, held, 1), jnp.float32),
       vmem((held, d), jnp.dtype(plan.out_dtype)),
       vmem((plan.align, d), jnp.float32),
-      pltpu.SemaphoreType.DMA((2,)),
+      pltpu.SemaphoreType.DMA((2, 2)),
     ]
   return shapes
