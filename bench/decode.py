@@ -707,43 +707,50 @@ def stream_visits(plan: fe.FusedPlan, sizes: np.ndarray) -> tuple[np.ndarray, ..
 
 def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict:
   """The streamed fused kernel over the block path's receive buffer (`BlockPlan.fused`), one
-  TensorCore: per visit, its rows copied in at its first step and its finished rows out at its
-  last, both exposed (the kernel waits for them); the weight steps as `_stream`'s, one per
-  (visit, chunk): an expert over `visit_rows` rows is streamed again.
+  TensorCore. The weight steps as `_stream`'s, one per (visit, chunk): an expert over
+  `visit_rows` rows is streamed again. Rows move beside the weights: a visit's first step starts
+  the next visit's rows in, its last step its finished rows out, so their bytes join those
+  steps' copies; only the first visit's rows in and the last's rows out (and the call's last
+  granule) are exposed.
 
   Returns:
-    As `_summed`, plus path "block", layout "streamed", visits, row_copy_us.
+    As `_summed`, plus path "block", layout "streamed", visits, row_copy_us (all the rows'
+    copies at one TensorCore's bandwidth; `io_us` is their exposed part).
   """
   gen = get_generation(chip)
   flops, bw = tensorcore_rates(gen)
   expert, lo, hi, tiles_in, tiles_out = stream_visits(plan, sizes)
+  visits, chunks = len(expert), plan.chunks
   windows = -(-(hi - lo // plan.align * plan.align) // plan.window)
   per_window = window_macs(plan, gen) * 2 / flops
-  mxu = np.repeat(windows * per_window, plan.chunks)
-  steps = len(mxu)
-  dma = plan.step_weight_bytes / bw
-  nxt = np.full(steps, dma)
-  if steps:
-    nxt[-1] = 0.0
-  stream = float(np.maximum(mxu, nxt).sum())
+  mxu = np.repeat(windows * per_window, chunks)
   granule_in = plan.align * (plan.d * jnp.dtype(plan.x_dtype).itemsize + 4)
   granule_out = plan.align * plan.d * jnp.dtype(plan.out_dtype).itemsize
-  rows_s = (tiles_in.sum() * granule_in + tiles_out.sum() * granule_out) / bw
+  rows_in, rows_out = tiles_in * granule_in / bw, tiles_out * granule_out / bw
+  dma = plan.step_weight_bytes / bw
+  nxt = np.full(len(mxu), dma)
+  if visits:
+    nxt[-1] = 0.0  # NOTE: the last step starts no copy.
+    first, last = np.arange(visits) * chunks, np.arange(visits) * chunks + chunks - 1
+    nxt[first[:-1]] += rows_in[1:]  # the next visit's rows, started at a visit's first step
+    nxt[last[:-1]] += rows_out[:-1]  # a visit's finished rows, started at its last step
+  stream = float(np.maximum(mxu, nxt).sum())
+  exposed_rows = float(rows_in[0] + rows_out[-1]) if visits else 0.0
   part = dict(
-    core_steps=steps,
-    steps=steps,
-    weight_bytes=steps * plan.step_weight_bytes,
-    io_s=float(rows_s),
-    exposed_s=dma if steps else 0.0,
+    core_steps=len(mxu),
+    steps=len(mxu),
+    weight_bytes=len(mxu) * plan.step_weight_bytes,
+    io_s=exposed_rows,
+    exposed_s=dma if visits else 0.0,
     stream_s=stream,
     mxu_excess_s=stream - float(nxt.sum()),
     mxu_s=float(mxu.sum()),
     gather_mxu_s=0.0,
-    dma_s=steps * dma,
+    dma_s=float(nxt.sum()),
   )
   return _summed(
-    [part], [plan], gen, path="block", layout="streamed", visits=len(expert),
-    row_copy_us=float(rows_s) * 1e6,
+    [part], [plan], gen, path="block", layout="streamed", visits=visits,
+    row_copy_us=float(rows_in.sum() + rows_out.sum()) * 1e6,
   )  # fmt: skip
 
 
@@ -1379,9 +1386,10 @@ def _notes(fit: dict | None) -> list[str]:
     "gathered layout's int32 token lists, or the sorted rows' [rows, 1] f32 column in 128 "
     "lanes; the result out) and the first weight copy exposed, then max(MXU work, next copy) "
     "per step; a v5p call's two f32 partial sums added by one XLA op at the device's bandwidth. "
-    "Streamed (the block path's experts): one TensorCore; each visit's rows copied in (and "
-    "their f32 row weights) at its first step and its finished rows out at its last, both "
-    "exposed, in whole granules of 16 rows; an expert's rows past one visit's "
+    "Streamed (the block path's experts): one TensorCore; rows move in whole granules of 16 "
+    "(with their f32 row weights): a visit's first step starts the next visit's rows in and "
+    "its last step its finished rows out, their bytes added to those steps' copies; the first "
+    "visit's rows in and the last's out are exposed; an expert's rows past one visit's "
     "`visit_rows` stream its weights again. The "
     "generation's per-step overhead is not charged per streamed step (the next step's copies "
     "are issued before this step's work, so the DMA queue never runs dry); the sensitivity "
