@@ -138,37 +138,11 @@ def plan_decode(
   kind = fe.weight_kind(weights) if weights is not None else "float"
   plan = functools.partial(DecodePlan, tokens=t, expert_parallelism=ep)
 
-  def fused(chunk_tokens: int) -> fe.FusedPlan:
-    return fe.plan_fused(
-      rows=ep * chunk_tokens,
-      d=config.d_model,
-      f=config.expert_ffn_dim,
-      num_experts=e_local,
-      x_dtype=config.compute_dtype,
-      w_dtype=weights.dtype if weights is not None else config.weight_dtype,
-      kind=kind,
-      block=getattr(weights, "block", quant.BLOCK),
-      generation=generation,
-      by_token=True,
-      gather=ep * chunk_tokens > GATHER_ABOVE,
-    )
-
-  reason = f"{ep * t} > {MAX_FUSED_TOKENS} tokens"
-  if ep * t <= MAX_FUSED_TOKENS:
-    try:
-      return plan(path="fused", fused=fused(t))
-    except ValueError as e:
-      reason = str(e)
   gen = get_generation(generation) if generation is not None else current_generation()
-  with tiling_lib.use_generation(gen):
-    block = plan_block(config, tokens_per_device=t, expert_parallelism=ep, tensor_parallelism=1)
-  # NOTE: the experts of moe_block's forward as one fused kernel streaming only the received
-  # rows (no SwiGLU pass over the static buffer, no gmm metadata), on one TensorCore: where the
-  # device has one, and for block-scaled weights (which the gmm kernels do not take) anywhere.
-  # A megacore device (v5p) keeps float weights on the gmm pair, which splits over both cores.
-  if kind == "block" or gen.tensorcores_per_device == 1:
-    stream = fe.plan_fused(
-      rows=block.expert_rows,
+
+  def fused(rows: int, **layout) -> fe.FusedPlan:
+    return fe.plan_fused(
+      rows=rows,
       d=config.d_model,
       f=config.expert_ffn_dim,
       num_experts=e_local,
@@ -177,8 +151,23 @@ def plan_decode(
       kind=kind,
       block=getattr(weights, "block", quant.BLOCK),
       generation=gen,
-      stream=True,
+      **layout,
     )
+
+  reason = f"{ep * t} > {MAX_FUSED_TOKENS} tokens"
+  if ep * t <= MAX_FUSED_TOKENS:
+    try:
+      return plan(path="fused", fused=fused(ep * t, by_token=True, gather=ep * t > GATHER_ABOVE))
+    except ValueError as e:
+      reason = str(e)
+  with tiling_lib.use_generation(gen):
+    block = plan_block(config, tokens_per_device=t, expert_parallelism=ep, tensor_parallelism=1)
+  # NOTE: the experts of moe_block's forward as one fused kernel streaming only the received
+  # rows (no SwiGLU pass over the static buffer, no gmm metadata), on one TensorCore: where the
+  # device has one, and for block-scaled weights (which the gmm kernels do not take) anywhere.
+  # A megacore device (v5p) keeps float weights on the gmm pair, which splits over both cores.
+  if kind == "block" or gen.tensorcores_per_device == 1:
+    stream = fused(block.expert_rows, stream=True)
     block = dataclasses.replace(block, fused=stream)
   return plan(path="block", block=block, reason=reason)
 

@@ -986,33 +986,10 @@ def fused_experts(
   if plan.kind == "block":
     # NOTE: the kernel copies a step's scales as leading rows (see `_copies`).
     wi_s = jnp.swapaxes(wi_s, 1, 2)
+  operands, in_specs = _row_operands(plan, x, row_weights, expert_weights, expert_tokens)
   pad = plan.rows - m
-  if pad:
-    x = jnp.pad(x, ((0, pad), (0, 0)))
   full = lambda shape: pl.BlockSpec(shape, lambda c, *_: (0,) * len(shape))  # noqa: E731
-  # NOTE: inputs read whole (one VMEM copy each; a blocked input would be double-buffered);
-  # streamed rows stay in HBM.
-  whole = pl.BlockSpec(memory_space=pltpu.VMEM)
   hbm = pl.BlockSpec(memory_space=pl.ANY)
-  if plan.stream:
-    whole = hbm
-  operands, in_specs = [x], [whole]
-  if by_token:
-    # NOTE: [E, 1, rows]: the kernel reads expert e's window of tokens as lanes.
-    ew = expert_weights.astype(jnp.float32)
-    ew = (jnp.pad(ew, ((0, 0), (0, pad))) if pad else ew)[:, None, :]
-    operands.append(ew)
-    in_specs.append(whole)
-    if gather:
-      # NOTE: padding entries name no token (-1 matches no row of the one-hot).
-      et = expert_tokens.astype(jnp.int32)
-      et = jnp.pad(et, ((0, 0), (0, pad)), constant_values=-1) if pad else et
-      operands.append(et[:, None, :])
-      in_specs.append(whole)
-  elif row_weights is not None:
-    rw = row_weights.astype(jnp.float32)
-    operands.append(jnp.pad(rw, (0, pad))[:, None] if pad else rw[:, None])
-    in_specs.append(whole)
   if kind == "float":
     operands += [wi_v, wo_v]
     in_specs += [hbm, hbm]
@@ -1048,6 +1025,32 @@ def fused_experts(
     total = jnp.sum(group_sizes.astype(jnp.int32))
     out = jnp.where(jnp.arange(plan.rows)[:, None] < total, out, jnp.zeros((), out.dtype))
   return out[:m] if pad else out
+
+
+def _row_operands(plan: FusedPlan, x, row_weights, expert_weights, expert_tokens):
+  """The rows and their routing weights (and token lists) as the kernel reads them, padded to
+  `plan.rows`, with their specs: read whole into VMEM, or left in HBM (`plan.stream`).
+
+  NOTE: whole inputs are one VMEM copy each (a blocked input would be double-buffered).
+  """
+  pad = plan.rows - x.shape[0]
+  if pad:
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+  space = pl.ANY if plan.stream else pltpu.VMEM
+  operands = [x]
+  if expert_weights is not None:
+    # NOTE: [E, 1, rows]: the kernel reads expert e's window of tokens as lanes.
+    ew = expert_weights.astype(jnp.float32)
+    operands.append((jnp.pad(ew, ((0, 0), (0, pad))) if pad else ew)[:, None, :])
+    if expert_tokens is not None:
+      # NOTE: padding entries name no token (-1 matches no row of the one-hot).
+      et = expert_tokens.astype(jnp.int32)
+      et = jnp.pad(et, ((0, 0), (0, pad)), constant_values=-1) if pad else et
+      operands.append(et[:, None, :])
+  elif row_weights is not None:
+    rw = row_weights.astype(jnp.float32)
+    operands.append(jnp.pad(rw, (0, pad))[:, None] if pad else rw[:, None])
+  return operands, [pl.BlockSpec(memory_space=space)] * len(operands)
 
 
 def _scratch_names(plan: FusedPlan) -> list[str]:
