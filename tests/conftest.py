@@ -28,10 +28,12 @@ settings.register_profile(
 # row-tile and quantized kernels doubled the kernel tests (10:41 on this VM); 12 did too once
 # the row-tile kernels ran in both sweep modes (9:41-10:55 on clean clones), and 10 once they
 # ran in both MXU orientations (10:21); 8 took 17:14 once the row-tile kernels moved their
-# edge rows by manual DMAs (more kernel code to compile in interpret mode).
+# edge rows by manual DMAs (more kernel code to compile in interpret mode); 7 took the oldest
+# leg (jax 0.10.2, about 1.2x the newest's time per test) to 15:20 once the fused expert
+# kernel and the serving layer landed.
 settings.register_profile(
   "ci",
-  max_examples=7,
+  max_examples=6,
   deadline=None,
   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
   derandomize=True,
@@ -150,6 +152,17 @@ SLOW_CASES = tuple(
     "kernels/test_tgmm_kernel.py::test_tgmm_matches_references_tpu_simulator[m300k96n256g32]",
     "kernels/test_tgmm_kernel.py::test_tgmm_matches_references_tpu_simulator[m700k136n128g12]",
     "kernels/test_xla_backend.py::test_xla_gmm_contract_and_gradients[shard-with-existing]",
+    "kernels/test_xla_backend.py::test_xla_gmm_contract_and_gradients[empty-groups-tail]",
+    "layer/test_moe.py::test_block_matches_dense_reference[8-1-bfloat16]",
+    "layer/test_routing.py::test_ep_block_matches_float64_dense_reference[v2-2x4]",
+    "layer/test_sharding.py::test_sharded_layer_equals_plain_block[data2-tp2-ep2]",
+    "kernels/test_rowtile.py::test_tgmm_rowtile_matches_references[m101k32n48tm64g6l4-tl]",
+    "kernels/test_rowtile.py::test_gmm_rowtile_matches_references[m130k64n128tm256g6l4-rs]",
+    "kernels/test_rowtile.py::test_slack_buffers_match_references[hlo-True]",
+    "bench/test_bench_rowtile.py::test_tgmm_rowtile_interior_runs[odd-1-tl]",
+    "bench/test_bench_rowtile.py::test_tgmm_rowtile_interior_runs[odd-1-rs-tl]",
+    "bench/test_bench_rowtile.py::test_cost_model_hooks_match_kernel_counts[dlhs-parallel]",
+    "integrations/test_hf.py::test_family_matches_hf_forward_and_grads[1-8-True-qwen3_moe]",
   )
 )
 
