@@ -79,15 +79,20 @@ def test_kinds_at_decode_sizes(kind, mode):
     _check(out, np_experts(x, wi64, wo64, gs, rw))
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["resident", "streamed"])
 @given(data=st.data())
 @examples(0.5)
-def test_group_sizes_property(data):
-  """Random, sparse, one-group and short group sizes over odd m and d, f not a multiple of 128."""
-  m, d, f, e = 37, 72, 48, 5
-  gs = data.draw(group_sizes_strategy(m=m, num_groups=e))
+def test_group_sizes_property(stream, data):
+  """Random, sparse, one-group and short group sizes over odd m and d: rows resident in VMEM
+  (f not a multiple of 128), or streamed from HBM in visits of 16 rows."""
+  m, d, f, e = 37, 72, 128 if stream else 48, 5
+  gs = jnp.asarray(data.draw(group_sizes_strategy(m=m, num_groups=e)))
   wi, wo, _, _ = _weights("float", e=e, d=d, f=f)
   x = random_array(5, (m, d), F32)
-  out = fe.fused_experts(x, wi, wo, jnp.asarray(gs), interpret=True)
+  if stream:
+    out = _streamed(x, wi, wo, gs, visit_rows=16, interpret=True)
+  else:
+    out = fe.fused_experts(x, wi, wo, gs, interpret=True)
   _check(out, np_experts(x, wi, wo, gs))
 
 
@@ -278,18 +283,6 @@ def test_streamed_rows(mode, kind, dtype, capfd):
     interpret=interpret,
   )
   _check(np.asarray(loose.astype(F32))[:53], np_experts(x64, wi64, wo64, gs, rw)[:53], **tol)
-
-
-@given(data=st.data())
-@examples(0.5)
-def test_streamed_group_sizes_property(data):
-  """Random group sizes over odd m and d, streamed in visits of 16 rows."""
-  m, d, f, e = 37, 72, 128, 5
-  gs = data.draw(group_sizes_strategy(m=m, num_groups=e))
-  wi, wo, _, _ = _weights("float", e=e, d=d, f=f)
-  x = random_array(5, (m, d), F32)
-  out = _streamed(x, wi, wo, jnp.asarray(gs), visit_rows=16, interpret=True)
-  _check(out, np_experts(x, wi, wo, gs))
 
 
 def test_plan_streams_only_what_fits():
