@@ -13,11 +13,13 @@ bytes, once:
   read.
 - The weights of the visited experts form one stream of steps, (expert, chunk of `chunk`
   columns of f): step s holds the gate and up columns [d, chunk] of its chunk and the matching
-  down rows [chunk, d]. Each is double-buffered: the step waits for its gate/up block, starts
-  the next step's gate/up copy, waits for its down block, starts the next step's down copy, and
-  only then computes, so both of the next step's copies (the next expert's gate/up once a
-  chunk is the expert's last) stream while this step multiplies. Only the first step's copy is
-  exposed.
+  down rows [chunk, d], both double-buffered. Each block is copied in `pieces` parts along d
+  (gate/up: rows of the contraction; down: output columns), one semaphore each, and the step's
+  products run piece by piece, each waiting only for its own piece: the step waits for its
+  first gate/up piece, starts all of the next step's copies, and computes as the rest arrives.
+  So the next step's weights (the next expert's once a chunk is the expert's last) stream while
+  this step multiplies, and only a piece is exposed at either end of the stream: the first
+  piece's copy before any product can start, the last piece's product after the last byte.
 - Per step and expert: the expert's rows in windows of `window` rows (a window moved back to
   end at the buffer's end keeps only the rows it owns), `silu(x @ gate) * (x @ up)` in f32,
   times the rows' routing weights, masked to the expert's rows, then `@ down` accumulated into
@@ -48,11 +50,14 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_moe import common, quant
 from pallas_moe.generations import current_generation, get_generation
 
-__all__ = ["FusedPlan", "plan_fused", "fused_experts", "weight_kind"]
+__all__ = ["MAX_PIECES", "FusedPlan", "plan_fused", "fused_experts", "weight_kind"]
 
 # NOTE: the share of VMEM the kernel plans for; the rest is Mosaic's (internal scratch, spills).
 _VMEM_SHARE = 0.75
 _MAX_WINDOW = 128
+# NOTE: a step's weights arrive in up to this many parts: the exposed copy before the first
+# product, and the exposed product after the last copy, are one part's.
+MAX_PIECES = 4
 
 
 def weight_kind(w: Any) -> str:
@@ -74,6 +79,8 @@ class FusedPlan:
     f: MLP width (wi holds [gate | up], 2f columns).
     num_experts: local experts (len(group_sizes)).
     chunk: f columns per streamed step (divides f).
+    pieces: parts each step's weight blocks are copied and multiplied in, along d (d / pieces
+      is a multiple of the MXU edge and of the block scales' edge).
     window: rows per MXU pass (a multiple of `align`, at most `rows`).
     align: row granule of the rows' dtype (8 f32, 16 bf16 rows per VMEM tile).
     kind: "float", "channel" or "block" (`weight_kind`).
@@ -126,6 +133,18 @@ class FusedPlan:
   gather: bool = False
   stream: bool = False
   visit_rows: int = 0
+  pieces: int = 1
+
+  @property
+  def step_rows(self) -> int:
+    """The most rows one step's windows cover (`_products`' sums hold them)."""
+    rows = self.visit_rows + self.align if self.stream else self.rows
+    return -(-rows // self.window) * self.window
+
+  @property
+  def piece(self) -> int:
+    """Rows of d in one piece."""
+    return self.d // self.pieces
 
   @property
   def chunks(self) -> int:
@@ -178,6 +197,9 @@ def _vmem_bytes(
   weights = 2 * 3 * d * chunk * w_item  # two slots of gate, up, down
   upcast = 3 * d * chunk * x_item if w_item != x_item else 0
   work = window * (4 * chunk * 4 + d * 4)  # gate, up, activation, the down product
+  # NOTE: a step's gate and up sums (f32) and activation over all its windows' rows.
+  step_rows = -(-((stream + 16) if stream else rows) // window) * window
+  work += step_rows * chunk * (2 * 4 + x_item)
   scales = 2 * 4 * (2 * chunk + d) * 8 if kind == "channel" else 0
   return resident + weights + upcast + work + scales + (1 << 20)
 
@@ -200,6 +222,7 @@ def plan_fused(
   gather: bool = False,
   stream: bool = False,
   visit_rows: int = 256,
+  pieces: int | None = None,
 ) -> FusedPlan:
   """The fused kernel's plan: the largest chunk of f whose double-buffered weight blocks fit.
 
@@ -222,6 +245,9 @@ def plan_fused(
     stream: see `FusedPlan.stream` (rows sorted by expert; one TensorCore).
     visit_rows: with `stream`, the most rows one visit holds (rounded up to the rows' granule,
       at most the rows).
+    pieces: force the parts each step's weights are copied and multiplied in (each a multiple
+      of 128 rows of d, or one; default: the most, up to `MAX_PIECES`, whose parts are
+      multiples of the generation's MXU edge).
 
   Returns:
     A `FusedPlan`.
@@ -292,6 +318,7 @@ def plan_fused(
     )
   chunk = fits[0]
   vmem = _vmem_bytes(chunk=chunk, **kw)
+  pieces = _pieces(d, gen.mxu_size, block if kind == "block" else 128, pieces)
   return FusedPlan(
     rows=padded,
     d=d,
@@ -312,7 +339,21 @@ def plan_fused(
     gather=gather and by_token,
     stream=stream,
     visit_rows=visit_rows if stream else 0,
+    pieces=pieces,
   )
+
+
+def _pieces(d: int, mxu: int, granule: int, forced: int | None) -> int:
+  """The parts of d each step's weights come in: the most (up to `MAX_PIECES`) that keep a
+  part a multiple of the MXU edge and of `granule` (the block scales' edge)."""
+  if forced is not None:
+    if forced < 1 or d % forced or (forced > 1 and (d // forced) % granule):
+      raise ValueError(
+        f"pieces={forced} must split d={d} into parts that are multiples of {granule}."
+      )
+    return forced
+  edge = max(mxu, granule)
+  return next(p for p in range(MAX_PIECES, 0, -1) if p == 1 or d % (p * edge) == 0)
 
 
 class _Weights(NamedTuple):
@@ -326,16 +367,18 @@ class _Weights(NamedTuple):
 
 class _Scratch(NamedTuple):
   acc: Any  # [rows, d] f32 sums
-  gate_up: Any  # [2 slots, 2, d, chunk] weights
-  down: Any  # [2 slots, chunk, d]
-  sems: Any  # DMA semaphores [2 slots, 4]
+  gate_up: Any  # [2 slots, 2, pieces, d / pieces, chunk] weights
+  down: Any  # [2 slots, pieces, chunk, d / pieces]
+  sems: Any  # DMA semaphores [2 slots, 2 x pieces]: gate/up's pieces, then down's
   first_row: Any  # SMEM [E + 1]
   visits: Any  # SMEM [E]: the non-empty experts in order
   # channel: [2 slots, 2, 1, chunk] f32; block: SMEM [2, 2, cb, d / block]
   gate_up_scales: Any = None
   down_scales: Any = None  # channel: [2 slots, 1, d] f32; block: SMEM [2, cb, d / block]
-  dequant_in: Any = None  # block: [2, d, chunk] the step's gate / up in the compute dtype
-  dequant_out: Any = None  # block: [chunk, d] its down
+  dequant_in: Any = (
+    None  # block: [2, pieces, d / pieces, chunk] the step's gate / up, compute dtype
+  )
+  dequant_out: Any = None  # block: [pieces, chunk, d / pieces] its down
   gathered: Any = None  # gather: [rows, d] the visited expert's tokens
   expert_acc: Any = None  # gather: [rows, d] f32 their sums
   visit_lo: Any = None  # stream: SMEM [max visits] each visit's first row
@@ -345,6 +388,8 @@ class _Scratch(NamedTuple):
   staging: Any = None  # stream: [held, d] the visit's sums in the output dtype, to copy out
   carry: Any = None  # stream: [align, d] f32 the last, unfinished granule of rows
   row_sems: Any = None  # stream: DMA semaphores [2, 2]: rows in (per slot), rows out
+  gate_up_sums: Any = None  # [2, step rows, chunk] f32 a step's gate and up products
+  act: Any = None  # [step rows, chunk] its activation in the compute dtype
 
 
 def _metadata(plan: FusedPlan, group_sizes, scratch: _Scratch):
@@ -400,53 +445,59 @@ def _stream_metadata(plan: FusedPlan, group_sizes, scratch: _Scratch):
   return count, total
 
 
-def _copies(plan: FusedPlan, w: _Weights, scratch: _Scratch, *, expert, chunk, slot, part):
-  """The step's DMAs of `part` ("gate_up" or "down"): a list of descriptors."""
-  f, c = plan.f, plan.chunk
+def _copies(plan: FusedPlan, w: _Weights, scratch: _Scratch, *, expert, chunk, slot, part, piece):
+  """The step's DMAs of one piece of `part` ("gate_up": rows [piece x plan.piece, ...) of d of
+  the gate and up columns; "down": those columns of d of the down rows): a list of descriptors
+  on the piece's semaphore. A step's scales travel with its first piece of each part."""
+  f, c, k = plan.f, plan.chunk, plan.piece
   col = pl.multiple_of(chunk * c, c)
-  sems = scratch.sems.at[slot]
+  sem = scratch.sems.at[slot, piece + (plan.pieces if part == "down" else 0)]
+  rows = slice(piece * k, (piece + 1) * k)
 
-  def cp(src, dst, i):
-    return pltpu.make_async_copy(src, dst, sems.at[i])
+  def cp(src, dst):
+    return pltpu.make_async_copy(src, dst, sem)
 
   if part == "down":
-    return _down_copies(plan, w, scratch, expert=expert, chunk=chunk, slot=slot, cp=cp)
+    row = pl.multiple_of(chunk * c, c)
+    down = [cp(w.wo.at[expert, pl.ds(row, c), rows], scratch.down.at[slot, piece])]
+    if piece == 0:
+      down += _down_scale_copies(plan, w, scratch, expert=expert, chunk=chunk, slot=slot, cp=cp)
+    return down
   gate_up = [
-    cp(w.wi.at[expert, :, pl.ds(col, c)], scratch.gate_up.at[slot, 0], 0),
-    cp(w.wi.at[expert, :, pl.ds(col + f, c)], scratch.gate_up.at[slot, 1], 0),
+    cp(w.wi.at[expert, rows, pl.ds(col, c)], scratch.gate_up.at[slot, 0, piece]),
+    cp(w.wi.at[expert, rows, pl.ds(col + f, c)], scratch.gate_up.at[slot, 1, piece]),
   ]
+  if piece or plan.kind == "float":
+    return gate_up
   if plan.kind == "channel":
-    gate_up += [
-      cp(w.wi_scales.at[expert, :, pl.ds(col, c)], scratch.gate_up_scales.at[slot, 0], 2),
-      cp(w.wi_scales.at[expert, :, pl.ds(col + f, c)], scratch.gate_up_scales.at[slot, 1], 2),
+    return gate_up + [
+      cp(w.wi_scales.at[expert, :, pl.ds(col, c)], scratch.gate_up_scales.at[slot, 0]),
+      cp(w.wi_scales.at[expert, :, pl.ds(col + f, c)], scratch.gate_up_scales.at[slot, 1]),
     ]
-  elif plan.kind == "block":
-    # NOTE: block scales come transposed, [E, 2f / block, d / block] for wi (so a chunk's
-    # column blocks are leading rows) and [E, f / block, d / block] for wo: one contiguous run
-    # of rows per step, copied to SMEM where the kernel reads them as scalars.
-    cb = plan.chunk_blocks
-    blk = chunk * cb
-    gate_up += [
-      cp(w.wi_scales.at[expert, pl.ds(blk, cb)], scratch.gate_up_scales.at[slot, 0], 2),
-      cp(
-        w.wi_scales.at[expert, pl.ds(blk + plan.f // plan.block, cb)],
-        scratch.gate_up_scales.at[slot, 1],
-        2,
-      ),
-    ]
-  return gate_up
+  # NOTE: block scales come transposed, [E, 2f / block, d / block] for wi (so a chunk's column
+  # blocks are leading rows) and [E, f / block, d / block] for wo: one contiguous run of rows
+  # per step, copied to SMEM where the kernel reads them as scalars.
+  cb = plan.chunk_blocks
+  blk = chunk * cb
+  scales = scratch.gate_up_scales.at[slot]
+  return gate_up + [
+    cp(w.wi_scales.at[expert, pl.ds(blk, cb)], scales.at[0]),
+    cp(w.wi_scales.at[expert, pl.ds(blk + f // plan.block, cb)], scales.at[1]),
+  ]
 
 
-def _down_copies(plan: FusedPlan, w: _Weights, scratch: _Scratch, *, expert, chunk, slot, cp):
-  row = pl.multiple_of(chunk * plan.chunk, plan.chunk)
-  down = [cp(w.wo.at[expert, pl.ds(row, plan.chunk), :], scratch.down.at[slot], 1)]
+def _down_scale_copies(plan: FusedPlan, w: _Weights, scratch: _Scratch, *, expert, chunk, slot, cp):
   if plan.kind == "channel":
-    down.append(cp(w.wo_scales.at[expert], scratch.down_scales.at[slot], 3))
-  elif plan.kind == "block":
+    return [cp(w.wo_scales.at[expert], scratch.down_scales.at[slot])]
+  if plan.kind == "block":
     cb = plan.chunk_blocks
-    rows = w.wo_scales.at[expert, pl.ds(chunk * cb, cb)]
-    down.append(cp(rows, scratch.down_scales.at[slot], 3))
-  return down
+    return [cp(w.wo_scales.at[expert, pl.ds(chunk * cb, cb)], scratch.down_scales.at[slot])]
+  return []
+
+
+def _step_copies(plan: FusedPlan, copies):
+  """Every piece's descriptors of a step, gate/up's first: `copies(part, piece)` gives one."""
+  return [c for part in ("gate_up", "down") for p in range(plan.pieces) for c in copies(part, p)]
 
 
 def _start(copies) -> None:
@@ -459,42 +510,91 @@ def _wait(copies) -> None:
     c.wait()
 
 
-def _project_in(plan: FusedPlan, x_rows, scratch: _Scratch, *, slot, r0):
-  """(gate, up) products [window, chunk] in f32 of the window's rows, scales applied."""
-  cdt = jnp.dtype(plan.x_dtype)
+def _arrivals(plan: FusedPlan, copies, scratch: _Scratch, *, slot):
+  """`arrive(part, piece)`: waits for the piece's copies (gate/up's first piece excepted: the
+  step waited for it before starting the next step's) and dequantizes block-scaled pieces into
+  the compute dtype."""
+
+  def arrive(part, piece):
+    if part == "down" or piece:
+      _wait(copies(part, piece))
+    if plan.kind == "block":
+      _dequantize_piece(plan, scratch, slot=slot, part=part, piece=piece)
+
+  return arrive
+
+
+def _products(
+  plan: FusedPlan, scratch: _Scratch, *, slot, arrive, windows, place, x_rows, scale, into
+):
+  """One step's products over `windows` windows of rows, piece by piece of d as the pieces
+  arrive: gate/up summed over the pieces into `gate_up_sums`, then the activation, then down's
+  column pieces added into the f32 sums `into`.
+
+  NOTE: a piece's wait sits between loops, never between the products of one loop body: Mosaic
+  keeps a body's weight operands in scoped VMEM when a DMA wait splits it.
+
+  Args:
+    arrive: `_arrivals`' function.
+    windows: the step's window count (traced).
+    place: window index -> its first row in `x_rows` and `into` (a multiple of `plan.align`).
+    x_rows: the rows' ref.
+    scale: (window index, first row, activation [window, chunk] f32) -> the activation times
+      the rows' routing weights, zero on rows the window does not own.
+    into: the f32 sums' ref.
+  """
+  k, window, cdt = plan.piece, plan.window, jnp.dtype(plan.x_dtype)
+  sums, act_rows = scratch.gate_up_sums, scratch.act
+  if plan.kind == "block":
+    weights_in, weights_out = scratch.dequant_in, scratch.dequant_out
+  else:
+    weights_in, weights_out = scratch.gate_up.at[slot], scratch.down.at[slot]
+
+  def own(i):
+    return pl.ds(pl.multiple_of(i * window, window), window)
 
   def dot(a, b):
     return jnp.dot(a, b.astype(cdt), preferred_element_type=jnp.float32)
 
-  gate_w, up_w = scratch.gate_up.at[slot, 0], scratch.gate_up.at[slot, 1]
-  if plan.kind != "block":
-    x = x_rows[pl.ds(r0, plan.window), :]
-    gate, up = dot(x, gate_w[...]), dot(x, up_w[...])
+  for p in range(plan.pieces):
+    arrive("gate_up", p)
+
+    def gate_up(i, carry, p=p):
+      x = x_rows[pl.ds(place(i), window), p * k : (p + 1) * k]
+      for which in range(2):
+        y = dot(x, weights_in[which, p])
+        sums[which, own(i)] = y if p == 0 else sums[which, own(i)] + y
+      return carry
+
+    lax.fori_loop(0, windows, gate_up, 0)
+
+  def activation(i, carry):
+    gate, up = sums[0, own(i)], sums[1, own(i)]
     if plan.kind == "channel":
       # NOTE: one scale per output column: dot(x, q) * s[None, :] == dot(x, q * s).
       gate = gate * scratch.gate_up_scales[slot, 0]
       up = up * scratch.gate_up_scales[slot, 1]
-    return gate, up
+    act_rows[own(i)] = scale(i, place(i), jax.nn.silu(gate) * up).astype(cdt)
+    return carry
 
-  # NOTE: block-scaled weights were dequantized for this step (`_dequantize_step`).
-  x = x_rows[pl.ds(r0, plan.window), :]
-  return dot(x, scratch.dequant_in[0]), dot(x, scratch.dequant_in[1])
+  lax.fori_loop(0, windows, activation, 0)
+  for p in range(plan.pieces):
+    arrive("down", p)
+    cols = slice(p * k, (p + 1) * k)
+
+    def down(i, carry, p=p, cols=cols):
+      y = dot(act_rows[own(i)], weights_out[p])
+      if plan.kind == "channel":
+        y = y * scratch.down_scales[slot, :, cols]
+      into[pl.ds(place(i), window), cols] += y
+      return carry
+
+    lax.fori_loop(0, windows, down, 0)
 
 
-def _project_out(plan: FusedPlan, act, scratch: _Scratch, *, slot):
-  """The activation [window, chunk] times the step's down rows: [window, d] f32."""
-  cdt = jnp.dtype(plan.x_dtype)
-  down = scratch.down.at[slot]
-  if plan.kind != "block":
-    y = jnp.dot(act.astype(cdt), down[...].astype(cdt), preferred_element_type=jnp.float32)
-    if plan.kind == "channel":
-      y = y * scratch.down_scales[slot]
-    return y
-  return jnp.dot(act.astype(cdt), scratch.dequant_out[...], preferred_element_type=jnp.float32)
-
-
-def _dequantize_step(plan: FusedPlan, scratch: _Scratch, *, slot) -> None:
-  """The step's block-scaled gate, up and down blocks as compute-dtype weights in VMEM.
+def _dequantize_piece(plan: FusedPlan, scratch: _Scratch, *, slot, part, piece) -> None:
+  """One piece of the step's block-scaled gate and up (or down) blocks as compute-dtype
+  weights in VMEM.
 
   NOTE: a block scale varies along both the contraction and the output columns, so no product
   can take it outside the MXU without cutting the product into 128-deep or 128-wide pieces
@@ -504,33 +604,38 @@ def _dequantize_step(plan: FusedPlan, scratch: _Scratch, *, slot) -> None:
   b, cb, cdt = plan.block, plan.chunk_blocks, jnp.dtype(plan.x_dtype)
   gate_up, down = scratch.gate_up.at[slot], scratch.down.at[slot]
   in_scales, out_scales = scratch.gate_up_scales, scratch.down_scales
+  per_piece = plan.piece // b
+  first = piece * per_piece  # NOTE: the piece's first block of d, to index the scales
 
   def rows(kb, carry):
     k0 = pl.multiple_of(kb * b, b)
     for which in range(2):
       for j in range(cb):
-        block = gate_up[which, pl.ds(k0, b), j * b : (j + 1) * b].astype(jnp.float32)
-        scaled = block * in_scales[slot, which, j, kb]
-        scratch.dequant_in[which, pl.ds(k0, b), j * b : (j + 1) * b] = scaled.astype(cdt)
+        block = gate_up[which, piece, pl.ds(k0, b), j * b : (j + 1) * b].astype(jnp.float32)
+        scaled = block * in_scales[slot, which, j, first + kb]
+        dst = (which, piece, pl.ds(k0, b), slice(j * b, (j + 1) * b))
+        scratch.dequant_in[dst] = scaled.astype(cdt)
     return carry
 
   def cols(n, carry):
     n0 = pl.multiple_of(n * b, b)
     for j in range(cb):
-      block = down[j * b : (j + 1) * b, pl.ds(n0, b)].astype(jnp.float32)
-      scaled = block * out_scales[slot, j, n]
-      scratch.dequant_out[j * b : (j + 1) * b, pl.ds(n0, b)] = scaled.astype(cdt)
+      block = down[piece, j * b : (j + 1) * b, pl.ds(n0, b)].astype(jnp.float32)
+      scaled = block * out_scales[slot, j, first + n]
+      scratch.dequant_out[piece, j * b : (j + 1) * b, pl.ds(n0, b)] = scaled.astype(cdt)
     return carry
 
-  lax.fori_loop(0, plan.d // b, rows, 0)
-  lax.fori_loop(0, plan.d // b, cols, 0)
+  lax.fori_loop(0, per_piece, rows if part == "gate_up" else cols, 0)
 
 
-def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, span=None) -> None:
+def _expert_step(
+  plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, arrive, span=None
+) -> None:
   """One step's compute: every window of the expert's rows through gate/up, the activation and
   down into the f32 sums.
 
   Args:
+    arrive: `_arrivals`' function.
     span: (lo, hi, rows): the rows [lo, hi) of `refs`' first `rows` rows to run (a streamed
       visit's, in its VMEM copy); None: the expert's rows of the resident buffer (or every
       token, `by_token`).
@@ -548,25 +653,24 @@ def _expert_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, span
     start = (lo // plan.align) * plan.align
   windows = (hi - start + plan.window - 1) // plan.window
 
-  def body(p, carry):
-    nominal = start + p * plan.window
+  def place(i):
     # NOTE: a window that would cross the buffer's end moves back to end there; it keeps only
     # the rows from its nominal start, so no row is added twice.
-    r0 = pl.multiple_of(jnp.minimum(nominal, bound - plan.window), plan.align)
-    gate, up = _project_in(plan, x_rows, scratch, slot=slot, r0=r0)
-    act = jax.nn.silu(gate) * up
+    return pl.multiple_of(jnp.minimum(start + i * plan.window, bound - plan.window), plan.align)
+
+  def scale(i, r0, act):
     row = r0 + lax.broadcasted_iota(jnp.int32, (plan.window, 1), 0)
-    mine = (row >= jnp.maximum(lo, nominal)) & (row < hi)
+    mine = (row >= jnp.maximum(lo, start + i * plan.window)) & (row < hi)
     if plan.by_token:
       act = act * _token_column(row_weights, expert, r0, plan.window)
     elif row_weights is not None:
       act = act * row_weights[pl.ds(r0, plan.window), :]
-    act = jnp.where(mine, act, 0.0)
-    y = _project_out(plan, act, scratch, slot=slot)
-    scratch.acc[pl.ds(r0, plan.window), :] += y
-    return carry
+    return jnp.where(mine, act, 0.0)
 
-  lax.fori_loop(0, windows, body, 0)
+  _products(
+    plan, scratch, slot=slot, arrive=arrive, windows=windows, place=place, x_rows=x_rows,
+    scale=scale, into=scratch.acc,
+  )  # fmt: skip
 
 
 def _row_copies(plan: FusedPlan, src, dst, sem, *, src_row, dst_row, tiles):
@@ -619,7 +723,7 @@ def _visit_rows_out(plan: FusedPlan, refs, scratch: _Scratch, visit, method: str
 
 
 def _stream_step(
-  plan: FusedPlan, refs, scratch: _Scratch, *, visit, visits, expert, slot, first, last
+  plan: FusedPlan, refs, scratch: _Scratch, *, visit, visits, expert, slot, arrive, first, last
 ):
   """One step of a streamed visit: its rows (and row weights) were copied into slot visit % 2
   while the previous visit computed; at its first chunk it waits for them, starts the next
@@ -657,6 +761,7 @@ def _stream_step(
     scratch,
     expert=expert,
     slot=slot,
+    arrive=arrive,
     span=(lo - base, hi - base, held),
   )
 
@@ -678,7 +783,7 @@ def _token_onehot(expert_tokens, expert, r0, window: int, tokens: int):
   return ids == lax.broadcasted_iota(jnp.int32, (window, tokens), 1)
 
 
-def _gathered_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, first, last):
+def _gathered_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, arrive, first, last):
   """One step over the expert's own tokens: gathered into windows at its first chunk, each
   window through gate/up, the activation (times the weights) and down into the expert's f32
   sums, added into the tokens' sums at its last chunk."""
@@ -697,15 +802,14 @@ def _gathered_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, fi
     scratch.expert_acc[pl.ds(r0, window), :] = jnp.zeros((window, plan.d), jnp.float32)
     return carry
 
-  def compute(p, carry):
-    r0 = pl.multiple_of(p * window, window)
-    gate, up = _project_in(plan, scratch.gathered, scratch, slot=slot, r0=r0)
-    act = jax.nn.silu(gate) * up * _token_column(weights, expert, r0, window)
+  def place(i):
+    return pl.multiple_of(i * window, window)
+
+  def scale(i, r0, act):
+    act = act * _token_column(weights, expert, r0, window)
     # NOTE: list entries past the expert's count may name any token: they add nothing.
     listed = r0 + lax.broadcasted_iota(jnp.int32, (window, 1), 0) < group_sizes[expert]
-    act = jnp.where(listed, act, 0.0)
-    scratch.expert_acc[pl.ds(r0, window), :] += _project_out(plan, act, scratch, slot=slot)
-    return carry
+    return jnp.where(listed, act, 0.0)
 
   def scatter(p, carry):
     r0 = pl.multiple_of(p * window, window)
@@ -719,7 +823,10 @@ def _gathered_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, fi
   def _():
     lax.fori_loop(0, windows, gather, 0)
 
-  lax.fori_loop(0, windows, compute, 0)
+  _products(
+    plan, scratch, slot=slot, arrive=arrive, windows=windows, place=place,
+    x_rows=scratch.gathered, scale=scale, into=scratch.expert_acc,
+  )  # fmt: skip
 
   @pl.when(last)
   def _():
@@ -757,36 +864,30 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
   # NOTE: TensorCore c streams chunks [c * per_expert, (c + 1) * per_expert) of each expert.
   first_chunk = pl.program_id(0) * per_expert
 
-  def copies(s, part):
+  def copies(s):
     expert = scratch.visits[s // per_expert]
     chunk = first_chunk + s % per_expert
-    return _copies(plan, w, scratch, expert=expert, chunk=chunk, slot=s % 2, part=part)
+    kw = dict(expert=expert, chunk=chunk, slot=s % 2)
+    return lambda part, piece: _copies(plan, w, scratch, part=part, piece=piece, **kw)
 
   @pl.when(steps > 0)
   def _():
     if plan.stream:
       _visit_rows_in(plan, (x, row_weights, out), scratch, 0, "start")
-    _start(copies(0, "gate_up"))
-    _start(copies(0, "down"))
+    _start(_step_copies(plan, copies(0)))
 
   def step(s, carry):
-    _wait(copies(s, "gate_up"))
+    _wait(copies(s)("gate_up", 0))
 
-    # NOTE: start the next step's copies before computing this one, gate/up first: they
-    # stream under this step's products, and the DMA queue never runs dry.
+    # NOTE: start the next step's copies (its slot's last reader, step s - 1, is done) once
+    # this step's first piece is in: they queue behind this step's other pieces and stream
+    # under its products, so the DMA queue never runs dry.
     @pl.when(s + 1 < steps)
     def _():
-      _start(copies(s + 1, "gate_up"))
-
-    _wait(copies(s, "down"))
-
-    @pl.when(s + 1 < steps)
-    def _():
-      _start(copies(s + 1, "down"))
+      _start(_step_copies(plan, copies(s + 1)))
 
     expert = scratch.visits[s // per_expert]
-    if plan.kind == "block":
-      _dequantize_step(plan, scratch, slot=s % 2)
+    arrive = _arrivals(plan, copies(s), scratch, slot=s % 2)
     if plan.stream:
       _stream_step(
         plan,
@@ -796,6 +897,7 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
         visits=visited,
         expert=expert,
         slot=s % 2,
+        arrive=arrive,
         first=s % per_expert == 0,
         last=s % per_expert == per_expert - 1,
       )
@@ -806,11 +908,12 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
         scratch,
         expert=expert,
         slot=s % 2,
+        arrive=arrive,
         first=s % per_expert == 0,
         last=s % per_expert == per_expert - 1,
       )
     else:
-      _expert_step(plan, (x, row_weights), scratch, expert=expert, slot=s % 2)
+      _expert_step(plan, (x, row_weights), scratch, expert=expert, slot=s % 2, arrive=arrive)
     return carry
 
   lax.fori_loop(0, steps, step, 0)
@@ -1065,7 +1168,7 @@ def _scratch_names(plan: FusedPlan) -> list[str]:
     names += ["gathered", "expert_acc"]
   if plan.stream:
     names += ["visit_lo", "visit_hi", "x_rows", "row_weights", "staging", "carry", "row_sems"]
-  return names
+  return names + ["gate_up_sums", "act"]
 
 
 def _scratch_shapes(plan: FusedPlan) -> list[Any]:
@@ -1075,8 +1178,8 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
   held = plan.visit_rows + plan.align
   shapes = [
     vmem((held if plan.stream else plan.rows, d), jnp.float32),
-    vmem((2, 2, d, c), wdt),
-    vmem((2, c, d), wdt),
+    vmem((2, 2, plan.pieces, plan.piece, c), wdt),
+    vmem((2, plan.pieces, c, plan.piece), wdt),
   ]
   if plan.kind == "channel":
     shapes += [vmem((2, 2, 1, c), jnp.float32), vmem((2, 1, d), jnp.float32)]
@@ -1084,13 +1187,13 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
     cb, nb = plan.chunk_blocks, d // plan.block
     shapes += [pltpu.SMEM((2, 2, cb, nb), jnp.float32), pltpu.SMEM((2, cb, nb), jnp.float32)]
   shapes += [
-    pltpu.SemaphoreType.DMA((2, 4)),
+    pltpu.SemaphoreType.DMA((2, 2 * plan.pieces)),
     pltpu.SMEM((plan.num_experts + 1,), jnp.int32),
     pltpu.SMEM((plan.max_visits if plan.stream else plan.num_experts,), jnp.int32),
   ]
   if plan.kind == "block":
     cdt = jnp.dtype(plan.x_dtype)
-    shapes += [vmem((2, d, c), cdt), vmem((c, d), cdt)]
+    shapes += [vmem((2, plan.pieces, plan.piece, c), cdt), vmem((plan.pieces, c, plan.piece), cdt)]
   if plan.gather:
     shapes += [vmem((plan.rows, d), jnp.dtype(plan.x_dtype)), vmem((plan.rows, d), jnp.float32)]
   if plan.stream:
@@ -1104,4 +1207,5 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
       vmem((plan.align, d), jnp.float32),
       pltpu.SemaphoreType.DMA((2, 2)),
     ]
-  return shapes
+  rows = plan.step_rows
+  return shapes + [vmem((2, rows, c), jnp.float32), vmem((rows, c), jnp.dtype(plan.x_dtype))]

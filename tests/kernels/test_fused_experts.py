@@ -66,10 +66,13 @@ def _check(out, want, *, atol=2e-5):
 @pytest.mark.parametrize("kind", ["float", "int8", "fp8", "block-fp8", "block-int8"])
 @pytest.mark.parametrize("mode", ["hlo", "tpu"])
 def test_kinds_at_decode_sizes(kind, mode):
-  """One and eight tokens' rows (top-2 over 4 local experts), one expert empty, two chunks."""
+  """One and eight tokens' rows (top-2 over 4 local experts), one expert empty, two chunks,
+  each step's weights in two pieces of d."""
   d, f, e = 256, 256, 4
   wi, wo, wi64, wo64 = _weights(kind, e=e, d=d, f=f)
   interpret = True if mode == "hlo" else pltpu.InterpretParams()
+  plan = fe.plan_fused(rows=16, d=d, f=f, num_experts=e, x_dtype=F32, w_dtype=F32, chunk=128)
+  assert plan.pieces == 2
   for gs in ([1, 0, 1, 0], [5, 0, 3, 8]):
     gs = jnp.asarray(gs, jnp.int32)
     m = int(gs.sum())
@@ -301,6 +304,8 @@ def test_plan_streams_only_what_fits():
   assert 2048 % plan.chunk == 0 and plan.chunk % 128 == 0
   assert plan.vmem_bytes <= 0.75 * tiling.get_generation("v6e").vmem_bytes
   assert plan.expert_weight_bytes == 3 * 7168 * 2048 + 4 * 3 * 16 * 56
+  # NOTE: each step's weights come in four pieces of 1,792 rows of d (7 x 256: the MXU edge).
+  assert (plan.pieces, plan.piece) == (4, 1792)
   with pytest.raises(ValueError, match="fewer rows per call"):
     fe.plan_fused(
       rows=8192,
@@ -325,6 +330,8 @@ def test_errors():
     fe.fused_experts(x, quant.quantize(wi), wo, gs, interpret=True)
   with pytest.raises(ValueError, match="row_weights"):
     fe.fused_experts(x, wi, wo, gs, row_weights=jnp.ones((7,)), interpret=True)
+  with pytest.raises(ValueError, match="pieces=3 must split d=256"):
+    fe.plan_fused(rows=8, d=256, f=128, num_experts=2, x_dtype=F32, w_dtype=F32, pieces=3)
   with pytest.raises(ValueError, match="multiples of block"):
     fe.plan_fused(rows=8, d=96, f=128, num_experts=2, x_dtype=F32, w_dtype=jnp.int8, kind="block")
 
