@@ -45,8 +45,9 @@ each copying `FusedPlan.step_weight_bytes`. On a device with two TensorCores (v5
 is modeled at one TensorCore's rates with its half of the steps, the call's time is the busiest
 core's, and one XLA op adds the two f32 partial sums after the call. Per core: the activations'
 copies (rows in, routing weights in, result out; the inputs are read whole into one VMEM copy)
-and the first step's weight copy are exposed, and each step costs max(its MXU work, the next
-step's copy), the copies being double-buffered.
+are exposed; the weight steps run as `pipeline` replays them: each step's copies in
+`FusedPlan.pieces` pieces of d, served in order, each piece's products as soon as it has
+arrived, so the first piece's copy and the last piece's products are what the stream exposes.
 MXU work per window of rows and step: one [window, d] x [d, chunk] product each for gate and up,
 one [window, chunk] x [chunk, d] for down, the window padded to `generations.min_pass_rows`,
 contraction and columns to the MXU edge (what `bench.costmodel` charges the kernel's dots), at one
@@ -483,6 +484,60 @@ def _partial_sum_s(plan: fe.FusedPlan, gen) -> float:
   return plan.rows * plan.d * (plan.cores * 4 + out_item) / device_bandwidth(gen)
 
 
+def pipeline(
+  mxu: np.ndarray, copy: float, *, pieces: int, head=None, tail=None
+) -> tuple[float, float, float]:
+  """One TensorCore's steps as the fused kernel runs them (`fused_experts._kernel`), piece by
+  piece.
+
+  A step's weights come in `pieces` gate/up pieces (2/3 of its bytes and of its MXU work,
+  split evenly) then as many down pieces (1/3). The DMA queue is served in order at the
+  TensorCore's bandwidth. Step s starts once step s - 1's products are done; it waits for its
+  first gate/up piece, then queues all of step s + 1's copies (its slot's last reader was step
+  s - 1), then multiplies each piece once it has arrived and the previous piece's product is
+  done.
+
+  Args:
+    mxu: each step's MXU seconds.
+    copy: one step's weight copy, seconds.
+    pieces: `FusedPlan.pieces`.
+    head: per step, seconds of copies queued just ahead of its weights (a visit's rows, which
+      `_visit_rows_turn` starts before the next step's weights).
+    tail: per step, seconds queued just behind its weights (a visit's finished rows, started
+      after its last step's products).
+
+  Returns:
+    (seconds until the first product can start, seconds until the last is done, seconds of
+    all the copies).
+  """
+  steps = len(mxu)
+  if not steps:
+    return 0.0, 0.0, 0.0
+  head = np.zeros(steps) if head is None else np.asarray(head, float)
+  tail = np.zeros(steps) if tail is None else np.asarray(tail, float)
+  shares = np.array([2 / 3 / pieces] * pieces + [1 / 3 / pieces] * pieces)
+  free = 0.0
+
+  def queue(s, at):
+    nonlocal free
+    t = max(at, free) + head[s]
+    arrivals = t + np.cumsum(shares * copy)
+    free = float(arrivals[-1] + tail[s])
+    return arrivals
+
+  arrivals = queue(0, 0.0)
+  first = float(arrivals[0])
+  done = 0.0
+  for s in range(steps):
+    begin = max(done, float(arrivals[0]))
+    nxt = queue(s + 1, begin) if s + 1 < steps else None
+    t = begin
+    for k, share in enumerate(shares):
+      t = max(t, float(arrivals[k])) + mxu[s] * share
+    done, arrivals = t, nxt
+  return first, done, float(steps * copy + head.sum() + tail.sum())
+
+
 def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> dict:
   """One call's schedule on one of its TensorCores (each streams `plan.core_chunks` of every
   visited expert, so all are alike), at one TensorCore's rates (seconds and bytes). Gathered: a
@@ -500,21 +555,18 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
   mxu = mxu.ravel()
   steps = len(mxu)
   dma = plan.step_weight_bytes / bw
-  nxt = np.full(steps, dma)
-  if steps:
-    nxt[-1] = 0.0  # NOTE: the last step starts no copy.
-  stream = float(np.maximum(mxu, nxt).sum())
+  first, total, copies = pipeline(mxu, dma, pieces=plan.pieces)
   return dict(
     core_steps=steps,
     steps=steps * plan.cores,
     weight_bytes=steps * plan.cores * plan.step_weight_bytes,
     io_s=activation_bytes(plan) / bw,
-    exposed_s=dma if steps else 0.0,
-    stream_s=stream,
-    mxu_excess_s=stream - float(nxt.sum()),
+    exposed_s=first,
+    stream_s=total - first,
+    mxu_excess_s=total - copies,
     mxu_s=float(mxu.sum()),
     gather_mxu_s=float(windows.sum() * (gather + scatter)),
-    dma_s=steps * dma,
+    dma_s=copies,
   )
 
 
@@ -539,6 +591,7 @@ def _summed(parts: list[dict], plans: list[fe.FusedPlan], gen, **extra) -> dict:
     mxu_excess_us=total("mxu_excess_s"),
     partial_sum_us=sums * 1e6,
     chunk=min(p.chunk for p in plans),
+    pieces=min(p.pieces for p in plans),
     window=max(p.window for p in plans),
     tensorcores=max(p.cores for p in plans),
     step_overhead_us=core_steps * gen.step_overhead_s * 1e6,
@@ -569,9 +622,9 @@ def model_fused(model: DecodeModel, weights: str, sizes: np.ndarray, chip: str) 
     kernel_us (per-call and per-op fixed costs not included), calls, xla_ops (the partial sums
     of split calls), steps (all cores'), core_steps (one core's), weight_bytes_read; per core:
     mxu_us (gather_mxu_us of it: the gathered layout's one-hot products), dma_us, io_us
-    (activation copies), exposed_us (first weight copies), mxu_excess_us (time the MXU work adds
-    over the stream of copies); partial_sum_us, chunk (the narrowest of
-    the calls'), window, tensorcores, step_overhead_us (the generation's per-step overhead times
+    (activation copies), exposed_us (until the first weight piece is in), mxu_excess_us (time
+    the MXU work adds over the stream of copies); partial_sum_us, chunk (the narrowest of the
+    calls'), pieces, window, tensorcores, step_overhead_us (the generation's per-step overhead times
     one core's steps: not charged, see `sensitivity`).
   """
   gen = get_generation(chip)
@@ -709,9 +762,9 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
   """The streamed fused kernel over the block path's receive buffer (`BlockPlan.fused`), one
   TensorCore. The weight steps as `_stream`'s, one per (visit, chunk): an expert over
   `visit_rows` rows is streamed again. Rows move beside the weights: a visit's first step starts
-  the next visit's rows in, its last step its finished rows out, so their bytes join those
-  steps' copies; only the first visit's rows in and the last's rows out (and the call's last
-  granule) are exposed.
+  the next visit's rows in (queued ahead of the next step's weights), its last step its
+  finished rows out (behind them); only the first visit's rows in and the last's rows out (and
+  the call's last granule) are exposed.
 
   Returns:
     As `_summed`, plus path "block", layout "streamed", visits, row_copy_us (all the rows'
@@ -728,25 +781,26 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
   granule_out = plan.align * plan.d * jnp.dtype(plan.out_dtype).itemsize
   rows_in, rows_out = tiles_in * granule_in / bw, tiles_out * granule_out / bw
   dma = plan.step_weight_bytes / bw
-  nxt = np.full(len(mxu), dma)
+  head, tail = np.zeros(len(mxu)), np.zeros(len(mxu))
   if visits:
-    nxt[-1] = 0.0  # NOTE: the last step starts no copy.
-    first, last = np.arange(visits) * chunks, np.arange(visits) * chunks + chunks - 1
-    nxt[first[:-1]] += rows_in[1:]  # the next visit's rows, started at a visit's first step
-    nxt[last[:-1]] += rows_out[:-1]  # a visit's finished rows, started at its last step
-  stream = float(np.maximum(mxu, nxt).sum())
+    starts = np.arange(visits) * chunks
+    # NOTE: a visit's first step starts the next visit's rows ahead of the next step's weights;
+    # its last step starts its finished rows out behind them.
+    head[starts[:-1] + 1] += rows_in[1:]
+    tail[np.minimum(starts[:-1] + chunks, len(mxu) - 1)] += rows_out[:-1]
+  first, total, copies = pipeline(mxu, dma, pieces=plan.pieces, head=head, tail=tail)
   exposed_rows = float(rows_in[0] + rows_out[-1]) if visits else 0.0
   part = dict(
     core_steps=len(mxu),
     steps=len(mxu),
     weight_bytes=len(mxu) * plan.step_weight_bytes,
     io_s=exposed_rows,
-    exposed_s=dma if visits else 0.0,
-    stream_s=stream,
-    mxu_excess_s=stream - float(nxt.sum()),
+    exposed_s=first,
+    stream_s=total - first,
+    mxu_excess_s=total - copies,
     mxu_s=float(mxu.sum()),
     gather_mxu_s=0.0,
-    dma_s=float(nxt.sum()),
+    dma_s=copies,
   )
   return _summed(
     [part], [plan], gen, path="block", layout="streamed", visits=visits,
@@ -1073,13 +1127,14 @@ def _why(r: dict) -> str:
     }
   else:
     core_bw = tensorcore_rates(r["chip"])[1] * r["tensorcores"]
+    # NOTE: the stream's time past its copies: products the copies do not hide (the last
+    # piece's, or the MXU's where it is slower than HBM) and the first piece's wait.
     mxu = "MXU over DMA"
     if r.get("gather_mxu_us"):
       mxu += f" (one-hot gather and add back: {r['gather_mxu_us'] / r['mxu_us']:.0%} of the MXU)"
     calls = f"{r['calls']} calls' fixed" if r["calls"] > 1 else "fixed"
     parts = {
       calls: r["fixed_us"],
-      "first copies": r["exposed_us"],
       "activation copies": r["io_us"],
       "partial sums": r["partial_sum_us"],
       mxu: r["mxu_excess_us"],
@@ -1384,11 +1439,15 @@ def _notes(fit: dict | None) -> list[str]:
     "Fused kernel: per TensorCore, the activations' copies (the rows in, the routing weights in: "
     "the tokens layout's [E_l, 1, rows] f32, E_l x rows x 4 bytes, and as much again for the "
     "gathered layout's int32 token lists, or the sorted rows' [rows, 1] f32 column in 128 "
-    "lanes; the result out) and the first weight copy exposed, then max(MXU work, next copy) "
-    "per step; a v5p call's two f32 partial sums added by one XLA op at the device's bandwidth. "
+    "lanes; the result out) exposed; the weights as `pipeline` replays the kernel: each step's "
+    "copies in `FusedPlan.pieces` pieces of d (gate/up's then down's) served in order, the "
+    "next step's queued once this step's first piece is in, each piece multiplied once it has "
+    "arrived (the first piece's copy and the last piece's products exposed); a v5p call's "
+    "two f32 partial sums added by one XLA op at the device's bandwidth. "
     "Streamed (the block path's experts): one TensorCore; rows move in whole granules of 16 "
     "(with their f32 row weights): a visit's first step starts the next visit's rows in and "
-    "its last step its finished rows out, their bytes added to those steps' copies; the first "
+    "its last step its finished rows out, queued ahead of and behind the next step's weights; "
+    "the first "
     "visit's rows in and the last's out are exposed; an expert's rows past one visit's "
     "`visit_rows` stream its weights again. The "
     "generation's per-step overhead is not charged per streamed step (the next step's copies "

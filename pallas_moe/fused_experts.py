@@ -722,13 +722,24 @@ def _visit_rows_out(plan: FusedPlan, refs, scratch: _Scratch, visit, method: str
   out(method)
 
 
+def _visit_rows_turn(plan: FusedPlan, refs, scratch: _Scratch, *, visit, visits) -> None:
+  """At a visit's first step, before the next step's weights are started: waits for the
+  visit's rows (copied while the previous visit computed) and starts the next visit's into the
+  other slot, so they queue ahead of the weights that follow (with one chunk per expert, the
+  next step is the next visit's)."""
+  _visit_rows_in(plan, refs, scratch, visit, "wait")
+
+  @pl.when(visit + 1 < visits)
+  def _():
+    _visit_rows_in(plan, refs, scratch, visit + 1, "start")
+
+
 def _stream_step(
-  plan: FusedPlan, refs, scratch: _Scratch, *, visit, visits, expert, slot, arrive, first, last
+  plan: FusedPlan, refs, scratch: _Scratch, *, visit, expert, slot, arrive, first, last
 ):
-  """One step of a streamed visit: its rows (and row weights) were copied into slot visit % 2
-  while the previous visit computed; at its first chunk it waits for them, starts the next
-  visit's into the other slot, and starts its sums from the granule the previous visit left
-  unfinished; every chunk runs its rows as `_expert_step`; at its last chunk its finished
+  """One step of a streamed visit: its rows (and row weights) are in slot visit % 2
+  (`_visit_rows_turn`); at its first chunk it starts its sums from the granule the previous
+  visit left unfinished; every chunk runs its rows as `_expert_step`; at its last chunk its finished
   granules are copied out (the previous visit's copy out is waited for first: it had this
   whole visit to finish) and the unfinished last one is carried on.
 
@@ -745,12 +756,6 @@ def _stream_step(
 
   @pl.when(first)
   def _():
-    _visit_rows_in(plan, refs, scratch, visit, "wait")
-
-    @pl.when(visit + 1 < visits)
-    def _():
-      _visit_rows_in(plan, refs, scratch, visit + 1, "start")
-
     scratch.acc[...] = jnp.zeros_like(scratch.acc)
     scratch.acc[0:a, :] = scratch.carry[...]
 
@@ -878,6 +883,13 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
 
   def step(s, carry):
     _wait(copies(s)("gate_up", 0))
+    if plan.stream:
+
+      @pl.when(s % per_expert == 0)
+      def _():
+        _visit_rows_turn(
+          plan, (x, row_weights, out), scratch, visit=s // per_expert, visits=visited
+        )
 
     # NOTE: start the next step's copies (its slot's last reader, step s - 1, is done) once
     # this step's first piece is in: they queue behind this step's other pieces and stream
@@ -894,7 +906,6 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
         (x, row_weights, out),
         scratch,
         visit=s // per_expert,
-        visits=visited,
         expert=expert,
         slot=s % 2,
         arrive=arrive,

@@ -366,3 +366,20 @@ def test_cli_writes_json(tmp_path):
   assert {r["chip"] for r in result["records"]} == {"v6e"}
   assert result["assumptions"]["xla_op_fixed_us"] == costmodel.XLA_OP_FIXED_US
   assert "Which points meet 1.10x" in md.read_text()
+
+
+def test_pipeline_exposes_one_piece_at_either_end():
+  """Copy-bound steps end one piece's products after the last byte; MXU-bound steps start one
+  piece's copy after time 0; rows queued ahead of a step delay its first product."""
+  copy, mxu = 3.0, np.full(5, 1.5)
+  for pieces in (1, 2, 4):
+    first, total, copies = dec.pipeline(mxu, copy, pieces=pieces)
+    assert copies == 5 * copy
+    assert first == pytest.approx(copy * 2 / 3 / pieces)
+    # NOTE: the stream never waits on the MXU; the last down piece's products are left.
+    assert total == pytest.approx(5 * copy + 1.5 / 3 / pieces)
+  first, total, _ = dec.pipeline(np.full(5, 6.0), copy, pieces=4)
+  assert total == pytest.approx(copy / 6 + 5 * 6.0)
+  _, late, _ = dec.pipeline(mxu, copy, pieces=4, head=[0, 2.0, 0, 0, 0])
+  assert late == pytest.approx(5 * copy + 2.0 + 1.5 / 12)
+  assert dec.pipeline(np.zeros(0), copy, pieces=2) == (0.0, 0.0, 0.0)
