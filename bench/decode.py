@@ -22,10 +22,11 @@ exchange) four ways, fixed costs included:
   (above `MAX_FUSED_TOKENS`, or VMEM does not fit): `moe.moe_block`'s forward at `plan_decode`'s
   `plan_block(..., tensor_parallelism=1)`. Its experts are the fused kernel streaming the
   receive buffer's rows (`BlockPlan.fused`, `model_block_stream`: each visit copies its rows in
-  and its finished rows out, exposed) on one TensorCore; on a megacore device (v5p) float
-  weights keep our two row-tile gmm calls (gate/up, then down) over the buffer, each costed by
-  `bench.costmodel` on the real pallas_call as `bench.impls`' "pallas_moe-moe" builds it, with
-  the SwiGLU fusion between them (`model_block_path`).
+  and its finished rows out beside the weights), on a megacore device (v5p) its visits split
+  between the two TensorCores. A block plan without the fused kernel (`BlockPlan.fused` None:
+  the training layer's) runs our two row-tile gmm calls (gate/up, then down) over the buffer,
+  each costed by `bench.costmodel` on the real pallas_call as `bench.impls`' "pallas_moe-moe"
+  builds it, with the SwiGLU fusion between them (`model_block_path`).
 - "fused": the same kernel on the routed rows sorted by expert (`fused_experts` without
   `expert_weights`), whole experts packed into the fewest calls whose rows fit VMEM: what the
   kernel alone does where the serving path leaves it.
@@ -195,6 +196,9 @@ LAYER_XLA_OPS = 124
 BLOCK_LAYER_XLA_OPS = 143
 BLOCK_EXPERT_XLA_OPS = 52
 BLOCK_STREAM_LAYER_XLA_OPS = 88
+# NOTE: a streamed call split over two TensorCores (v5p): the shared granule's row read and
+# converted, the granule added and written back in place (compiled for v5p, 8,192 rows).
+SEAM_XLA_OPS = 4
 # NOTE: VPU operations per weight element of the fused kernel's block-scaled dequantization
 # (upcast to f32, the scale's multiply, the cast to the compute dtype): not modeled.
 DEQUANT_VPU_OPS = 3
@@ -477,8 +481,9 @@ def activation_bytes(plan: fe.FusedPlan) -> int:
 
 
 def _partial_sum_s(plan: fe.FusedPlan, gen) -> float:
-  """The XLA op after a split call: the cores' f32 partial sums read, the result written."""
-  if plan.cores == 1:
+  """The XLA op after a split call: the cores' f32 partial sums read, the result written
+  (streamed rows: one shared granule, `SEAM_XLA_OPS`' fixed cost only)."""
+  if plan.cores == 1 or plan.stream:
     return 0.0
   out_item = jnp.dtype(plan.out_dtype).itemsize
   return plan.rows * plan.d * (plan.cores * 4 + out_item) / device_bandwidth(gen)
@@ -579,7 +584,7 @@ def _summed(parts: list[dict], plans: list[fe.FusedPlan], gen, **extra) -> dict:
   return dict(
     kernel_us=kernel_s * 1e6,
     calls=len(parts),
-    xla_ops=sum(p.cores > 1 for p in plans),
+    xla_ops=sum((SEAM_XLA_OPS if p.stream else 1) for p in plans if p.cores > 1),
     steps=sum(p["steps"] for p in parts),
     core_steps=core_steps,
     weight_bytes_read=int(sum(p["weight_bytes"] for p in parts)),
@@ -759,16 +764,19 @@ def stream_visits(plan: fe.FusedPlan, sizes: np.ndarray) -> tuple[np.ndarray, ..
 
 
 def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict:
-  """The streamed fused kernel over the block path's receive buffer (`BlockPlan.fused`), one
-  TensorCore. The weight steps as `_stream`'s, one per (visit, chunk): an expert over
-  `visit_rows` rows is streamed again. Rows move beside the weights: a visit's first step starts
-  the next visit's rows in (queued ahead of the next step's weights), its last step its
-  finished rows out (behind them); only the first visit's rows in and the last's rows out (and
-  the call's last granule) are exposed.
+  """The streamed fused kernel over the block path's receive buffer (`BlockPlan.fused`). The
+  weight steps as `_stream`'s, one per (visit, chunk): an expert over `visit_rows` rows is
+  streamed again. Rows move beside the weights: a visit's first step starts the next visit's
+  rows in (queued ahead of the next step's weights), its last step its finished rows out
+  (behind them); only a core's first visit's rows in and last visit's rows out (and the call's
+  last granule) are exposed. On a megacore device (`plan.cores` 2) the first TensorCore takes
+  the first half of the visits (rounded up), the second the rest; the call takes the busier
+  core's time, then `SEAM_XLA_OPS` XLA instructions add in the granule they share.
 
   Returns:
-    As `_summed`, plus path "block", layout "streamed", visits, row_copy_us (all the rows'
-    copies at one TensorCore's bandwidth; `io_us` is their exposed part).
+    As `_summed` (the busier core's times), plus path "block", layout "streamed", visits,
+    row_copy_us (all the rows' copies at one TensorCore's bandwidth; `io_us` is their exposed
+    part on the busier core).
   """
   gen = get_generation(chip)
   flops, bw = tensorcore_rates(gen)
@@ -776,32 +784,38 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
   visits, chunks = len(expert), plan.chunks
   windows = -(-(hi - lo // plan.align * plan.align) // plan.window)
   per_window = window_macs(plan, gen) * 2 / flops
-  mxu = np.repeat(windows * per_window, chunks)
   granule_in = plan.align * (plan.d * jnp.dtype(plan.x_dtype).itemsize + 4)
   granule_out = plan.align * plan.d * jnp.dtype(plan.out_dtype).itemsize
   rows_in, rows_out = tiles_in * granule_in / bw, tiles_out * granule_out / bw
   dma = plan.step_weight_bytes / bw
-  head, tail = np.zeros(len(mxu)), np.zeros(len(mxu))
-  if visits:
-    starts = np.arange(visits) * chunks
-    # NOTE: a visit's first step starts the next visit's rows ahead of the next step's weights;
-    # its last step starts its finished rows out behind them.
-    head[starts[:-1] + 1] += rows_in[1:]
-    tail[np.minimum(starts[:-1] + chunks, len(mxu) - 1)] += rows_out[:-1]
-  first, total, copies = pipeline(mxu, dma, pieces=plan.pieces, head=head, tail=tail)
-  exposed_rows = float(rows_in[0] + rows_out[-1]) if visits else 0.0
-  part = dict(
-    core_steps=len(mxu),
-    steps=len(mxu),
-    weight_bytes=len(mxu) * plan.step_weight_bytes,
-    io_s=exposed_rows,
-    exposed_s=first,
-    stream_s=total - first,
-    mxu_excess_s=total - copies,
-    mxu_s=float(mxu.sum()),
-    gather_mxu_s=0.0,
-    dma_s=copies,
-  )
+
+  def core(v0: int, v1: int) -> dict:
+    n = v1 - v0
+    mxu = np.repeat(windows[v0:v1] * per_window, chunks)
+    head, tail = np.zeros(len(mxu)), np.zeros(len(mxu))
+    if n:
+      starts = np.arange(n) * chunks
+      # NOTE: a visit's first step starts the next visit's rows ahead of the next step's
+      # weights; its last step starts its finished rows out behind them.
+      head[starts[:-1] + 1] += rows_in[v0 + 1 : v1]
+      tail[starts[:-1] + chunks] += rows_out[v0 : v1 - 1]
+    first, total, copies = pipeline(mxu, dma, pieces=plan.pieces, head=head, tail=tail)
+    return dict(
+      core_steps=len(mxu),
+      io_s=float(rows_in[v0] + rows_out[v1 - 1]) if n else 0.0,
+      exposed_s=first,
+      stream_s=total - first,
+      mxu_excess_s=total - copies,
+      mxu_s=float(mxu.sum()),
+      gather_mxu_s=0.0,
+      dma_s=copies,
+    )
+
+  half = -(-visits // plan.cores)
+  cores = [core(min(c * half, visits), min((c + 1) * half, visits)) for c in range(plan.cores)]
+  part = max(cores, key=lambda c: c["io_s"] + c["exposed_s"] + c["stream_s"])
+  steps = visits * chunks
+  part = part | dict(steps=steps, weight_bytes=steps * plan.step_weight_bytes)
   return _summed(
     [part], [plan], gen, path="block", layout="streamed", visits=visits,
     row_copy_us=float(rows_in.sum() + rows_out.sum()) * 1e6,
@@ -1379,9 +1393,9 @@ def markdown(result: dict) -> str:
     f"expert over all ep x T tokens (up to {serving.GATHER_ABOVE} on the expert axis). "
     '"gathered": one fused call, each visited expert over its own tokens, gathered by a one-hot '
     f'product (up to {serving.MAX_FUSED_TOKENS}). "block": past one call, `moe_block`\'s '
-    "forward, its experts the fused kernel streaming the receive buffer's rows from HBM (one "
-    'TensorCore); "block, gmm": float weights on v5p, our two gmm calls over its receive '
-    "buffer (both TensorCores).",
+    "forward, its experts the fused kernel streaming the receive buffer's rows from HBM (on v5p "
+    'its visits split between the two TensorCores); "block, gmm": a block plan without the '
+    "fused kernel, our two gmm calls over its receive buffer.",
     "",
   ]
   out += _grid(recs, _headline_cell)

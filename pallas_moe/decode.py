@@ -29,8 +29,8 @@ Above `MAX_FUSED_TOKENS` tokens on the expert axis, or where the tokens do not f
 kernel's VMEM (`fused_experts.plan_fused`), the forward is `moe.moe_block`'s (sort, ragged
 exchange), without its aux outputs, and its experts are the fused kernel again, streaming the
 received rows from HBM (`fused_experts(stream=True)`): each non-empty expert's weights read
-once, only the received rows touched. On a megacore device (v5p) float experts run the gmm
-pair there instead, split over both TensorCores.
+once, only the received rows touched; on a megacore device (v5p) its two TensorCores take
+half of the visits each.
 """
 
 from __future__ import annotations
@@ -163,12 +163,9 @@ def plan_decode(
   with tiling_lib.use_generation(gen):
     block = plan_block(config, tokens_per_device=t, expert_parallelism=ep, tensor_parallelism=1)
   # NOTE: the experts of moe_block's forward as one fused kernel streaming only the received
-  # rows (no SwiGLU pass over the static buffer, no gmm metadata), on one TensorCore: where the
-  # device has one, and for block-scaled weights (which the gmm kernels do not take) anywhere.
-  # A megacore device (v5p) keeps float weights on the gmm pair, which splits over both cores.
-  if kind == "block" or gen.tensorcores_per_device == 1:
-    stream = fused(block.expert_rows, stream=True)
-    block = dataclasses.replace(block, fused=stream)
+  # rows (no SwiGLU pass over the static buffer, no gmm metadata); a megacore device (v5p)
+  # splits the visits between its two TensorCores.
+  block = dataclasses.replace(block, fused=fused(block.expert_rows, stream=True))
   return plan(path="block", block=block, reason=reason)
 
 

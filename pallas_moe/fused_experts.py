@@ -97,9 +97,11 @@ class FusedPlan:
     gather: with `by_token`: each visited expert runs over its own tokens only, gathered into
       windows in VMEM by a one-hot product with the token table (`expert_tokens`) and added
       back by its transpose once the expert's last chunk is done; otherwise over all tokens.
-    cores: TensorCores the call's weight stream is split over (2 on a megacore device: each
-      core streams half of every visited expert's chunks and the call returns both cores'
-      partial sums, which `fused_experts` adds).
+    cores: TensorCores the call's weight stream is split over (2 on a megacore device). Rows
+      resident in VMEM: each core streams half of every visited expert's chunks and the call
+      returns both cores' partial sums, which `fused_experts` adds. Streamed rows: each core
+      takes half of the visits (whole experts' weights, rows disjoint) and writes its own
+      rows; the one granule both cores' rows can share comes back apart and is added in.
     stream: sorted rows that stay in HBM (any number of them): each visit copies its expert's
       rows in, `align` rows at a time, and its finished rows out (`_stream_step`). Only the
       rows of `group_sizes` are read or written; the rest of the buffer is never touched.
@@ -152,8 +154,9 @@ class FusedPlan:
 
   @property
   def core_chunks(self) -> int:
-    """Chunks of each visited expert one TensorCore streams."""
-    return self.chunks // self.cores
+    """Chunks of each visited expert one TensorCore streams (streamed rows: every chunk of
+    the core's visits)."""
+    return self.chunks if self.stream else self.chunks // self.cores
 
   @property
   def chunk_blocks(self) -> int:
@@ -242,7 +245,8 @@ def plan_fused(
     gather: see `FusedPlan.gather` (with by_token).
     cores: TensorCores to split the weight stream over (default: the generation's TensorCores
       per JAX device, where f has an even number of chunks).
-    stream: see `FusedPlan.stream` (rows sorted by expert; one TensorCore).
+    stream: see `FusedPlan.stream` (rows sorted by expert; on a megacore device the visits are
+      split between its TensorCores).
     visit_rows: with `stream`, the most rows one visit holds (rounded up to the rows' granule,
       at most the rows).
     pieces: force the parts each step's weights are copied and multiplied in (each a multiple
@@ -274,7 +278,6 @@ def plan_fused(
     # NOTE: a visit holds at least one granule of its expert's rows past its rounded-down start.
     visit_rows = max(2 * align, min(-(-visit_rows // align) * align, padded + align))
     window = min(window, visit_rows)
-    cores = 1
   if by_token:
     # NOTE: windows over the tokens start on the 128-lane grid of the [E, 1, rows] weights.
     padded = -(-padded // window) * window
@@ -304,7 +307,10 @@ def plan_fused(
   )
   cores = gen.tensorcores_per_device if cores is None else cores
   fits = [c for c in candidates if _vmem_bytes(chunk=c, **kw) <= budget]
-  if cores > 1 and any((f // c) % cores == 0 for c in fits):
+  if stream:
+    # NOTE: the TensorCores split the visits, not the chunks.
+    cores = min(cores, 2)
+  elif cores > 1 and any((f // c) % cores == 0 for c in fits):
     # NOTE: a megacore device's two TensorCores each stream half of every expert's chunks.
     fits = [c for c in fits if (f // c) % cores == 0]
   else:
@@ -388,6 +394,7 @@ class _Scratch(NamedTuple):
   staging: Any = None  # stream: [held, d] the visit's sums in the output dtype, to copy out
   carry: Any = None  # stream: [align, d] f32 the last, unfinished granule of rows
   row_sems: Any = None  # stream: DMA semaphores [2, 2]: rows in (per slot), rows out
+  seam_row: Any = None  # stream on two cores: [8, 128] int32, the shared granule's first row
   gate_up_sums: Any = None  # [2, step rows, chunk] f32 a step's gate and up products
   act: Any = None  # [step rows, chunk] its activation in the compute dtype
 
@@ -735,7 +742,7 @@ def _visit_rows_turn(plan: FusedPlan, refs, scratch: _Scratch, *, visit, visits)
 
 
 def _stream_step(
-  plan: FusedPlan, refs, scratch: _Scratch, *, visit, expert, slot, arrive, first, last
+  plan: FusedPlan, refs, scratch: _Scratch, *, visit, first_visit, expert, slot, arrive, first, last
 ):
   """One step of a streamed visit: its rows (and row weights) are in slot visit % 2
   (`_visit_rows_turn`); at its first chunk it starts its sums from the granule the previous
@@ -772,7 +779,7 @@ def _stream_step(
 
   @pl.when(last)
   def _():
-    @pl.when(visit > 0)
+    @pl.when(visit > first_visit)
     def _():
       _visit_rows_out(plan, refs, scratch, visit - 1, "wait")
 
@@ -855,22 +862,33 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     wi, wi_s, wo, wo_s, out, *scr = refs
   else:
     (wi, wo, out, *scr), wi_s, wo_s = refs, None, None
+  seam = None
+  if plan.stream and plan.cores > 1:
+    # NOTE: the shared granule's values and first row (`_stream_finish`).
+    *seam, scr = scr[0], scr[1], scr[2:]
   w = _Weights(wi=wi, wo=wo, wi_scales=wi_s, wo_scales=wo_s)
   scratch = _Scratch(**dict(zip(_scratch_names(plan), scr, strict=True)))
+  per_expert = plan.core_chunks
+  core = pl.program_id(0)
 
   if plan.stream:
-    visited, total = _stream_metadata(plan, group_sizes, scratch)
+    visited, _ = _stream_metadata(plan, group_sizes, scratch)
     scratch.carry[...] = jnp.zeros_like(scratch.carry)
+    # NOTE: TensorCore c runs visits [v0, v1): the first half (rounded up) or the rest.
+    half = (visited + plan.cores - 1) // plan.cores
+    v0 = jnp.minimum(core * half, visited)
+    v1 = jnp.minimum(v0 + half, visited)
+    first_chunk = 0
   else:
     visited = _metadata(plan, group_sizes, scratch)
     scratch.acc[...] = jnp.zeros_like(scratch.acc)
-  per_expert = plan.core_chunks
-  steps = visited * per_expert
-  # NOTE: TensorCore c streams chunks [c * per_expert, (c + 1) * per_expert) of each expert.
-  first_chunk = pl.program_id(0) * per_expert
+    v0, v1 = 0, visited
+    # NOTE: TensorCore c streams chunks [c * per_expert, (c + 1) * per_expert) of each expert.
+    first_chunk = core * per_expert
+  steps = (v1 - v0) * per_expert
 
   def copies(s):
-    expert = scratch.visits[s // per_expert]
+    expert = scratch.visits[v0 + s // per_expert]
     chunk = first_chunk + s % per_expert
     kw = dict(expert=expert, chunk=chunk, slot=s % 2)
     return lambda part, piece: _copies(plan, w, scratch, part=part, piece=piece, **kw)
@@ -878,7 +896,7 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
   @pl.when(steps > 0)
   def _():
     if plan.stream:
-      _visit_rows_in(plan, (x, row_weights, out), scratch, 0, "start")
+      _visit_rows_in(plan, (x, row_weights, out), scratch, v0, "start")
     _start(_step_copies(plan, copies(0)))
 
   def step(s, carry):
@@ -888,7 +906,7 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
       @pl.when(s % per_expert == 0)
       def _():
         _visit_rows_turn(
-          plan, (x, row_weights, out), scratch, visit=s // per_expert, visits=visited
+          plan, (x, row_weights, out), scratch, visit=v0 + s // per_expert, visits=v1
         )
 
     # NOTE: start the next step's copies (its slot's last reader, step s - 1, is done) once
@@ -898,14 +916,15 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     def _():
       _start(_step_copies(plan, copies(s + 1)))
 
-    expert = scratch.visits[s // per_expert]
+    expert = scratch.visits[v0 + s // per_expert]
     arrive = _arrivals(plan, copies(s), scratch, slot=s % 2)
     if plan.stream:
       _stream_step(
         plan,
         (x, row_weights, out),
         scratch,
-        visit=s // per_expert,
+        visit=v0 + s // per_expert,
+        first_visit=v0,
         expert=expert,
         slot=s % 2,
         arrive=arrive,
@@ -931,23 +950,53 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
   if not plan.stream:
     out[...] = scratch.acc[...].reshape(out.shape).astype(out.dtype)
     return
+  _stream_finish(plan, (x, row_weights, out), scratch, seam, v0=v0, v1=v1, visited=visited)
+
+
+def _stream_finish(plan: FusedPlan, refs, scratch: _Scratch, seam, *, v0, v1, visited) -> None:
+  """A streamed core's end: waits for its last visit's rows out and writes the granule its
+  last visit left unfinished (its rows past the core's last come out zero).
+
+  NOTE: on two TensorCores the first core's unfinished granule is the one the second core's
+  first visit starts in, and the second core writes it (the first core's rows zero). So the
+  first core writes its part to `seam` instead, with the granule's first row, for
+  `fused_experts` to add in; where there is no shared granule it writes zeros there.
+  """
   a = plan.align
-  refs = (x, row_weights, out)
+  end = jnp.where(v1 > v0, scratch.visit_hi[jnp.maximum(v1 - 1, 0)], 0)
+  shared = (v1 < visited) & (end % a != 0)
 
-  @pl.when(visited > 0)
+  @pl.when(v1 > v0)
   def _():
-    _visit_rows_out(plan, refs, scratch, visited - 1, "wait")
+    _visit_rows_out(plan, refs, scratch, v1 - 1, "wait")
 
-  # NOTE: the last visit's unfinished granule: its rows past the last expert's come out zero.
-  @pl.when(total % a != 0)
-  def _():
+  def write(dst, row):
     scratch.staging[0:a, :] = scratch.carry[...].astype(scratch.staging.dtype)
-    last = _row_copies(
-      plan, scratch.staging, out, scratch.row_sems.at[1, 0], src_row=0, dst_row=(total // a) * a,
-      tiles=1,
-    )  # fmt: skip
-    last("start")
-    last("wait")
+    copy = _row_copies(
+      plan, scratch.staging, dst, scratch.row_sems.at[1, 0], src_row=0, dst_row=row, tiles=1
+    )
+    copy("start")
+    copy("wait")
+
+  @pl.when((end % a != 0) & jnp.logical_not(shared))
+  def _():
+    write(refs[2], (end // a) * a)
+
+  if seam is None:
+    return
+  values, first_row = seam
+
+  @pl.when(pl.program_id(0) == 0)
+  def _():
+    @pl.when(jnp.logical_not(shared))
+    def _():
+      scratch.carry[...] = jnp.zeros_like(scratch.carry)
+
+    write(values, 0)
+    scratch.seam_row[...] = jnp.full(scratch.seam_row.shape, jnp.where(shared, (end // a) * a, 0))
+    copy = pltpu.make_async_copy(scratch.seam_row, first_row, scratch.row_sems.at[1, 1])
+    copy.start()
+    copy.wait()
 
 
 def _split(w: Any, name: str):
@@ -1110,12 +1159,22 @@ def fused_experts(
   else:
     operands += [wi_v, wi_s, wo_v, wo_s]
     in_specs += [hbm] * 4
-  split = plan.cores > 1
+  split = plan.cores > 1 and not plan.stream
   out_dtype = jnp.float32 if split else plan.out_dtype
   out_shape = (plan.cores, plan.rows, d) if split else (plan.rows, d)
   out_spec = pl.BlockSpec((1, plan.rows, d), lambda c, *_: (c, 0, 0)) if split else full(out_shape)
+  seamed = plan.stream and plan.cores > 1
+  out_struct = common.out_struct(out_shape, out_dtype, x, wi_v, group_sizes)
   if plan.stream:
     out_spec = hbm
+  if seamed:
+    # NOTE: the granule both cores' rows can share, and its first row (see `_stream_finish`).
+    out_struct = [
+      out_struct,
+      common.out_struct((plan.align, d), out_dtype, x, wi_v, group_sizes),
+      common.out_struct((8, 128), jnp.int32, x, wi_v, group_sizes),
+    ]
+    out_spec = [hbm, hbm, hbm]
   out = common.call_kernel(
     lambda *refs: _kernel(plan, by_token or row_weights is not None, *refs),
     name="pallas_moe_fused_experts",
@@ -1123,7 +1182,7 @@ def fused_experts(
     prefetch=(group_sizes.astype(jnp.int32),),
     operands=operands,
     in_specs=in_specs,
-    out_shape=common.out_struct(out_shape, out_dtype, x, wi_v, group_sizes),
+    out_shape=out_struct,
     out_spec=out_spec,
     scratch_shapes=_scratch_shapes(plan),
     dimension_semantics=("parallel",),
@@ -1135,6 +1194,13 @@ def fused_experts(
   if split:
     # NOTE: the two TensorCores' partial sums (each over half of f).
     out = jnp.sum(out, axis=0).astype(plan.out_dtype)
+  if seamed:
+    out, values, first_row = out
+    # NOTE: the cores' rows in the shared granule are disjoint (each wrote zeros for the
+    # other's), so the sum is exact in any dtype.
+    row = (first_row[0, 0].astype(jnp.uint32), jnp.uint32(0))
+    shared = lax.dynamic_slice(out, row, values.shape)
+    out = lax.dynamic_update_slice(out, shared + values, row)
   if plan.stream and unowned_rows == "zero":
     total = jnp.sum(group_sizes.astype(jnp.int32))
     out = jnp.where(jnp.arange(plan.rows)[:, None] < total, out, jnp.zeros((), out.dtype))
@@ -1179,6 +1245,8 @@ def _scratch_names(plan: FusedPlan) -> list[str]:
     names += ["gathered", "expert_acc"]
   if plan.stream:
     names += ["visit_lo", "visit_hi", "x_rows", "row_weights", "staging", "carry", "row_sems"]
+    if plan.cores > 1:
+      names.append("seam_row")
   return names + ["gate_up_sums", "act"]
 
 
@@ -1218,5 +1286,7 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
       vmem((plan.align, d), jnp.float32),
       pltpu.SemaphoreType.DMA((2, 2)),
     ]
+    if plan.cores > 1:
+      shapes.append(vmem((8, 128), jnp.int32))
   rows = plan.step_rows
   return shapes + [vmem((2, rows, c), jnp.float32), vmem((rows, c), jnp.dtype(plan.x_dtype))]

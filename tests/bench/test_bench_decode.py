@@ -233,7 +233,7 @@ def test_records_fields_bytes_and_floor(qwen_records):
 def test_serving_paths():
   """`moe_decode`'s paths as `plan_decode` picks them: up to 128 tokens on the expert axis every
   visited expert over all of them; to 512 each over its own tokens, gathered by a one-hot
-  product; float weights above that run moe_block's gmm pair."""
+  product; above that moe_block's forward with the streamed fused kernel."""
   gen = get_generation("v6e")
   small = dec.route(experts=256, top_k=8, ep=8, tokens=8)[0]
   r = dec.model_serving(DSV3, "bf16", small, "v6e", ep=8, tokens=8)
@@ -252,8 +252,7 @@ def test_serving_paths():
   assert r["mxu_us"] == pytest.approx(windows.sum() * (plan.chunks * per_window + gather) * 1e6)
   assert r["gather_mxu_us"] == pytest.approx(windows.sum() * gather * 1e6)
   assert r["weight_bytes_read"] == int((sizes > 0).sum()) * dec.expert_bytes(DSV3, "bf16")
-  # Past 512 tokens: moe_block's forward, its experts the streamed fused kernel on v6e, the
-  # gmm pair for float weights on v5p (both TensorCores).
+  # Past 512 tokens: moe_block's forward, its experts the streamed fused kernel.
   qwen = dec.route(experts=128, top_k=8, ep=8, tokens=128)[0]
   block = dec.model_serving(QWEN, "bf16", qwen, "v6e", ep=8, tokens=128)
   assert (block["path"], block["layout"], block["calls"], block["xla_ops"]) == (
@@ -262,7 +261,16 @@ def test_serving_paths():
   assert dec.path_label(block) == "block, streamed" and "1024 > 512 tokens" in block["reason"]
   assert block["layer_xla_ops"] == dec.BLOCK_STREAM_LAYER_XLA_OPS
   assert block["weight_bytes_read"] == int((qwen > 0).sum()) * dec.expert_bytes(QWEN, "bf16")
-  gmm = dec.model_serving(QWEN, "bf16", qwen, "v5p", ep=8, tokens=128)
+  # v5p: the streamed kernel's visits split between its two TensorCores, the granule they share
+  # added back by SEAM_XLA_OPS instructions.
+  v5p = dec.model_serving(QWEN, "bf16", qwen, "v5p", ep=8, tokens=128)
+  assert (v5p["layout"], v5p["tensorcores"], v5p["xla_ops"]) == ("streamed", 2, dec.SEAM_XLA_OPS)
+  plan = dec.serving_plan(QWEN, "bf16", "v5p", ep=8, tokens=128).block
+  one = dec.model_block_stream(dataclasses.replace(plan.fused, cores=1), qwen, "v5p")
+  assert v5p["kernel_us"] < 0.6 * one["kernel_us"] and v5p["steps"] == one["steps"]
+  # A block plan without the fused kernel: the gmm pair.
+  bare = dataclasses.replace(plan, fused=None)
+  gmm = dec.model_block_path(QWEN, qwen, "v5p", ep=8, tokens=128, plan=bare)
   assert (gmm["path"], gmm["layout"], gmm["calls"]) == ("block", "gmm", 2)
   assert gmm["xla_ops"] == dec.BLOCK_EXPERT_XLA_OPS and dec.path_label(gmm) == "block, gmm"
   assert gmm["buffer_rows"] == 8 * 128 * 8 and gmm["expected_rows"] == 128 * 8

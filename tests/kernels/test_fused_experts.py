@@ -87,13 +87,15 @@ def test_kinds_at_decode_sizes(kind, mode):
 @examples(0.5)
 def test_group_sizes_property(stream, data):
   """Random, sparse, one-group and short group sizes over odd m and d: rows resident in VMEM
-  (f not a multiple of 128), or streamed from HBM in visits of 16 rows."""
+  (f not a multiple of 128), or streamed from HBM in visits of 16 rows (on one or two
+  TensorCores)."""
   m, d, f, e = 37, 72, 128 if stream else 48, 5
   gs = jnp.asarray(data.draw(group_sizes_strategy(m=m, num_groups=e)))
   wi, wo, _, _ = _weights("float", e=e, d=d, f=f)
   x = random_array(5, (m, d), F32)
   if stream:
-    out = _streamed(x, wi, wo, gs, visit_rows=16, interpret=True)
+    cores = data.draw(st.sampled_from([1, 2]), label="cores")
+    out = _streamed(x, wi, wo, gs, visit_rows=16, cores=cores, interpret=True)
   else:
     out = fe.fused_experts(x, wi, wo, gs, interpret=True)
   _check(out, np_experts(x, wi, wo, gs))
@@ -235,7 +237,7 @@ def test_no_races_or_out_of_bounds(kind, capfd):
   _check(out, np_experts(x, wi64, wo64, gs))
 
 
-def _streamed(x, wi, wo, gs, *, visit_rows, **kw):
+def _streamed(x, wi, wo, gs, *, visit_rows, cores=1, **kw):
   m, d = x.shape
   values = getattr(wi, "values", wi)
   plan = fe.plan_fused(
@@ -249,19 +251,29 @@ def _streamed(x, wi, wo, gs, *, visit_rows, **kw):
     chunk=128,
     stream=True,
     visit_rows=visit_rows,
+    cores=cores,
   )
+  assert plan.cores == cores
   return fe.fused_experts(x, wi, wo, gs, stream=True, plan=plan, **kw)
 
 
 @pytest.mark.parametrize(
-  "mode, kind, dtype",
-  [("hlo", "float", F32), ("races", "block-fp8", jnp.bfloat16), ("tpu", "int8", jnp.bfloat16)],
+  "mode, kind, dtype, cores",
+  [
+    ("hlo", "float", F32, 1),
+    ("races", "block-fp8", jnp.bfloat16, 1),
+    ("tpu", "int8", jnp.bfloat16, 1),
+    ("races", "float", jnp.bfloat16, 2),
+    ("hlo", "block-fp8", F32, 2),
+  ],
 )
-def test_streamed_rows(mode, kind, dtype, capfd):
+def test_streamed_rows(mode, kind, dtype, cores, capfd):
   """Rows sorted by expert that stay in HBM: visits of 32 rows, so an expert of 40 or 70 rows
   is visited two or three times and small experts share their first and last granules; rows
   past the groups come out zero, or are left unwritten ("undefined") with every owned row
-  exact."""
+  exact. On two TensorCores each takes half of the visits: the first three sizes share a
+  granule between the cores (rows 43 and 70 end the first core's visits), the fourth does not
+  (row 32)."""
   d, f, e, m = 256, 256, 5, 112
   wi, wo, wi64, wo64 = _weights(kind, e=e, d=d, f=f)
   interpret = {"hlo": True, "tpu": pltpu.InterpretParams(), "races": RACE_PARAMS}[mode]
@@ -269,11 +281,14 @@ def test_streamed_rows(mode, kind, dtype, capfd):
   rw = jnp.asarray(np.random.default_rng(5).uniform(0.1, 1.0, m), F32)
   tol = dict(atol=2e-5) if dtype == F32 else dict(atol=3e-2)
   x64 = np.asarray(x.astype(F32))
-  for sizes in ([3, 0, 40, 1, 9], [70, 0, 0, 1, 2], [0, 0, 0, 0, 0]):
+  cases = [[3, 0, 40, 1, 9], [70, 0, 0, 1, 2], [0, 0, 0, 0, 0]] + [[16, 0, 16, 5, 3]] * (cores - 1)
+  for sizes in cases:
     gs = jnp.asarray(sizes, I32)
     want = np_experts(x64, wi64, wo64, gs, rw)
     with no_races_or_oob(capfd) if mode == "races" else contextlib.nullcontext():
-      out = _streamed(x, wi, wo, gs, visit_rows=32, row_weights=rw, interpret=interpret)
+      out = _streamed(
+        x, wi, wo, gs, visit_rows=32, cores=cores, row_weights=rw, interpret=interpret
+      )
     _check(out.astype(F32), want, **tol)
   loose = _streamed(
     x,
@@ -281,6 +296,7 @@ def test_streamed_rows(mode, kind, dtype, capfd):
     wo,
     gs := jnp.asarray([3, 0, 40, 1, 9], I32),
     visit_rows=32,
+    cores=cores,
     row_weights=rw,
     unowned_rows="undefined",
     interpret=interpret,

@@ -236,16 +236,20 @@ def test_deepseek_v3_fp8_compiles(gen):
 
 
 @pytest.mark.aot
-@pytest.mark.parametrize("fp8", [False, True])
-def test_large_batches_compile(fp8):
-  """Past the fused path's 512 tokens (256 per device at EP 4) on v6e: moe_block's forward,
-  planned outside the shard_map, its experts one streamed fused kernel (bf16 and fp8
-  block-scaled weights), no gmm."""
+@pytest.mark.parametrize("gen, fp8", [("v6e", False), ("v6e", True), ("v5p", False)])
+def test_large_batches_compile(gen, fp8):
+  """Past the fused path's 512 tokens (256 per device at EP 4): moe_block's forward, planned
+  outside the shard_map, its experts one streamed fused kernel (bf16 and fp8 block-scaled
+  weights), no gmm; on v5p over both TensorCores, the granule they share added back by one
+  in-place dynamic-update-slice."""
   fields = _deepseek_v3() if fp8 else _qwen3()
-  compiled = _compile_decode("v6e:2x2", fields, per_device=256, fp8=fp8)
+  compiled = _compile_decode(
+    tiling.get_generation(gen).aot_topology, fields, per_device=256, fp8=fp8
+  )
   text = compiled.as_text()
   assert text.count("tpu_custom_call") == 1 and "pallas_moe_fused_experts" in text
   assert "pallas_moe_gmm" not in text
+  assert ("dynamic-update-slice(" in text) == (gen == "v5p")
 
 
 @pytest.mark.aot
