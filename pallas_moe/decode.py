@@ -165,8 +165,24 @@ def plan_decode(
   # NOTE: the experts of moe_block's forward as one fused kernel streaming only the received
   # rows (no SwiGLU pass over the static buffer, no gmm metadata); a megacore device (v5p)
   # splits the visits between its two TensorCores.
-  block = dataclasses.replace(block, fused=fused(block.expert_rows, stream=True))
+  window = stream_window(ep * t * config.top_k / config.num_experts)
+  block = dataclasses.replace(block, fused=fused(block.expert_rows, stream=True, window=window))
   return plan(path="block", block=block, reason=reason)
+
+
+def stream_window(expected_rows: float) -> int:
+  """Rows per MXU pass of the streamed experts, for experts of `expected_rows` rows on
+  average (ep x T x top_k / num_experts under even routing).
+
+  An MXU pass costs at least 128 row cycles and a window its whole size, so 128 rows suit
+  experts of up to about 128; above, one window covering an expert two and a half standard
+  deviations (sqrt of the mean: rows are a sum of independent choices) past the mean costs
+  less than two of 128. Capped at 256: a bigger expert takes two windows anyway.
+  """
+  high = expected_rows + 2.5 * expected_rows**0.5
+  if high <= 128:
+    return 128
+  return int(min(256, -(-high // 16) * 16))
 
 
 def _check(config: MoEConfig, wi) -> None:

@@ -61,7 +61,7 @@ _VMEM_SHARE = 0.85
 _MAX_WINDOW = 128
 # NOTE: a step's weights arrive in up to this many parts: the exposed copy before the first
 # product, and the exposed product after the last copy, are one part's.
-MAX_PIECES = 4
+MAX_PIECES = 8
 
 
 def weight_kind(w: Any) -> str:
@@ -231,6 +231,7 @@ def plan_fused(
   stream: bool = False,
   visit_rows: int = 256,
   pieces: int | None = None,
+  window: int | None = None,
 ) -> FusedPlan:
   """The fused kernel's plan: the largest chunk of f whose double-buffered weight blocks fit.
 
@@ -257,6 +258,10 @@ def plan_fused(
     pieces: force the parts each step's weights are copied and multiplied in (each a multiple
       of 128 rows of d, or one; default: the most, up to `MAX_PIECES`, whose parts are
       multiples of the generation's MXU edge).
+    window: rows per MXU pass over rows sorted by expert (a multiple of the rows' granule,
+      capped at the rows a visit or the call holds; default 128). An MXU pass costs at least
+      128 row cycles, and a window costs its whole size: where experts hold a little over 128
+      rows, one window of about their size costs less than two of 128.
 
   Returns:
     A `FusedPlan`.
@@ -272,16 +277,22 @@ def plan_fused(
   out_item = jnp.dtype(out_dtype).itemsize
   align = 8 * max(1, 4 // x_item)
   padded = max(align, -(-rows // align) * align)
-  window = min(padded, _MAX_WINDOW)
   if stream:
     if by_token:
       raise ValueError("stream takes rows sorted by expert, not tokens (by_token).")
     # NOTE: rows are copied in and out `align` at a time: a whole VMEM tile of both dtypes.
     align = max(align, 8 * max(1, 4 // out_item))
     padded = max(align, -(-rows // align) * align)
-    window = min(padded, _MAX_WINDOW)
     # NOTE: a visit holds at least one granule of its expert's rows past its rounded-down start.
     visit_rows = max(2 * align, min(-(-visit_rows // align) * align, padded + align))
+  if window is not None:
+    if by_token or window <= 0 or window % align:
+      raise ValueError(
+        f"window={window} must be a positive multiple of {align} (the rows' granule), for "
+        "rows sorted by expert (not by_token)."
+      )
+  window = min(_MAX_WINDOW if window is None else window, padded)
+  if stream:
     window = min(window, visit_rows)
   if by_token:
     # NOTE: windows over the tokens start on the 128-lane grid of the [E, 1, rows] weights.

@@ -320,8 +320,8 @@ def test_plan_streams_only_what_fits():
   assert 2048 % plan.chunk == 0 and plan.chunk % 128 == 0
   assert plan.vmem_bytes <= fe._VMEM_SHARE * tiling.get_generation("v6e").vmem_bytes
   assert plan.expert_weight_bytes == 3 * 7168 * 2048 + 4 * 3 * 16 * 56
-  # NOTE: each step's weights come in four pieces of 1,792 rows of d (7 x 256: the MXU edge).
-  assert (plan.pieces, plan.piece) == (4, 1792)
+  # NOTE: each step's weights come in seven pieces of 1,024 rows of d (4 x 256: the MXU edge).
+  assert (plan.pieces, plan.piece) == (7, 1024)
   with pytest.raises(ValueError, match="fewer rows per call"):
     fe.plan_fused(
       rows=8192,
