@@ -391,3 +391,14 @@ def test_pipeline_exposes_one_piece_at_either_end():
   _, late, _ = dec.pipeline(mxu, copy, pieces=4, head=[0, 2.0, 0, 0, 0])
   assert late == pytest.approx(5 * copy + 2.0 + 1.5 / 12)
   assert dec.pipeline(np.zeros(0), copy, pieces=2) == (0.0, 0.0, 0.0)
+
+
+def test_bound_counts_the_routed_rows():
+  """The bound moves each routed token's row in and result out once, beside the weights."""
+  sizes = dec.route(experts=256, top_k=8, ep=32, tokens=128)
+  dev = dec.busiest_device(sizes)
+  unique = dec.routed_tokens(experts=256, top_k=8, ep=32, tokens=128, device=dev)
+  # NOTE: an expert's rows are distinct tokens; a token may send several rows to one device.
+  assert sizes[dev].max() <= unique <= min(32 * 128, sizes[dev].sum())
+  assert dec.bound_us(100.0, 90.0, 5.0, 8.0) == 113.0
+  assert dec.bound_us(100.0, 120.0, 5.0, 8.0) == 125.0

@@ -304,6 +304,26 @@ def test_streamed_rows(mode, kind, dtype, cores, capfd):
   _check(np.asarray(loose.astype(F32))[:53], np_experts(x64, wi64, wo64, gs, rw)[:53], **tol)
 
 
+def test_streamed_window_wider_than_granules():
+  """Windows of 48 rows over visits of 64: a visit's second window moves back to end at its
+  held rows and keeps only the rows it owns."""
+  d, f, e, m = 128, 256, 5, 112
+  wi, wo, _, _ = _weights("float", e=e, d=d, f=f)
+  x = random_array(13, (m, d), F32)
+  rw = jnp.asarray(np.random.default_rng(6).uniform(0.1, 1.0, m), F32)
+  plan = fe.plan_fused(
+    rows=m, d=d, f=f, num_experts=e, x_dtype=F32, w_dtype=F32, stream=True, visit_rows=64,
+    window=48,
+  )  # fmt: skip
+  assert (plan.window, plan.visit_rows, plan.step_rows) == (48, 64, 96)
+  for sizes in ([3, 0, 70, 1, 9], [50, 0, 0, 2, 60]):
+    gs = jnp.asarray(sizes, I32)
+    out = fe.fused_experts(x, wi, wo, gs, row_weights=rw, stream=True, plan=plan, interpret=True)
+    _check(out, np_experts(x, wi, wo, gs, rw))
+  with pytest.raises(ValueError, match="window=20 must be a positive multiple of 8"):
+    fe.plan_fused(rows=m, d=d, f=f, num_experts=e, x_dtype=F32, w_dtype=F32, stream=True, window=20)
+
+
 def test_plan_streams_only_what_fits():
   """DeepSeek-V3's expert at 64 rows: the chunk is the largest that fits VMEM, and the rows'
   needs are refused with a clear error where they cannot fit."""

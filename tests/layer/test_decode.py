@@ -158,6 +158,17 @@ def test_streamed_block_is_forward_only():
     jax.grad(loss)(x)
 
 
+def test_stream_window_follows_the_rows_per_expert():
+  """128-row windows up to experts of about 128 rows, one window of about an expert's rows
+  above (2.5 standard deviations past the mean), at most 256; the plan takes it."""
+  assert [decode.stream_window(r) for r in (1, 32, 96, 128, 200, 400)] == [
+    128, 128, 128, 160, 240, 256
+  ]  # fmt: skip
+  config = MoEConfig(**_deepseek_v3(), data_parallelism=1, expert_parallelism=32)
+  plan = decode.plan_decode(config, tokens_per_device=128, expert_parallelism=32, generation="v6e")
+  assert plan.path == "block" and plan.block.fused.window == 160
+
+
 def test_plan_and_errors():
   config = CONFIGS["qwen3_moe"]
   plan = decode.plan_decode(config, tokens_per_device=8, expert_parallelism=EP)
