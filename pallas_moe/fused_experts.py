@@ -285,15 +285,9 @@ def plan_fused(
     padded = max(align, -(-rows // align) * align)
     # NOTE: a visit holds at least one granule of its expert's rows past its rounded-down start.
     visit_rows = max(2 * align, min(-(-visit_rows // align) * align, padded + align))
-  if window is not None:
-    if by_token or window <= 0 or window % align:
-      raise ValueError(
-        f"window={window} must be a positive multiple of {align} (the rows' granule), for "
-        "rows sorted by expert (not by_token)."
-      )
-  window = min(_MAX_WINDOW if window is None else window, padded)
-  if stream:
-    window = min(window, visit_rows)
+  window = _window(
+    window, align=align, rows=min(padded, visit_rows) if stream else padded, by_token=by_token
+  )
   if by_token:
     # NOTE: windows over the tokens start on the 128-lane grid of the [E, 1, rows] weights.
     padded = -(-padded // window) * window
@@ -364,6 +358,16 @@ def plan_fused(
     visit_rows=visit_rows if stream else 0,
     pieces=pieces,
   )
+
+
+def _window(window: int | None, *, align: int, rows: int, by_token: bool) -> int:
+  """Rows per MXU pass: `window` (checked) or 128, at most the `rows` a step holds."""
+  if window is not None and (by_token or window <= 0 or window % align):
+    raise ValueError(
+      f"window={window} must be a positive multiple of {align} (the rows' granule), for "
+      "rows sorted by expert (not by_token)."
+    )
+  return min(_MAX_WINDOW if window is None else window, rows)
 
 
 def _pieces(d: int, mxu: int, granule: int, forced: int | None) -> int:
@@ -1168,7 +1172,6 @@ def fused_experts(
     wi_s = jnp.swapaxes(wi_s, 1, 2)
   operands, in_specs = _row_operands(plan, x, row_weights, expert_weights, expert_tokens)
   pad = plan.rows - m
-  full = lambda shape: pl.BlockSpec(shape, lambda c, *_: (0,) * len(shape))  # noqa: E731
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   if kind == "float":
     operands += [wi_v, wo_v]
@@ -1176,22 +1179,7 @@ def fused_experts(
   else:
     operands += [wi_v, wi_s, wo_v, wo_s]
     in_specs += [hbm] * 4
-  split = plan.cores > 1 and not plan.stream
-  out_dtype = jnp.float32 if split else plan.out_dtype
-  out_shape = (plan.cores, plan.rows, d) if split else (plan.rows, d)
-  out_spec = pl.BlockSpec((1, plan.rows, d), lambda c, *_: (c, 0, 0)) if split else full(out_shape)
-  seamed = plan.stream and plan.cores > 1
-  out_struct = common.out_struct(out_shape, out_dtype, x, wi_v, group_sizes)
-  if plan.stream:
-    out_spec = hbm
-  if seamed:
-    # NOTE: the granule both cores' rows can share, and its first row (see `_stream_finish`).
-    out_struct = [
-      out_struct,
-      common.out_struct((plan.align, d), out_dtype, x, wi_v, group_sizes),
-      common.out_struct((8, 128), jnp.int32, x, wi_v, group_sizes),
-    ]
-    out_spec = [hbm, hbm, hbm]
+  out_struct, out_spec = _outputs(plan, x, wi_v, group_sizes)
   out = common.call_kernel(
     lambda *refs: _kernel(plan, by_token or row_weights is not None, *refs),
     name="pallas_moe_fused_experts",
@@ -1208,10 +1196,38 @@ def fused_experts(
     bytes_accessed=int(plan.num_experts * plan.expert_weight_bytes + 2 * plan.rows * d * 2),
     interpret=interpret,
   )
+  out = _result(plan, out, group_sizes, unowned_rows=unowned_rows)
+  return out[:m] if pad else out
+
+
+def _outputs(plan: FusedPlan, x, wi_v, group_sizes):
+  """The call's output structs and specs: the result (each TensorCore's f32 partial sum where
+  a resident call is split), and for streamed rows on two cores the granule they can share."""
+  d = plan.d
+  hbm = pl.BlockSpec(memory_space=pl.ANY)
+  split = plan.cores > 1 and not plan.stream
+  shape = (plan.cores, plan.rows, d) if split else (plan.rows, d)
+  dtype = jnp.float32 if split else plan.out_dtype
+  struct = common.out_struct(shape, dtype, x, wi_v, group_sizes)
   if split:
+    return struct, pl.BlockSpec((1, plan.rows, d), lambda c, *_: (c, 0, 0))
+  if not plan.stream:
+    return struct, pl.BlockSpec(shape, lambda c, *_: (0, 0))
+  if plan.cores == 1:
+    return struct, hbm
+  # NOTE: the granule both cores' rows can share, and its first row (see `_stream_finish`).
+  seam = common.out_struct((plan.align, d), dtype, x, wi_v, group_sizes)
+  first_row = common.out_struct((8, 128), jnp.int32, x, wi_v, group_sizes)
+  return [struct, seam, first_row], [hbm, hbm, hbm]
+
+
+def _result(plan: FusedPlan, out, group_sizes, *, unowned_rows: str):
+  """The call's outputs as one [rows, d] result: split calls' partial sums added, the shared
+  granule added in place, rows past the groups zeroed (streamed, `unowned_rows` "zero")."""
+  if plan.cores > 1 and not plan.stream:
     # NOTE: the two TensorCores' partial sums (each over half of f).
     out = jnp.sum(out, axis=0).astype(plan.out_dtype)
-  if seamed:
+  elif plan.cores > 1:
     out, values, first_row = out
     # NOTE: the cores' rows in the shared granule are disjoint (each wrote zeros for the
     # other's), so the sum is exact in any dtype.
@@ -1221,7 +1237,7 @@ def fused_experts(
   if plan.stream and unowned_rows == "zero":
     total = jnp.sum(group_sizes.astype(jnp.int32))
     out = jnp.where(jnp.arange(plan.rows)[:, None] < total, out, jnp.zeros((), out.dtype))
-  return out[:m] if pad else out
+  return out
 
 
 def _row_operands(plan: FusedPlan, x, row_weights, expert_weights, expert_tokens):
