@@ -335,7 +335,6 @@ def plan_fused(
     )
   chunk = fits[0]
   vmem = _vmem_bytes(chunk=chunk, **kw)
-  pieces = kw["pieces"]
   return FusedPlan(
     rows=padded,
     d=d,
@@ -356,7 +355,7 @@ def plan_fused(
     gather=gather and by_token,
     stream=stream,
     visit_rows=visit_rows if stream else 0,
-    pieces=pieces,
+    pieces=kw["pieces"],
   )
 
 
@@ -402,9 +401,7 @@ class _Scratch(NamedTuple):
   # channel: [2 slots, 2, 1, chunk] f32; block: SMEM [2, 2, cb, d / block]
   gate_up_scales: Any = None
   down_scales: Any = None  # channel: [2 slots, 1, d] f32; block: SMEM [2, cb, d / block]
-  dequant_in: Any = (
-    None  # block: [2, pieces, d / pieces, chunk] the step's gate / up, compute dtype
-  )
+  dequant_in: Any = None  # block: [2, pieces, d / pieces, chunk] its gate / up, compute dtype
   dequant_out: Any = None  # block: [pieces, chunk, d / pieces] its down
   gathered: Any = None  # gather: [rows, d] the visited expert's tokens
   expert_acc: Any = None  # gather: [rows, d] f32 their sums
@@ -445,7 +442,7 @@ def _stream_metadata(plan: FusedPlan, group_sizes, scratch: _Scratch):
   to `align` gets one visit per such span.
 
   Returns:
-    (number of visits, one past the last row of any expert).
+    The number of visits (a scalar).
   """
   align, held = plan.align, plan.visit_rows
 
@@ -469,8 +466,8 @@ def _stream_metadata(plan: FusedPlan, group_sizes, scratch: _Scratch):
     _, count = lax.while_loop(more, visit, (row, count))
     return end, count
 
-  total, count = lax.fori_loop(0, plan.num_experts, expert_visits, (jnp.int32(0), jnp.int32(0)))
-  return count, total
+  _, count = lax.fori_loop(0, plan.num_experts, expert_visits, (jnp.int32(0), jnp.int32(0)))
+  return count
 
 
 def _copies(plan: FusedPlan, w: _Weights, scratch: _Scratch, *, expert, chunk, slot, part, piece):
@@ -486,8 +483,8 @@ def _copies(plan: FusedPlan, w: _Weights, scratch: _Scratch, *, expert, chunk, s
     return pltpu.make_async_copy(src, dst, sem)
 
   if part == "down":
-    row = pl.multiple_of(chunk * c, c)
-    down = [cp(w.wo.at[expert, pl.ds(row, c), rows], scratch.down.at[slot, piece])]
+    # NOTE: the chunk's columns of gate/up are its rows of down.
+    down = [cp(w.wo.at[expert, pl.ds(col, c), rows], scratch.down.at[slot, piece])]
     if piece == 0:
       down += _down_scale_copies(plan, w, scratch, expert=expert, chunk=chunk, slot=slot, cp=cp)
     return down
@@ -886,14 +883,14 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
   seam = None
   if plan.stream and plan.cores > 1:
     # NOTE: the shared granule's values and first row (`_stream_finish`).
-    *seam, scr = scr[0], scr[1], scr[2:]
+    seam, scr = (scr[0], scr[1]), scr[2:]
   w = _Weights(wi=wi, wo=wo, wi_scales=wi_s, wo_scales=wo_s)
   scratch = _Scratch(**dict(zip(_scratch_names(plan), scr, strict=True)))
   per_expert = plan.core_chunks
   core = pl.program_id(0)
 
   if plan.stream:
-    visited, _ = _stream_metadata(plan, group_sizes, scratch)
+    visited = _stream_metadata(plan, group_sizes, scratch)
     scratch.carry[...] = jnp.zeros_like(scratch.carry)
     # NOTE: TensorCore c runs visits [v0, v1): the first half (rounded up) or the rest.
     half = (visited + plan.cores - 1) // plan.cores
