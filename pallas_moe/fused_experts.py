@@ -50,7 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_moe import common, quant
 from pallas_moe.generations import current_generation, get_generation
 
-__all__ = ["MAX_PIECES", "FusedPlan", "plan_fused", "fused_experts", "weight_kind"]
+__all__ = ["MAX_PIECES", "FusedPlan", "plan_fused", "fused_experts", "upcast_route", "weight_kind"]
 
 # NOTE: the share of VMEM the kernel plans for; the rest is Mosaic's (internal scratch, spills).
 # `_vmem_bytes` counts the VMEM operands (rows, result) as well as the scratch, and rounds its
@@ -112,6 +112,9 @@ class FusedPlan:
     visit_rows: with `stream`, the rows one visit holds in VMEM: an expert whose rows (from
       its first row rounded down to `align`) span more is visited again for the rest, its
       weights streamed again.
+    upcast: how kind "block" values become f32 in VMEM (`upcast_route`): "astype" (the
+      generation converts the stored dtype itself) or "e4m3b11" (float8_e4m3fn bytes read as
+      float8_e4m3b11fnuz, which v5e / v5p / v6e unpack in one instruction).
   """
 
   @property
@@ -140,6 +143,7 @@ class FusedPlan:
   stream: bool = False
   visit_rows: int = 0
   pieces: int = 1
+  upcast: str = "astype"
 
   @property
   def step_rows(self) -> int:
@@ -210,6 +214,35 @@ def _vmem_bytes(
   work += step_rows * chunk * (2 * 4 + x_item)
   scales = 2 * 4 * (2 * chunk + d) * 8 if kind == "channel" else 0
   return resident + weights + upcast + work + scales + (1 << 20)
+
+
+# NOTE: an e4m3fn value is 16 times the e4m3b11fnuz value of the same byte (same fields, exponent
+# bias 7 against 11), subnormals included; the factor goes into the block scale (exact: a power
+# of two).
+_E4M3B11_FACTOR = 16.0
+
+
+def upcast_route(w_dtype: Any, *, generation: Any = None) -> str:
+  """How the fused kernel turns narrow block-scaled values into f32 (`FusedPlan.upcast`).
+
+  v5e, v5p and v6e convert float8_e4m3fn with fix-ups per value for what e4m3fn encodes
+  differently (its 256-448 binade, NaN): 2.35 bundles per 1,024 values with the scale's
+  multiply, so DeepSeek-V3's fp8 experts dequantize slower than HBM delivers them. The same
+  bytes read as float8_e4m3b11fnuz, which they unpack in one instruction, are exact up to the
+  factor 16 folded into the scale (subnormals included), except two kinds of byte: 0x80
+  (e4m3fn's -0, e4m3b11fnuz's NaN) is set back to 0, and e4m3fn's NaN (0x7F, 0xFF) reads as
+  +-480. Compiled: 1.33 bundles per 1,024 values (`generations.TpuGeneration.unpacks_fp8`).
+
+  Returns:
+    "e4m3b11" for float8_e4m3fn values on a generation that unpacks float8_e4m3b11fnuz but not
+    float8_e4m3fn, else "astype".
+  """
+  gen = current_generation() if generation is None else get_generation(generation)
+  native = gen.unpacks_fp8
+  if jnp.dtype(w_dtype) == jnp.dtype(jnp.float8_e4m3fn) and "float8_e4m3fn" not in native:
+    if "float8_e4m3b11fnuz" in native:
+      return "e4m3b11"
+  return "astype"
 
 
 def plan_fused(
@@ -356,6 +389,7 @@ def plan_fused(
     stream=stream,
     visit_rows=visit_rows if stream else 0,
     pieces=kw["pieces"],
+    upcast=upcast_route(w_dtype, generation=gen) if kind == "block" else "astype",
   )
 
 
@@ -636,8 +670,8 @@ def _dequantize_piece(plan: FusedPlan, scratch: _Scratch, *, slot, part, piece) 
     k0 = pl.multiple_of(kb * b, b)
     for which in range(2):
       for j in range(cb):
-        block = gate_up[which, piece, pl.ds(k0, b), j * b : (j + 1) * b].astype(jnp.float32)
-        scaled = block * in_scales[slot, which, j, first + kb]
+        block = gate_up[which, piece, pl.ds(k0, b), j * b : (j + 1) * b]
+        scaled = _scaled(plan, block, in_scales[slot, which, j, first + kb])
         dst = (which, piece, pl.ds(k0, b), slice(j * b, (j + 1) * b))
         scratch.dequant_in[dst] = scaled.astype(cdt)
     return carry
@@ -645,12 +679,22 @@ def _dequantize_piece(plan: FusedPlan, scratch: _Scratch, *, slot, part, piece) 
   def cols(n, carry):
     n0 = pl.multiple_of(n * b, b)
     for j in range(cb):
-      block = down[piece, j * b : (j + 1) * b, pl.ds(n0, b)].astype(jnp.float32)
-      scaled = block * out_scales[slot, j, first + n]
+      block = down[piece, j * b : (j + 1) * b, pl.ds(n0, b)]
+      scaled = _scaled(plan, block, out_scales[slot, j, first + n])
       scratch.dequant_out[piece, j * b : (j + 1) * b, pl.ds(n0, b)] = scaled.astype(cdt)
     return carry
 
   lax.fori_loop(0, per_piece, rows if part == "gate_up" else cols, 0)
+
+
+def _scaled(plan: FusedPlan, values, scale):
+  """One block's narrow values times its scale, in f32 (`FusedPlan.upcast`)."""
+  if plan.upcast == "e4m3b11":
+    wide = lax.bitcast_convert_type(values, jnp.float8_e4m3b11fnuz).astype(jnp.float32)
+    scaled = wide * (scale * _E4M3B11_FACTOR)
+    # NOTE: only the byte 0x80 (e4m3fn's -0) reads as NaN in e4m3b11fnuz.
+    return jnp.where(scaled == scaled, scaled, 0.0)
+  return values.astype(jnp.float32) * scale
 
 
 def _expert_step(

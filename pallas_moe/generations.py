@@ -57,6 +57,8 @@ class TpuGeneration:
     device_kinds: `jax.Device.device_kind` strings of this generation.
     step_overhead_s: the cost model's fixed time per Pallas grid step (pipeline bookkeeping,
       DMA issue and waits), on top of max(MXU, DMA) (`bench.costmodel`).
+    unpacks_fp8: 8-bit float dtypes the vector unit converts to f32 in one instruction per
+      value (no fix-ups), as Mosaic compiles `astype(float32)` for the generation.
   """
 
   name: str
@@ -74,6 +76,7 @@ class TpuGeneration:
   peak_int8_ops: float = 0.0
   peak_fp8_ops: float = 0.0
   step_overhead_s: float = 0.35e-6
+  unpacks_fp8: tuple[str, ...] = ()
 
 
 # NOTE on the narrow MXU modes (int8 / fp8). Sources: Cloud TPU docs per chip ("Peak compute per
@@ -84,6 +87,14 @@ class TpuGeneration:
 # So v6e gets no fp8 credit: Mosaic accepts an e4m3fn dot there (AOT, also on v5e) but gains
 # nothing over bf16; our kernels upcast in VMEM instead. v4 rejects int8 and fp8 dots outright
 # (AOT: CompileTimeMosaicUnsupportedRhsType).
+#
+# NOTE on `unpacks_fp8` (compiled ahead of time, libtpu 0.0.50.1: `astype(float32)` of a VMEM
+# block, the scheduled bundles read back): v5e, v5p and v6e unpack float8_e4m3b11fnuz and
+# float8_e5m2 in one `vunpack` per value; their float8_e4m3fn takes that unpack plus a
+# multiply, two compares, two selects and a mask (its 256-448 binade and NaN are encoded
+# differently). tpu7x unpacks float8_e4m3fn itself. v4 builds every 8-bit float from integer
+# operations (about 12 bundles per 1,024 values).
+_UNPACKS_V5 = ("float8_e4m3b11fnuz", "float8_e5m2")
 
 
 GENERATIONS: dict[str, TpuGeneration] = {
@@ -117,6 +128,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       tensorcores_per_device=1,
       aot_topology="v5e:2x2",
       device_kinds=("TPU v5e", "TPU v5 lite"),
+      unpacks_fp8=_UNPACKS_V5,
     ),
     TpuGeneration(
       name="v5p",
@@ -132,6 +144,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       tensorcores_per_device=2,
       aot_topology="v5p:2x2x1",
       device_kinds=("TPU v5", "TPU v5p"),
+      unpacks_fp8=_UNPACKS_V5,
     ),
     TpuGeneration(
       name="v6e",
@@ -148,6 +161,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       aot_topology="v6e:2x2",
       device_kinds=("TPU v6e", "TPU v6 lite"),
       step_overhead_s=V6E_STEP_OVERHEAD_S,
+      unpacks_fp8=_UNPACKS_V5,
     ),
     TpuGeneration(
       name="tpu7x",
@@ -163,6 +177,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       tensorcores_per_device=1,
       aot_topology="tpu7x:2x2x1",
       device_kinds=("TPU7x",),
+      unpacks_fp8=("float8_e4m3fn",),
       # NOTE: fit on tokamax's measured tpu7x forward problems (`python -m bench.measured
       # --fit`: 35 of 43, both kernels, dims multiples of 128) with the rates fixed at one
       # TensorCore's: 0.84 µs per step. The same fit gives 0.44 (v5e) and 0.15 µs (v5p), whose

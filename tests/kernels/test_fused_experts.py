@@ -101,6 +101,37 @@ def test_group_sizes_property(stream, data):
   _check(out, np_experts(x, wi, wo, gs))
 
 
+@pytest.mark.parametrize("gen,route", [("v5e", "e4m3b11"), ("v6e", "e4m3b11"), ("tpu7x", "astype")])
+def test_block_fp8_every_byte(gen, route):
+  """Every finite float8_e4m3fn byte (subnormals, the 256-448 binade, -0) dequantizes to its
+  value times its block's scale, both where the generation converts e4m3fn itself and where
+  the kernel reads the bytes as float8_e4m3b11fnuz."""
+  d, f, e = 256, 128, 2
+  rng = np.random.default_rng(7)
+  finite = np.setdiff1d(np.arange(256, dtype=np.uint8), [0x7F, 0xFF])
+
+  def weights(shape):
+    raw = rng.choice(finite, size=shape).astype(np.uint8)
+    raw.reshape(-1)[:256] = np.resize(finite, 256)  # every finite byte at least once
+    values = jax.lax.bitcast_convert_type(jnp.asarray(raw), jnp.float8_e4m3fn)
+    # NOTE: about 1 / sqrt(k) at the largest byte (448), as `quant.quantize_blocks` scales.
+    scales = rng.uniform(0.5, 1.5, (shape[0], shape[1] // 128, shape[2] // 128))
+    scales /= 448 * np.sqrt(shape[1])
+    return quant.BlockQuantizedWeights(values, jnp.asarray(scales, F32))
+
+  wi, wo = weights((e, d, 2 * f)), weights((e, f, d))
+  assert bool(jnp.any(jax.lax.bitcast_convert_type(wi.values, jnp.uint8) == 0x80))
+  plan = fe.plan_fused(
+    rows=16, d=d, f=f, num_experts=e, x_dtype=F32, w_dtype=wi.dtype, kind="block", generation=gen
+  )
+  assert plan.upcast == route
+  gs = jnp.asarray([9, 7], jnp.int32)
+  x = random_array(8, (16, d), F32)
+  out = fe.fused_experts(x, wi, wo, gs, plan=plan, interpret=True)
+  want = np_experts(x, quant.dequantize_blocks(wi), quant.dequantize_blocks(wo), gs)
+  _check(out, want)
+
+
 def test_every_expert_empty_gives_zeros():
   wi, wo, _, _ = _weights("float", e=3, d=128, f=128)
   x = random_array(6, (16, 128), F32)
