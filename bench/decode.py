@@ -54,10 +54,11 @@ one [window, chunk] x [chunk, d] for down, the window padded to `generations.min
 contraction and columns to the MXU edge (what `bench.costmodel` charges the kernel's dots), at one
 TensorCore's bf16 peak; in the gathered layout, a visited expert's first step on a core adds its
 windows' one-hot gathers and its last step their transposed adds (`gather_macs`). 8-bit weights
-are upcast in VMEM, and block-scaled ones dequantized there per step (about `DEQUANT_VPU_OPS` VPU
-operations per weight element: upcast, scale multiply, downcast): that VPU work is not modeled,
-nor the gathered layout's VPU work (building the one-hots, the [N, d] f32 add per window added
-back).
+are upcast in VMEM, and block-scaled ones dequantized there per step, one piece before that
+piece's products: the compiled program issues `DEQUANT_BUNDLES` bundles per 1,024 values for it
+(`bench.fused_vliw`), added to the step's MXU time (`dequant_step_s`). The gathered layout's
+other VPU work (building the one-hots, the [N, d] f32 add per window added back) is not
+modeled.
 
 Group sizes: one seeded draw per (model, ep, tokens): ep x tokens tokens each choose top_k
 distinct experts uniformly; a device's local experts are a contiguous block of E / ep. Reported:
@@ -94,6 +95,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import costmodel  # noqa: E402
+from bench.llo import implied_clock_hz  # noqa: E402
 from bench.shapes import Shape  # noqa: E402
 from pallas_moe import quant  # noqa: E402
 from pallas_moe.config import MoEConfig  # noqa: E402
@@ -199,9 +201,20 @@ BLOCK_STREAM_LAYER_XLA_OPS = 88
 # NOTE: a streamed call split over two TensorCores (v5p): the shared granule's row read and
 # converted, the granule added and written back in place (compiled for v5p, 8,192 rows).
 SEAM_XLA_OPS = 4
-# NOTE: VPU operations per weight element of the fused kernel's block-scaled dequantization
-# (upcast to f32, the scale's multiply, the cast to the compute dtype): not modeled.
-DEQUANT_VPU_OPS = 3
+# NOTE: bundles the fused kernel issues per 1,024 block-scaled fp8 values to dequantize them
+# (upcast to f32, the block scale's multiply, the cast to bf16), by generation and
+# `FusedPlan.upcast`: compiled ahead of time (`python -m bench.fused_vliw`, jax 0.12.0.1, libtpu
+# 0.0.50.1; bench/results/fused-vliw.md). The compiled program runs each piece's dequantization
+# loop before that piece's products: the loop's vector-unit work does not overlap the dots, so
+# the model adds it to the step's MXU time, at the clock the bf16 peak implies (a lower bound on
+# v6e and tpu7x, whose implied clocks exceed published ones). With e4m3fn converted as such
+# ("astype"), v5e, v5p and v6e issued 2.28-2.31 per 1,024 values (the e4m3fn fix-ups).
+DEQUANT_BUNDLES = {
+  ("v5e", "e4m3b11"): 1.343,
+  ("v5p", "e4m3b11"): 1.397,
+  ("v6e", "e4m3b11"): 1.327,
+  ("tpu7x", "astype"): 0.745,
+}
 # Bytes of a block scale (DeepSeek-V3 stores f32 `weight_scale_inv`).
 _SCALE_BYTES = 4
 # NOTE: the sorted-rows layout's [rows, 1] f32 row weights: a column laid out in 128 lanes.
@@ -437,6 +450,20 @@ def window_macs(plan: fe.FusedPlan, generation) -> float:
   return float(2 * rows * pad(d) * pad(c) + rows * pad(c) * pad(d))
 
 
+def dequant_step_s(plan: fe.FusedPlan, generation) -> float:
+  """Seconds one step's block-scaled weights take to dequantize (`DEQUANT_BUNDLES` per 1,024
+  values at `bench.llo.implied_clock_hz`); 0 for other kinds.
+
+  Raises:
+    KeyError: a (generation, upcast) the compiled schedule has not been read for.
+  """
+  if plan.kind != "block":
+    return 0.0
+  gen = get_generation(generation)
+  rate = DEQUANT_BUNDLES[(gen.name, plan.upcast)]
+  return 3 * plan.d * plan.chunk / 1024 * rate / implied_clock_hz(gen)
+
+
 def gather_macs(plan: fe.FusedPlan, generation) -> tuple[float, float]:
   """Padded MACs of one window's one-hot gather and of its transposed add, as
   `bench.costmodel.kernel_dot_macs` counts them (`fused_experts._gathered_step`).
@@ -564,7 +591,9 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
   visits = np.arange(len(sizes)) if visit_all else np.flatnonzero(sizes)
   per_window = window_macs(plan, gen) * 2 / flops
   windows = expert_windows(plan, sizes)[visits]
-  mxu = np.repeat(windows * per_window, plan.core_chunks).reshape(len(visits), plan.core_chunks)
+  dequant = dequant_step_s(plan, gen)
+  mxu = np.repeat(windows * per_window + dequant, plan.core_chunks)
+  mxu = mxu.reshape(len(visits), plan.core_chunks)
   gather, scatter = (m * 2 / flops for m in gather_macs(plan, gen))
   if plan.gather and len(visits):
     mxu[:, 0] += windows * gather
@@ -583,6 +612,7 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
     mxu_excess_s=total - copies,
     mxu_s=float(mxu.sum()),
     gather_mxu_s=float(windows.sum() * (gather + scatter)),
+    dequant_s=dequant * steps,
     dma_s=copies,
   )
 
@@ -602,6 +632,7 @@ def _summed(parts: list[dict], plans: list[fe.FusedPlan], gen, **extra) -> dict:
     weight_bytes_read=int(sum(p["weight_bytes"] for p in parts)),
     mxu_us=total("mxu_s"),
     gather_mxu_us=total("gather_mxu_s"),
+    dequant_us=total("dequant_s"),
     dma_us=total("dma_s"),
     io_us=total("io_s"),
     exposed_us=total("exposed_s"),
@@ -801,9 +832,11 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
   rows_in, rows_out = tiles_in * granule_in / bw, tiles_out * granule_out / bw
   dma = plan.step_weight_bytes / bw
 
+  dequant = dequant_step_s(plan, gen)
+
   def core(v0: int, v1: int) -> dict:
     n = v1 - v0
-    mxu = np.repeat(windows[v0:v1] * per_window, chunks)
+    mxu = np.repeat(windows[v0:v1] * per_window + dequant, chunks)
     head, tail = np.zeros(len(mxu)), np.zeros(len(mxu))
     if n:
       starts = np.arange(n) * chunks
@@ -820,6 +853,7 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
       mxu_excess_s=total - copies,
       mxu_s=float(mxu.sum()),
       gather_mxu_s=0.0,
+      dequant_s=dequant * len(mxu),
       dma_s=copies,
     )
 
@@ -1162,6 +1196,9 @@ def _why(r: dict) -> str:
     # NOTE: the stream's time past its copies: products the copies do not hide (the last
     # piece's, or the MXU's where it is slower than HBM) and the first piece's wait.
     mxu = "MXU over DMA"
+    if r.get("dequant_us"):
+      mxu = "MXU and dequantization over DMA"
+      mxu += f" (dequantization: {r['dequant_us'] / r['mxu_us']:.0%} of that compute)"
     if r.get("gather_mxu_us"):
       mxu += f" (one-hot gather and add back: {r['gather_mxu_us'] / r['mxu_us']:.0%} of the MXU)"
     calls = f"{r['calls']} calls' fixed" if r["calls"] > 1 else "fixed"
@@ -1498,11 +1535,16 @@ def _notes(fit: dict | None) -> list[str]:
     "TensorCore, ceil(its tokens / 128) windows per step, plus at its first step one [128, N] x "
     "[N, d] one-hot product per window and at its last the transposed one ([N, d] out, the "
     "128-deep contraction padded to the MXU edge: twice the MACs on v6e and tpu7x), as "
-    "`costmodel.kernel_dot_macs` counts the kernel's dots. Not modeled: VPU work, i.e. fp8 "
-    f"block-scaled weights' dequantization per step in VMEM (about {DEQUANT_VPU_OPS} "
-    "operations per weight element: upcast, the scale's multiply, the cast to bf16; at HBM's "
-    "rate a TensorCore must dequantize one weight element per fp8 byte it reads), and the "
-    "gathered layout's one-hot builds and its [N, d] f32 add per window added back.",
+    "`costmodel.kernel_dot_macs` counts the kernel's dots.",
+    "Dequantization (fp8 block-scaled weights): each piece is upcast, scaled and cast to bf16 in "
+    "VMEM before its products, in a loop of its own, so its bundles add to the step's MXU time: "
+    + ", ".join(f"{g} {v:.2f}" for (g, _), v in DEQUANT_BUNDLES.items())
+    + " bundles per 1,024 values, read from the compiled kernel's schedule (`python -m "
+    "bench.fused_vliw`, bench/results/fused-vliw.md), at the clock the bf16 peak implies (v5e "
+    "1.50, v5p 1.75, v6e 3.50, tpu7x 4.40 GHz: the last two exceed published clocks, so there "
+    "this is a lower bound). v5e, v5p and v6e read the e4m3fn bytes as e4m3b11fnuz, which they "
+    "unpack in one instruction (`fused_experts.upcast_route`). Not modeled: the gathered "
+    "layout's one-hot builds and its [N, d] f32 add per window added back.",
     "DMA: at one TensorCore's bandwidth, no efficiency loss for the [d, chunk] gate/up blocks' "
     "strided rows (chunk x itemsize contiguous bytes per row).",
     "Block path with the gmm pair (float weights on v5p): `plan_decode`'s "
@@ -1562,7 +1604,7 @@ def run(
       block_layer_xla_ops=BLOCK_LAYER_XLA_OPS,
       block_expert_xla_ops=BLOCK_EXPERT_XLA_OPS,
       gather_xla_ops=GATHER_XLA_OPS,
-      dequant_vpu_ops_per_weight=DEQUANT_VPU_OPS,
+      dequant_bundles_per_1024={f"{g} {u}": v for (g, u), v in DEQUANT_BUNDLES.items()},
       gather_above=serving.GATHER_ABOVE,
       max_fused_tokens=serving.MAX_FUSED_TOKENS,
       maxtext_tiling=list(MAXTEXT_TILING),
