@@ -154,10 +154,24 @@ def plan_decode(
       **layout,
     )
 
+  w_dtype = weights.dtype if weights is not None else config.weight_dtype
+  route = fe.upcast_route(w_dtype, x_dtype=config.compute_dtype, generation=gen)
+  # NOTE: the partials route's vector work grows with the window; on a 128-wide MXU it outruns
+  # the MXU past `PARTIALS_MAX_WINDOW` rows. The gathered layout's windows are 128 tokens (the
+  # routing weights' lane grid), so there its tokens go through the streamed kernel instead.
+  fits = None
+  if kind == "block" and route == "partials" and gen.mxu_size == 128:
+    fits = fe.PARTIALS_MAX_WINDOW
+  gather = ep * t > GATHER_ABOVE
   reason = f"{ep * t} > {MAX_FUSED_TOKENS} tokens"
-  if ep * t <= MAX_FUSED_TOKENS:
+  if gather and fits is not None:
+    reason = (
+      f"{ep * t} > {GATHER_ABOVE} tokens: the gathered layout's 128-token windows outrun the "
+      f"MXU on block-scaled partials (a window of at most {fits} rows does not)"
+    )
+  elif ep * t <= MAX_FUSED_TOKENS:
     try:
-      return plan(path="fused", fused=fused(ep * t, by_token=True, gather=ep * t > GATHER_ABOVE))
+      return plan(path="fused", fused=fused(ep * t, by_token=True, gather=gather))
     except ValueError as e:
       reason = str(e)
   with tiling_lib.use_generation(gen):
@@ -165,12 +179,12 @@ def plan_decode(
   # NOTE: the experts of moe_block's forward as one fused kernel streaming only the received
   # rows (no SwiGLU pass over the static buffer, no gmm metadata); a megacore device (v5p)
   # splits the visits between its two TensorCores.
-  window = stream_window(ep * t * config.top_k / config.num_experts)
+  window = stream_window(ep * t * config.top_k / config.num_experts, fits=fits)
   block = dataclasses.replace(block, fused=fused(block.expert_rows, stream=True, window=window))
   return plan(path="block", block=block, reason=reason)
 
 
-def stream_window(expected_rows: float) -> int:
+def stream_window(expected_rows: float, *, fits: int | None = None) -> int:
   """Rows per MXU pass of the streamed experts, for experts of `expected_rows` rows on
   average (ep x T x top_k / num_experts under even routing).
 
@@ -178,8 +192,16 @@ def stream_window(expected_rows: float) -> int:
   experts of up to about 128; above, one window covering an expert two and a half standard
   deviations (sqrt of the mean: rows are a sum of independent choices) past the mean costs
   less than two of 128. Capped at 256: a bigger expert takes two windows anyway.
+
+  Args:
+    expected_rows: the mean rows per expert.
+    fits: where the step's vector work grows with the window (`fused_experts`' partials), the
+      most rows a window may hold before it outruns the MXU: experts that fit it (to 2.5
+      deviations) get a window of that many rows (each pass costs the MXU the same below it).
   """
   high = expected_rows + 2.5 * expected_rows**0.5
+  if fits is not None and high <= fits:
+    return fits
   if high <= 128:
     return 128
   return int(min(256, -(-high // 16) * 16))

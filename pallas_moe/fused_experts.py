@@ -50,7 +50,15 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_moe import common, quant
 from pallas_moe.generations import current_generation, get_generation
 
-__all__ = ["MAX_PIECES", "FusedPlan", "plan_fused", "fused_experts", "upcast_route", "weight_kind"]
+__all__ = [
+  "MAX_PIECES",
+  "PARTIALS_MAX_WINDOW",
+  "FusedPlan",
+  "plan_fused",
+  "fused_experts",
+  "upcast_route",
+  "weight_kind",
+]
 
 # NOTE: the share of VMEM the kernel plans for; the rest is Mosaic's (internal scratch, spills).
 # `_vmem_bytes` counts the VMEM operands (rows, result) as well as the scratch, and rounds its
@@ -59,6 +67,12 @@ __all__ = ["MAX_PIECES", "FusedPlan", "plan_fused", "fused_experts", "upcast_rou
 # operands (compiled ahead of time).
 _VMEM_SHARE = 0.85
 _MAX_WINDOW = 128
+# NOTE: on the "partials" route each window's partial products are scaled 128 columns at a time,
+# so a step's vector work grows with the window's rows. Compiled for v5e, a step issues about
+# 0.33 + 0.0163 x rows bundles per 1,024 values (v5p: 0.33 + 0.0184), against the 2 cycles per
+# 1,024 values four 128-wide MXUs take to load them: past about 100 rows the vector unit, not
+# the MXU, sets the pace there. (v6e: 0.41 + 0.0085 x rows against 4 cycles, never.)
+PARTIALS_MAX_WINDOW = 96
 # NOTE: a step's weights arrive in up to this many parts: the exposed copy before the first
 # product, and the exposed product after the last copy, are one part's.
 MAX_PIECES = 8
@@ -112,8 +126,10 @@ class FusedPlan:
     visit_rows: with `stream`, the rows one visit holds in VMEM: an expert whose rows (from
       its first row rounded down to `align`) span more is visited again for the rest, its
       weights streamed again.
-    upcast: how kind "block" values become f32 in VMEM (`upcast_route`): "astype" (the
-      generation converts the stored dtype itself) or "e4m3b11" (float8_e4m3fn bytes read as
+    upcast: how kind "block" values reach the MXU (`upcast_route`): "partials" (as stored: one
+      128-deep product per block row of d, each partial times its blocks' scales, summed in
+      f32), or dequantized into a compute-dtype copy in VMEM first, "astype" (the generation
+      converts the stored dtype itself) or "e4m3b11" (float8_e4m3fn bytes read as
       float8_e4m3b11fnuz, which v5e / v5p / v6e unpack in one instruction).
   """
 
@@ -188,7 +204,20 @@ class FusedPlan:
 
 
 def _vmem_bytes(
-  *, rows, d, chunk, x_item, w_item, out_item, kind, window, experts, gather, stream=0, pieces=1
+  *,
+  rows,
+  d,
+  chunk,
+  x_item,
+  w_item,
+  out_item,
+  kind,
+  window,
+  experts,
+  gather,
+  stream=0,
+  pieces=1,
+  dequantized=True,
 ) -> int:
   if stream:
     # NOTE: one visit's rows, their row weights (128 lanes), f32 sums and output staging, and
@@ -206,7 +235,7 @@ def _vmem_bytes(
   elif not stream:
     resident += rows * 128 * 4  # the [rows, 1] row weights, padded to 128 lanes
   weights = 2 * 3 * d * chunk * w_item  # two slots of gate, up, down
-  upcast = 3 * d * chunk * x_item if w_item != x_item else 0
+  upcast = 3 * d * chunk * x_item if w_item != x_item and dequantized else 0
   # NOTE: one window's gate and up products (f32), its activation, one down piece's product.
   work = window * (chunk * (2 * 4 + 4 + x_item) + d // pieces * 4)
   # NOTE: a step's gate and up sums (f32) and activation over all its windows' rows.
@@ -222,26 +251,39 @@ def _vmem_bytes(
 _E4M3B11_FACTOR = 16.0
 
 
-def upcast_route(w_dtype: Any, *, generation: Any = None) -> str:
-  """How the fused kernel turns narrow block-scaled values into f32 (`FusedPlan.upcast`).
+def upcast_route(w_dtype: Any, *, x_dtype: Any = jnp.bfloat16, generation: Any = None) -> str:
+  """How the fused kernel brings block-scaled values to the MXU (`FusedPlan.upcast`).
 
-  v5e, v5p and v6e convert float8_e4m3fn with fix-ups per value for what e4m3fn encodes
-  differently (its 256-448 binade, NaN): 2.35 bundles per 1,024 values with the scale's
-  multiply, so DeepSeek-V3's fp8 experts dequantize slower than HBM delivers them. The same
-  bytes read as float8_e4m3b11fnuz, which they unpack in one instruction, are exact up to the
-  factor 16 folded into the scale (subnormals included), except two kinds of byte: 0x80
-  (e4m3fn's -0, e4m3b11fnuz's NaN) is set back to 0, and e4m3fn's NaN (0x7F, 0xFF) reads as
-  +-480. Compiled: 1.33 bundles per 1,024 values (`generations.TpuGeneration.unpacks_fp8`).
+  A block scale varies along the contraction as well as the columns, so either the values are
+  dequantized (upcast, scaled, cast to the compute dtype) in VMEM before full-depth products,
+  or each 128-deep block row of d is its own product and the scales multiply its partial sums.
+
+  - "astype": dequantized, the stored dtype converted as such. Where the vector unit unpacks
+    it in one instruction (tpu7x's float8_e4m3fn: 0.75 bundles per 1,024 values with the
+    scale), this costs less than partials on a 256-wide MXU, where a 128-deep product uses
+    half of the array.
+  - "partials": where Mosaic pushes the stored dtype into the MXU beside bf16 rows
+    (`generations.TpuGeneration.mxu_pushes_fp8`: float8_e4m3fn on v5e, v5p and v6e), no value
+    passes through the vector unit; the partials' scaling does, [window, 128] per block of the
+    step. Compiled at 64 rows (a [64, 1,024] x [1,024, 2,048] product): 2,915 bundles against
+    4,874 dequantized first (v5e), 2,118 against 3,884 (v6e).
+  - "e4m3b11": dequantized, float8_e4m3fn bytes read as float8_e4m3b11fnuz, which v5e, v5p and
+    v6e unpack in one instruction (their e4m3fn takes fix-ups: 2.35 bundles per 1,024 values
+    with the scale, against 1.33). Exact up to the factor 16 folded into the scale
+    (subnormals included), except the byte 0x80 (e4m3fn's -0, e4m3b11fnuz's NaN), set back to
+    0, and e4m3fn's NaN bytes (0x7F, 0xFF), which read as +-480. For rows that are not bf16.
 
   Returns:
-    "e4m3b11" for float8_e4m3fn values on a generation that unpacks float8_e4m3b11fnuz but not
-    float8_e4m3fn, else "astype".
+    The route's name.
   """
   gen = current_generation() if generation is None else get_generation(generation)
-  native = gen.unpacks_fp8
-  if jnp.dtype(w_dtype) == jnp.dtype(jnp.float8_e4m3fn) and "float8_e4m3fn" not in native:
-    if "float8_e4m3b11fnuz" in native:
-      return "e4m3b11"
+  w = jnp.dtype(w_dtype)
+  if w != jnp.dtype(jnp.float8_e4m3fn) or w.name in gen.unpacks_fp8:
+    return "astype"
+  if w.name in gen.mxu_pushes_fp8 and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16):
+    return "partials"
+  if "float8_e4m3b11fnuz" in gen.unpacks_fp8:
+    return "e4m3b11"
   return "astype"
 
 
@@ -336,6 +378,7 @@ def plan_fused(
   else:
     candidates = [c for c in range(f, 0, -granule) if f % c == 0]
   budget = int(gen.vmem_bytes * _VMEM_SHARE)
+  upcast = upcast_route(w_dtype, x_dtype=x_dtype, generation=gen) if kind == "block" else "astype"
   kw = dict(
     rows=padded,
     d=d,
@@ -348,6 +391,7 @@ def plan_fused(
     gather=gather,
     stream=visit_rows if stream else 0,
     pieces=_pieces(d, gen.mxu_size, block if kind == "block" else 128, pieces),
+    dequantized=kind != "float" and upcast != "partials",
   )
   cores = gen.tensorcores_per_device if cores is None else cores
   fits = [c for c in candidates if _vmem_bytes(chunk=c, **kw) <= budget]
@@ -389,7 +433,7 @@ def plan_fused(
     stream=stream,
     visit_rows=visit_rows if stream else 0,
     pieces=kw["pieces"],
-    upcast=upcast_route(w_dtype, generation=gen) if kind == "block" else "astype",
+    upcast=upcast,
   )
 
 
@@ -577,7 +621,7 @@ def _arrivals(plan: FusedPlan, copies, scratch: _Scratch, *, slot):
   def arrive(part, piece):
     if part == "down" or piece:
       _wait(copies(part, piece))
-    if plan.kind == "block":
+    if plan.kind == "block" and plan.upcast != "partials":
       _dequantize_piece(plan, scratch, slot=slot, part=part, piece=piece)
 
   return arrive
@@ -604,7 +648,8 @@ def _products(
   """
   k, window, cdt = plan.piece, plan.window, jnp.dtype(plan.x_dtype)
   sums, act_rows = scratch.gate_up_sums, scratch.act
-  if plan.kind == "block":
+  partials = plan.kind == "block" and plan.upcast == "partials"
+  if plan.kind == "block" and not partials:
     weights_in, weights_out = scratch.dequant_in, scratch.dequant_out
   else:
     weights_in, weights_out = scratch.gate_up.at[slot], scratch.down.at[slot]
@@ -619,6 +664,9 @@ def _products(
     arrive("gate_up", p)
 
     def gate_up(i, carry, p=p):
+      if partials:
+        _gate_up_partials(plan, scratch, slot=slot, piece=p, x=x_rows, row=place(i), at=own(i))
+        return carry
       x = x_rows[pl.ds(place(i), window), p * k : (p + 1) * k]
       for which in range(2):
         y = dot(x, weights_in[which, p])
@@ -642,6 +690,9 @@ def _products(
     cols = slice(p * k, (p + 1) * k)
 
     def down(i, carry, p=p, cols=cols):
+      if partials:
+        _down_partials(plan, scratch, slot=slot, piece=p, at=own(i), into=into, row=place(i))
+        return carry
       y = dot(act_rows[own(i)], weights_out[p])
       if plan.kind == "channel":
         y = y * scratch.down_scales[slot, :, cols]
@@ -649,6 +700,59 @@ def _products(
       return carry
 
     lax.fori_loop(0, windows, down, 0)
+
+
+def _gate_up_partials(plan: FusedPlan, scratch: _Scratch, *, slot, piece, x, row, at) -> None:
+  """One window's gate and up products over one piece of d, from the stored block-scaled
+  values (`FusedPlan.upcast` "partials"): per 128-deep block row of the piece, a [window,
+  chunk] partial product, each 128 of its columns times that block's scale, added into
+  `gate_up_sums` (zeroed at the first piece).
+
+  Args:
+    x: the rows' ref; row: the window's first row in it; at: the window's rows of the sums.
+  """
+  b, cb, window = plan.block, plan.chunk_blocks, plan.window
+  sums, scales, values = scratch.gate_up_sums, scratch.gate_up_scales, scratch.gate_up.at[slot]
+  first = piece * (plan.piece // b)  # NOTE: the piece's first block of d, to index the scales
+  if piece == 0:
+    sums[:, at] = jnp.zeros((2, window, plan.chunk), jnp.float32)
+
+  def block_row(kb, carry):
+    k0 = pl.multiple_of(kb * b, b)
+    rows = x[pl.ds(row, window), pl.ds(pl.multiple_of(piece * plan.piece + k0, b), b)]
+    for which in range(2):
+      part = jnp.dot(rows, values[which, piece, pl.ds(k0, b)], preferred_element_type=jnp.float32)
+      for j in range(cb):
+        cols = slice(j * b, (j + 1) * b)
+        sums[which, at, cols] += part[:, cols] * scales[slot, which, j, first + kb]
+    return carry
+
+  lax.fori_loop(0, plan.piece // b, block_row, 0)
+
+
+def _down_partials(plan: FusedPlan, scratch: _Scratch, *, slot, piece, at, into, row) -> None:
+  """One window's down product into one piece of d's columns, from the stored block-scaled
+  values: per 128-deep block row of the chunk, a [window, d / pieces] partial product, each
+  128 of its columns times that block's scale, added into `into`'s window rows.
+
+  Args:
+    at: the window's rows of the activation; into: the f32 sums' ref; row: the window's first
+      row in it.
+  """
+  b, window, k = plan.block, plan.window, plan.piece
+  scales, values = scratch.down_scales, scratch.down.at[slot]
+  first = piece * (k // b)  # NOTE: the piece's first block of d's columns, to index the scales
+
+  def block_row(kb, carry):
+    k0 = pl.multiple_of(kb * b, b)
+    act = scratch.act[at, pl.ds(k0, b)]
+    part = jnp.dot(act, values[piece, pl.ds(k0, b)], preferred_element_type=jnp.float32)
+    for j in range(k // b):
+      cols = pl.ds(piece * k + j * b, b)
+      into[pl.ds(row, window), cols] += part[:, j * b : (j + 1) * b] * scales[slot, kb, first + j]
+    return carry
+
+  lax.fori_loop(0, plan.chunk_blocks, block_row, 0)
 
 
 def _dequantize_piece(plan: FusedPlan, scratch: _Scratch, *, slot, part, piece) -> None:
@@ -1313,7 +1417,7 @@ def _scratch_names(plan: FusedPlan) -> list[str]:
   if plan.kind != "float":
     names += ["gate_up_scales", "down_scales"]
   names += ["sems", "first_row", "visits"]
-  if plan.kind == "block":
+  if plan.kind == "block" and plan.upcast != "partials":
     names += ["dequant_in", "dequant_out"]
   if plan.gather:
     names += ["gathered", "expert_acc"]
@@ -1344,7 +1448,7 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
     pltpu.SMEM((plan.num_experts + 1,), jnp.int32),
     pltpu.SMEM((plan.max_visits if plan.stream else plan.num_experts,), jnp.int32),
   ]
-  if plan.kind == "block":
+  if plan.kind == "block" and plan.upcast != "partials":
     cdt = jnp.dtype(plan.x_dtype)
     shapes += [vmem((2, plan.pieces, plan.piece, c), cdt), vmem((plan.pieces, c, plan.piece), cdt)]
   if plan.gather:

@@ -59,6 +59,9 @@ class TpuGeneration:
       DMA issue and waits), on top of max(MXU, DMA) (`bench.costmodel`).
     unpacks_fp8: 8-bit float dtypes the vector unit converts to f32 in one instruction per
       value (no fix-ups), as Mosaic compiles `astype(float32)` for the generation.
+    mxu_pushes_fp8: 8-bit float dtypes Mosaic multiplies bf16 rows by as they are: the MXU
+      converts the weights as they are pushed in, and no converted copy passes through the
+      vector unit.
   """
 
   name: str
@@ -77,6 +80,7 @@ class TpuGeneration:
   peak_fp8_ops: float = 0.0
   step_overhead_s: float = 0.35e-6
   unpacks_fp8: tuple[str, ...] = ()
+  mxu_pushes_fp8: tuple[str, ...] = ()
 
 
 # NOTE on the narrow MXU modes (int8 / fp8). Sources: Cloud TPU docs per chip ("Peak compute per
@@ -94,7 +98,14 @@ class TpuGeneration:
 # multiply, two compares, two selects and a mask (its 256-448 binade and NaN are encoded
 # differently). tpu7x unpacks float8_e4m3fn itself. v4 builds every 8-bit float from integer
 # operations (about 12 bundles per 1,024 values).
+#
+# NOTE on `mxu_pushes_fp8` (compiled the same way: a bf16 [64, 128] x float8_e4m3fn [128, 2048]
+# dot): v5e, v5p and v6e push the e4m3fn weights into the MXU as e4m3b11 (`vmatpush.f8e4m3b11`),
+# after a fix-up of three operations per 4,096 bytes for the byte 0x80, and scale the result by
+# 16; no upcast weights are written. Cast to bf16 first (`astype`), the same dot converts every
+# value on the vector unit.
 _UNPACKS_V5 = ("float8_e4m3b11fnuz", "float8_e5m2")
+_PUSHES_V5 = ("float8_e4m3fn",)
 
 
 GENERATIONS: dict[str, TpuGeneration] = {
@@ -129,6 +140,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       aot_topology="v5e:2x2",
       device_kinds=("TPU v5e", "TPU v5 lite"),
       unpacks_fp8=_UNPACKS_V5,
+      mxu_pushes_fp8=_PUSHES_V5,
     ),
     TpuGeneration(
       name="v5p",
@@ -145,6 +157,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       aot_topology="v5p:2x2x1",
       device_kinds=("TPU v5", "TPU v5p"),
       unpacks_fp8=_UNPACKS_V5,
+      mxu_pushes_fp8=_PUSHES_V5,
     ),
     TpuGeneration(
       name="v6e",
@@ -162,6 +175,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       device_kinds=("TPU v6e", "TPU v6 lite"),
       step_overhead_s=V6E_STEP_OVERHEAD_S,
       unpacks_fp8=_UNPACKS_V5,
+      mxu_pushes_fp8=_PUSHES_V5,
     ),
     TpuGeneration(
       name="tpu7x",

@@ -115,6 +115,7 @@ def test_pack_calls_keeps_experts_whole():
     ("v5e", "bf16", False, False),
     ("v5e", "fp8-block", False, False),
     ("v6e", "fp8-block", False, False),
+    ("tpu7x", "fp8-block", False, False),
     ("v5p", "bf16", False, False),
     ("v6e", "bf16", True, False),
     ("v5p", "fp8-block", True, False),
@@ -126,7 +127,8 @@ def test_pack_calls_keeps_experts_whole():
 def test_window_macs_match_the_kernels_dots(chip, weights, by_token, gather):
   """The schedule's MXU work per window and step is what `costmodel.kernel_dot_macs` counts in
   the fused kernel's traced body (the step and window loops are `while` loops, counted once):
-  block-scaled weights too (dequantized per step, then full-depth products), the tokens layout,
+  block-scaled weights too (v5e, v5p, v6e: one product per 128-deep block row of the stored
+  values; tpu7x: dequantized per step, then full-depth products), the tokens layout,
   v5p's two-core grid, and the gathered layout's one-hot gather and transposed add (the add's
   128-deep contraction padded to v6e's 256-wide MXU)."""
   gen = get_generation(chip)
@@ -153,11 +155,15 @@ def test_window_macs_match_the_kernels_dots(chip, weights, by_token, gather):
   )
   gathered, added = dec.gather_macs(plan, gen)
   assert macs == dec.window_macs(plan, gen) + gathered + added
-  # Full depth: one [window, d] x [d, chunk] product each for gate and up, one back for down.
-  rows = max(plan.window, min_pass_rows(gen))
-  assert dec.window_macs(plan, gen) == 3 * rows * max(d, gen.mxu_size) * max(
-    plan.chunk, gen.mxu_size
-  )
+  rows, mxu, c = max(plan.window, min_pass_rows(gen)), gen.mxu_size, plan.chunk
+  if plan.upcast == "partials":
+    # One product per 128-deep block row of the stored values, the block padded to the MXU.
+    b = max(128, mxu)
+    want = rows * (2 * (d // 128) * b * max(c, mxu) + (c // 128) * b * max(d, mxu))
+  else:
+    # Full depth: one [window, d] x [d, chunk] product each for gate and up, one for down.
+    want = 3 * rows * max(d, mxu) * max(c, mxu)
+  assert dec.window_macs(plan, gen) == want
   if gather:
     # [128, N] x [N, d] one-hots and back: 128 x N x d each, the add's 128 padded to the MXU.
     assert (plan.rows, plan.window) == (256, 128)

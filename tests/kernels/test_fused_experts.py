@@ -101,12 +101,22 @@ def test_group_sizes_property(stream, data):
   _check(out, np_experts(x, wi, wo, gs))
 
 
-@pytest.mark.parametrize("gen,route", [("v5e", "e4m3b11"), ("v6e", "e4m3b11"), ("tpu7x", "astype")])
-def test_block_fp8_every_byte(gen, route):
-  """Every finite float8_e4m3fn byte (subnormals, the 256-448 binade, -0) dequantizes to its
-  value times its block's scale, both where the generation converts e4m3fn itself and where
-  the kernel reads the bytes as float8_e4m3b11fnuz."""
-  d, f, e = 256, 128, 2
+@pytest.mark.parametrize(
+  "gen,rows,route,mode",
+  [
+    ("v5e", "bfloat16", "partials", "hlo"),
+    ("v5p", "bfloat16", "partials", "races"),
+    ("v6e", "bfloat16", "partials", "hlo"),
+    ("v5e", "float32", "e4m3b11", "hlo"),
+    ("tpu7x", "bfloat16", "astype", "hlo"),
+  ],
+)
+def test_block_fp8_every_byte(gen, rows, route, mode, capfd):
+  """Every finite float8_e4m3fn byte (subnormals, the 256-448 binade, -0) counts as its value
+  times its block's scale on each route: products of the stored values with the partials
+  scaled (bf16 rows where the MXU takes e4m3fn), values read as float8_e4m3b11fnuz, or
+  converted as such (tpu7x). Three windows of rows, two pieces of d, two chunks."""
+  d, f, e = 256, 256, 2
   rng = np.random.default_rng(7)
   finite = np.setdiff1d(np.arange(256, dtype=np.uint8), [0x7F, 0xFF])
 
@@ -121,15 +131,31 @@ def test_block_fp8_every_byte(gen, route):
 
   wi, wo = weights((e, d, 2 * f)), weights((e, f, d))
   assert bool(jnp.any(jax.lax.bitcast_convert_type(wi.values, jnp.uint8) == 0x80))
+  m = 40
   plan = fe.plan_fused(
-    rows=16, d=d, f=f, num_experts=e, x_dtype=F32, w_dtype=wi.dtype, kind="block", generation=gen
-  )
+    rows=m, d=d, f=f, num_experts=e, x_dtype=rows, w_dtype=wi.dtype, out_dtype=F32,
+    kind="block", generation=gen, chunk=128, pieces=2, window=16,
+  )  # fmt: skip
   assert plan.upcast == route
-  gs = jnp.asarray([9, 7], jnp.int32)
-  x = random_array(8, (16, d), F32)
-  out = fe.fused_experts(x, wi, wo, gs, plan=plan, interpret=True)
-  want = np_experts(x, quant.dequantize_blocks(wi), quant.dequantize_blocks(wo), gs)
-  _check(out, want)
+  gs = jnp.asarray([31, 9], jnp.int32)
+  x = random_array(8, (m, d), F32).astype(rows)
+  interpret = RACE_PARAMS if mode == "races" else True
+  with no_races_or_oob(capfd):
+    out = fe.fused_experts(x, wi, wo, gs, plan=plan, interpret=interpret)
+  wi64, wo64 = (np.asarray(quant.dequantize_blocks(w), np.float64) for w in (wi, wo))
+  x64 = np.asarray(x.astype(F32), np.float64)
+  if rows == "float32":
+    _check(out, np_experts(x64, wi64, wo64, gs))
+    return
+  # NOTE: the kernel rounds the activation to the rows' dtype before down; so does this.
+  want, r = np.zeros((m, d)), 0
+  for g, size in enumerate(np.asarray(gs)):
+    h = x64[r : r + size] @ wi64[g]
+    act = h[:, :f] / (1 + np.exp(-h[:, :f])) * h[:, f:]
+    act = np.asarray(jnp.asarray(act, jnp.bfloat16).astype(F32), np.float64)
+    want[r : r + size] = act @ wo64[g]
+    r += size
+  np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=1e-3, rtol=1e-3)
 
 
 def test_every_expert_empty_gives_zeros():

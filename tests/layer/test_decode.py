@@ -6,6 +6,7 @@ built here; AOT compiles for each TPU generation and the compiled op count."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -167,6 +168,30 @@ def test_stream_window_follows_the_rows_per_expert():
   config = MoEConfig(**_deepseek_v3(), data_parallelism=1, expert_parallelism=32)
   plan = decode.plan_decode(config, tokens_per_device=128, expert_parallelism=32, generation="v6e")
   assert plan.path == "block" and plan.block.fused.window == 160
+  # NOTE: where a window's vector work outruns the MXU past `fits` rows, experts that fit get
+  # that window; bigger ones as before.
+  assert [decode.stream_window(r, fits=96) for r in (1, 32, 64, 128)] == [96, 96, 96, 160]
+
+
+def test_block_scaled_partials_plan():
+  """DeepSeek-V3's fp8 experts on v5e: the stored values multiplied as they are ("partials"),
+  streamed in 96-row windows where experts fit them; more than 128 tokens on the expert axis
+  go through the streamed kernel, not the gathered layout's 128-token windows. On tpu7x (which
+  unpacks e4m3fn itself) they are dequantized, and the gathered layout stays."""
+  config = MoEConfig(**_deepseek_v3(), data_parallelism=1, expert_parallelism=8)
+  e, d, f, b = 32, config.d_model, config.expert_ffn_dim, quant.BLOCK
+  wi = quant.BlockQuantizedWeights(
+    jax.ShapeDtypeStruct((e, d, 2 * f), jnp.float8_e4m3fn),
+    jax.ShapeDtypeStruct((e, d // b, 2 * f // b), jnp.float32),
+  )
+  plan = functools.partial(decode.plan_decode, config, expert_parallelism=8, weights=wi)
+  small = plan(tokens_per_device=8, generation="v5e")
+  assert small.path == "fused" and small.fused.upcast == "partials"
+  gathered = plan(tokens_per_device=32, generation="v5e")
+  assert gathered.path == "block" and "gathered layout" in gathered.reason
+  assert gathered.block.fused.upcast == "partials" and gathered.block.fused.window == 96
+  native = plan(tokens_per_device=32, generation="tpu7x")
+  assert native.path == "fused" and native.fused.gather and native.fused.upcast == "astype"
 
 
 def test_plan_and_errors():
