@@ -215,6 +215,16 @@ DEQUANT_BUNDLES = {
   ("v6e", "e4m3b11"): 1.327,
   ("tpu7x", "astype"): 0.745,
 }
+# NOTE: the "partials" route (v5e, v5p, v6e: the stored fp8 values multiplied as they are, one
+# product per 128-deep block row, the partials scaled): the compiled step's bundles per 1,024
+# values, base + per_row x the window's rows, fit on the step compiled at 16 and 128 tokens
+# (one window of them; `python -m bench.fused_vliw`, bench/results/fused-vliw.md). Products and
+# scaling are one loop, so the step takes the longer of this and the MXU's time.
+PARTIALS_BUNDLES = {
+  "v5e": (0.3264, 0.01626),  # at 64 rows: 1.367 (compiled 1.383)
+  "v5p": (0.3339, 0.01836),  # 1.509 (1.505)
+  "v6e": (0.4131, 0.00851),  # 0.958 (0.940)
+}
 # Bytes of a block scale (DeepSeek-V3 stores f32 `weight_scale_inv`).
 _SCALE_BYTES = 4
 # NOTE: the sorted-rows layout's [rows, 1] f32 row weights: a column laid out in 128 lanes.
@@ -447,7 +457,36 @@ def window_macs(plan: fe.FusedPlan, generation) -> float:
     return -(-x // mxu) * mxu
 
   d, c = plan.d, plan.chunk
+  if plan.kind == "block" and plan.upcast == "partials":
+    # NOTE: one product per 128-deep block row: each contraction is the block, padded to the
+    # MXU edge (twice the MACs on a 256-wide MXU).
+    b = plan.block
+    return float(2 * rows * (d // b) * pad(b) * pad(c) + rows * (c // b) * pad(b) * pad(d))
   return float(2 * rows * pad(d) * pad(c) + rows * pad(c) * pad(d))
+
+
+def partials_window_s(plan: fe.FusedPlan, generation) -> float:
+  """Seconds the compiled step issues per window on the "partials" route
+  (`PARTIALS_BUNDLES` at the plan's window, at `bench.llo.implied_clock_hz`); 0 on others.
+
+  Raises:
+    KeyError: a generation the compiled schedule has not been read for.
+  """
+  if plan.kind != "block" or plan.upcast != "partials":
+    return 0.0
+  gen = get_generation(generation)
+  base, per_row = PARTIALS_BUNDLES[gen.name]
+  values = 3 * plan.d * plan.chunk
+  return values / 1024 * (base + per_row * plan.window) / implied_clock_hz(gen)
+
+
+def step_compute_s(plan: fe.FusedPlan, windows, per_window: float, generation):
+  """Each step's compute seconds for its `windows` windows: the MXU's time, or the compiled
+  step's issue where that is longer (the "partials" route, whose products and partials'
+  scaling share one loop), plus a separate dequantization loop's issue (`dequant_step_s`)."""
+  issue = partials_window_s(plan, generation)
+  windows = np.asarray(windows, float)
+  return np.maximum(windows * per_window, windows * issue) + dequant_step_s(plan, generation)
 
 
 def dequant_step_s(plan: fe.FusedPlan, generation) -> float:
@@ -457,7 +496,7 @@ def dequant_step_s(plan: fe.FusedPlan, generation) -> float:
   Raises:
     KeyError: a (generation, upcast) the compiled schedule has not been read for.
   """
-  if plan.kind != "block":
+  if plan.kind != "block" or plan.upcast == "partials":
     return 0.0
   gen = get_generation(generation)
   rate = DEQUANT_BUNDLES[(gen.name, plan.upcast)]
@@ -592,7 +631,7 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
   per_window = window_macs(plan, gen) * 2 / flops
   windows = expert_windows(plan, sizes)[visits]
   dequant = dequant_step_s(plan, gen)
-  mxu = np.repeat(windows * per_window + dequant, plan.core_chunks)
+  mxu = np.repeat(step_compute_s(plan, windows, per_window, gen), plan.core_chunks)
   mxu = mxu.reshape(len(visits), plan.core_chunks)
   gather, scatter = (m * 2 / flops for m in gather_macs(plan, gen))
   if plan.gather and len(visits):
@@ -836,7 +875,7 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
 
   def core(v0: int, v1: int) -> dict:
     n = v1 - v0
-    mxu = np.repeat(windows[v0:v1] * per_window + dequant, chunks)
+    mxu = np.repeat(step_compute_s(plan, windows[v0:v1], per_window, gen), chunks)
     head, tail = np.zeros(len(mxu)), np.zeros(len(mxu))
     if n:
       starts = np.arange(n) * chunks

@@ -80,7 +80,9 @@ def _compile_in_this_process(spec: dict[str, Any]) -> None:
     jax.jit(call).lower(*args).compile()
 
 
-def compile_dump(*, chip: str, weights: str, dump_dir: str, timeout_s: float = 900) -> str:
+def compile_dump(
+  *, chip: str, weights: str, dump_dir: str, tokens: int = DIMS["tokens"], timeout_s: float = 900
+) -> str:
   """AOT-compiles the case in a fresh process with the LLO dumps on (libtpu reads its flags
   once, when jax loads it); a directory whose compile finished is reused.
 
@@ -91,7 +93,7 @@ def compile_dump(*, chip: str, weights: str, dump_dir: str, timeout_s: float = 9
   if os.path.exists(done):
     return dump_dir
   os.makedirs(dump_dir, exist_ok=True)
-  spec = dict(chip=chip, weights=weights, **DIMS)
+  spec = DIMS | dict(chip=chip, weights=weights, tokens=tokens)
   env = dict(os.environ)
   env.update(
     JAX_PLATFORMS="cpu",
@@ -160,14 +162,14 @@ def step_counts(text: str, generation) -> StepCounts:
   return StepCounts(products=_issued(step) - dequant, dequant=dequant, mxu_cycles=mxu(step))
 
 
-def plan_for(chip: str, weights: str):
+def plan_for(chip: str, weights: str, tokens: int = DIMS["tokens"]):
   """The fused plan of the case, as `plan_fused` makes it for the generation."""
   from bench import decode as bd
   from pallas_moe import fused_experts as fe
 
   dtype, kind = bd.WEIGHTS[weights]
   return fe.plan_fused(
-    rows=DIMS["tokens"],
+    rows=tokens,
     d=DIMS["d"],
     f=DIMS["f"],
     num_experts=DIMS["experts"],
@@ -179,14 +181,14 @@ def plan_for(chip: str, weights: str):
   )
 
 
-def record(chip: str, weights: str, counts: StepCounts) -> dict:
+def record(chip: str, weights: str, counts: StepCounts, tokens: int = DIMS["tokens"]) -> dict:
   """The compiled step beside the model's: µs at the implied clock, the model's copy and MXU
   time of the step (one TensorCore's rates), the dequantization's bundles per 1,024 values."""
   from bench import decode as bd
   from pallas_moe.generations import get_generation, tensorcore_rates
 
   gen = get_generation(chip)
-  plan = plan_for(chip, weights)
+  plan = plan_for(chip, weights, tokens)
   clock = llo.implied_clock_hz(gen)
   flops, bw = tensorcore_rates(gen)
   values = 3 * plan.d * plan.chunk
@@ -194,6 +196,8 @@ def record(chip: str, weights: str, counts: StepCounts) -> dict:
   return dict(
     chip=chip,
     weights=weights,
+    tokens=tokens,
+    window=plan.window,
     chunk=plan.chunk,
     pieces=plan.pieces,
     upcast=plan.upcast if plan.kind == "block" else "",
@@ -205,18 +209,27 @@ def record(chip: str, weights: str, counts: StepCounts) -> dict:
     copy_us=plan.step_weight_bytes / bw * 1e6,
     model_mxu_us=bd.window_macs(plan, gen) * 2 / flops * 1e6,
     dequant_bundles_per_1024=counts.dequant / values * 1024,
+    products_bundles_per_1024=counts.products / values * 1024,
   )
 
 
-def run(chips: Sequence[str] = CHIPS, weights: Sequence[str] = WEIGHTS, *, work: str) -> list:
+def run(
+  chips: Sequence[str] = CHIPS,
+  weights: Sequence[str] = WEIGHTS,
+  tokens: Sequence[int] = (DIMS["tokens"],),
+  *,
+  work: str,
+) -> list:
   from pallas_moe.generations import get_generation
 
   out = []
   for chip in chips:
     for w in weights:
-      d = compile_dump(chip=chip, weights=w, dump_dir=os.path.join(work, f"{chip}-{w}"))
-      text = open(llo.find_dump(d, KERNEL)).read()
-      out.append(record(chip, w, step_counts(text, get_generation(chip))))
+      for t in tokens:
+        where = os.path.join(work, f"{chip}-{w}-{t}")
+        d = compile_dump(chip=chip, weights=w, dump_dir=where, tokens=t)
+        text = open(llo.find_dump(d, KERNEL)).read()
+        out.append(record(chip, w, step_counts(text, get_generation(chip)), t))
   return out
 
 
@@ -225,22 +238,24 @@ def markdown(recs: Sequence[dict], *, command: str, versions: str) -> str:
     "# The fused kernel's compiled step against the decode model",
     "",
     f"`{command}` ({versions}; 2-core VM, no TPU: compiled ahead of time, nothing ran). "
-    "DeepSeek-V3's expert (d 7,168, f 2,048), 64 tokens, 4 local experts, the tokens layout; "
-    "one step is one chunk of one expert. Bundles issued per step at the clock the bf16 peak "
-    "implies (v6e's and tpu7x's exceed published clocks: their µs are lower bounds); copy: the "
-    "step's weight bytes at one TensorCore's HBM bandwidth; model MXU: `bench.decode`'s MXU "
-    "time of the step (rows padded to 128 per pass).",
+    "DeepSeek-V3's expert (d 7,168, f 2,048), 4 local experts, the tokens layout (one window "
+    "of all the tokens); one step is one chunk of one expert. Bundles issued per step at the "
+    "clock the bf16 peak implies (v6e's and tpu7x's exceed published clocks: their µs are "
+    "lower bounds); copy: the step's weight bytes at one TensorCore's HBM bandwidth; model "
+    "MXU: `bench.decode`'s MXU time of the step (rows padded to 128 per pass).",
     "",
-    "| chip | weights | chunk | upcast | products µs | dequant µs | issued µs | MXU-busy µs "
-    "| model MXU µs | copy µs | issued / copy | dequant bundles per 1,024 values |",
-    "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "| chip | weights | tokens | chunk | upcast | products µs | dequant µs | issued µs "
+    "| MXU-busy µs | model MXU µs | copy µs | issued / copy | bundles per 1,024 values: "
+    "products · dequant |",
+    "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
   ]
   for r in recs:
     lines.append(
-      f"| {r['chip']} | {r['weights']} | {r['chunk']} | {r['upcast'] or '-'} "
+      f"| {r['chip']} | {r['weights']} | {r['tokens']} | {r['chunk']} | {r['upcast'] or '-'} "
       f"| {r['products_us']:.1f} | {r['dequant_us']:.1f} | {r['issue_us']:.1f} "
       f"| {r['mxu_busy_us']:.1f} | {r['model_mxu_us']:.1f} | {r['copy_us']:.1f} "
-      f"| {r['issue_us'] / r['copy_us']:.2f} | {r['dequant_bundles_per_1024']:.2f} |"
+      f"| {r['issue_us'] / r['copy_us']:.2f} "
+      f"| {r['products_bundles_per_1024']:.2f} · {r['dequant_bundles_per_1024']:.2f} |"
     )
   return "\n".join(lines) + "\n"
 
@@ -249,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--chips", nargs="*", default=list(CHIPS))
   p.add_argument("--weights", nargs="*", default=list(WEIGHTS))
+  p.add_argument("--tokens", nargs="*", type=int, default=[16, 64, 128])
   p.add_argument("--work", default=None, help="dump directory (default: a temporary one)")
   p.add_argument("--markdown", default=None, help="write the table here")
   p.add_argument("--json", default=None, help="write the records here")
@@ -260,8 +276,14 @@ def main(argv: Sequence[str] | None = None) -> None:
   import jax
 
   with tempfile.TemporaryDirectory() as tmp:
-    recs = run(a.chips, a.weights, work=a.work or tmp)
-  command = "python -m bench.fused_vliw " + " ".join(argv if argv is not None else sys.argv[1:])
+    recs = run(a.chips, a.weights, a.tokens, work=a.work or tmp)
+  # NOTE: the dump and JSON paths are where this run kept things, not what it measured.
+  shown = list(argv if argv is not None else sys.argv[1:])
+  for flag in ("--work", "--json"):
+    if flag in shown:
+      i = shown.index(flag)
+      del shown[i : i + 2]
+  command = "python -m bench.fused_vliw " + " ".join(shown)
   from importlib.metadata import version
 
   versions = f"jax {jax.__version__}, libtpu {version('libtpu')}"
