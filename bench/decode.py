@@ -1630,7 +1630,7 @@ def run(
       command=command,
       machine="2-core VM, no TPU",
       software=f"Python {sys.version_info.major}.{sys.version_info.minor}, jax {jax.__version__}",
-      date=datetime.date(2026, 11, 28).isoformat(),
+      date=datetime.date.today().isoformat(),
       limit=LIMIT,
       seed=SEED,
       headline=HEADLINE,
