@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -94,25 +93,7 @@ def compile_dump(
     return dump_dir
   os.makedirs(dump_dir, exist_ok=True)
   spec = DIMS | dict(chip=chip, weights=weights, tokens=tokens)
-  env = dict(os.environ)
-  env.update(
-    JAX_PLATFORMS="cpu",
-    ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-    LIBTPU_INIT_ARGS=env.get("LIBTPU_INIT_ARGS", "") + " " + llo.DUMP_FLAGS.format(dir=dump_dir),
-  )
-  proc = subprocess.run(
-    [sys.executable, "-m", "bench.fused_vliw", "--_compile", json.dumps(spec)],
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=timeout_s,
-    check=False,
-  )
-  if proc.returncode:
-    raise RuntimeError(f"compile of {spec} failed:\n{proc.stderr[-3000:]}")
-  with open(done, "w") as fh:
-    fh.write(json.dumps(spec) + "\n")
-  return dump_dir
+  return llo.dump_compile("bench.fused_vliw", spec, dump_dir=dump_dir, timeout_s=timeout_s)
 
 
 def _issued(node: llo.Node) -> int:
@@ -143,12 +124,15 @@ def step_counts(text: str, generation) -> StepCounts:
 
   Args:
     text: the dump's text.
-    generation: its TPU generation (for the vmatmuls' MXU cycles).
+    generation: its TPU generation or its name (for the vmatmuls' MXU cycles).
 
   Returns:
     `StepCounts`: the step loop is the program's largest loop; its inner loops without MXU work
     are the dequantization, the rest its products.
   """
+  from pallas_moe.generations import get_generation
+
+  generation = get_generation(generation)
   root = llo.loop_tree(llo.parse_bundles(text))
   step = max((n for n in root.walk() if n.kind == "loop"), key=lambda n: n.bundles)
   inner = [c for c in step.children if c.kind == "loop" and not _has_matmul(c)]

@@ -1034,6 +1034,20 @@ def compile_dump(
   spec = dict(impl=impl, op=op, shape=shape, tokens=tokens, generation=generation)
   if tiling is not None:
     spec["tiling"] = [int(t) for t in tiling]
+  return dump_compile("bench.llo", spec, dump_dir=dump_dir, timeout_s=timeout_s)
+
+
+def dump_compile(module: str, spec: dict[str, Any], *, dump_dir: str, timeout_s: float) -> str:
+  """Runs `python -m <module> --_compile <spec as JSON>` in a fresh process with libtpu's LLO
+  dumps on (libtpu reads LIBTPU_INIT_ARGS once, when jax first loads it), then marks the
+  directory done (`compiled.ok`, which `compile_dump` and its kin check first).
+
+  Returns:
+    dump_dir.
+
+  Raises:
+    RuntimeError: the compile failed (its stderr's tail in the message).
+  """
   env = dict(os.environ)
   env.update(
     JAX_PLATFORMS="cpu",
@@ -1041,7 +1055,7 @@ def compile_dump(
     LIBTPU_INIT_ARGS=(env.get("LIBTPU_INIT_ARGS", "") + " " + DUMP_FLAGS.format(dir=dump_dir)),
   )
   proc = subprocess.run(
-    [sys.executable, "-m", "bench.llo", "--_compile", json.dumps(spec)],
+    [sys.executable, "-m", module, "--_compile", json.dumps(spec)],
     env=env,
     capture_output=True,
     text=True,
@@ -1050,7 +1064,7 @@ def compile_dump(
   )
   if proc.returncode:
     raise RuntimeError(f"compile of {spec} failed:\n{proc.stderr[-3000:]}")
-  with open(done, "w") as f:
+  with open(os.path.join(dump_dir, "compiled.ok"), "w") as f:
     f.write(json.dumps(spec) + "\n")
   return dump_dir
 
