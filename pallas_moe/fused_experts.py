@@ -391,7 +391,7 @@ def plan_fused(
     gather=gather,
     stream=visit_rows if stream else 0,
     pieces=_pieces(d, gen.mxu_size, block if kind == "block" else 128, pieces),
-    dequantized=kind != "float" and upcast != "partials",
+    dequantized=upcast != "partials",
   )
   cores = gen.tensorcores_per_device if cores is None else cores
   fits = [c for c in candidates if _vmem_bytes(chunk=c, **kw) <= budget]
