@@ -53,12 +53,12 @@ MXU work per window of rows and step: one [window, d] x [d, chunk] product each 
 one [window, chunk] x [chunk, d] for down, the window padded to `generations.min_pass_rows`,
 contraction and columns to the MXU edge (what `bench.costmodel` charges the kernel's dots), at one
 TensorCore's bf16 peak; in the gathered layout, a visited expert's first step on a core adds its
-windows' one-hot gathers and its last step their transposed adds (`gather_macs`). 8-bit weights
-are upcast in VMEM, and block-scaled ones dequantized there per step, one piece before that
-piece's products: the compiled program issues `DEQUANT_BUNDLES` bundles per 1,024 values for it
-(`bench.fused_vliw`), added to the step's MXU time (`dequant_step_s`). The gathered layout's
-other VPU work (building the one-hots, the [N, d] f32 add per window added back) is not
-modeled.
+windows' one-hot gathers and its last step their transposed adds (`gather_macs`). Block-scaled
+fp8 weights take vector work inside the products' loop (scaled partials, or each block
+dequantized on its way to the MXU): the compiled step issues `ISSUE_BUNDLES` bundles per 1,024
+values per window (`bench.fused_vliw`), and a window takes the longer of that and its MXU time
+(`step_compute_s`). The gathered layout's other VPU work (building the one-hots, the [N, d] f32
+add per window added back) is not modeled.
 
 Group sizes: one seeded draw per (model, ep, tokens): ep x tokens tokens each choose top_k
 distinct experts uniformly; a device's local experts are a contiguous block of E / ep. Reported:
@@ -201,29 +201,20 @@ BLOCK_STREAM_LAYER_XLA_OPS = 88
 # NOTE: a streamed call split over two TensorCores (v5p): the shared granule's row read and
 # converted, the granule added and written back in place (compiled for v5p, 8,192 rows).
 SEAM_XLA_OPS = 4
-# NOTE: bundles the fused kernel issues per 1,024 block-scaled fp8 values to dequantize them
-# (upcast to f32, the block scale's multiply, the cast to bf16), by generation and
-# `FusedPlan.upcast`: compiled ahead of time (`python -m bench.fused_vliw`, jax 0.12.0.1, libtpu
-# 0.0.50.1; bench/results/fused-vliw.md). The compiled program runs each piece's dequantization
-# loop before that piece's products: the loop's vector-unit work does not overlap the dots, so
-# the model adds it to the step's MXU time, at the clock the bf16 peak implies (a lower bound on
-# v6e and tpu7x, whose implied clocks exceed published ones). With e4m3fn converted as such
-# ("astype"), v5e, v5p and v6e issued 2.28-2.31 per 1,024 values (the e4m3fn fix-ups).
-DEQUANT_BUNDLES = {
-  ("v5e", "e4m3b11"): 1.343,
-  ("v5p", "e4m3b11"): 1.397,
-  ("v6e", "e4m3b11"): 1.327,
-  ("tpu7x", "astype"): 0.745,
-}
-# NOTE: the "partials" route (v5e, v5p, v6e: the stored fp8 values multiplied as they are, one
-# product per 128-deep block row, the partials scaled): the compiled step's bundles per 1,024
-# values, base + per_row x the window's rows, fit on the step compiled at 16 and 128 tokens
-# (one window of them; `python -m bench.fused_vliw`, bench/results/fused-vliw.md). Products and
-# scaling are one loop, so the step takes the longer of this and the MXU's time.
-PARTIALS_BUNDLES = {
-  "v5e": (0.3264, 0.01626),  # at 64 rows: 1.367 (compiled 1.383)
-  "v5p": (0.3339, 0.01836),  # 1.509 (1.505)
-  "v6e": (0.4131, 0.00851),  # 0.958 (0.940)
+# NOTE: block-scaled fp8 weights pass through the vector unit inside the products' loop: on the
+# "partials" route (v5e, v5p, v6e: the stored values multiplied as they are, one product per
+# 128-deep block row, the partials scaled) and on "astype" (tpu7x: each 128 x 128 block
+# converted, scaled and cast to bf16 on its way to the MXU, no dequantized copy in VMEM). The
+# compiled step's bundles per 1,024 values, base + per_row x the window's rows, fit on the step
+# compiled at 16 and 128 tokens (one window of them; `python -m bench.fused_vliw`,
+# bench/results/fused-vliw.md). Vector and MXU work are one loop, so the step takes the longer
+# of this issue and the MXU's time, at the clock the bf16 peak implies (a lower bound on v6e and
+# tpu7x, whose implied clocks exceed published ones).
+ISSUE_BUNDLES = {
+  ("v5e", "partials"): (0.3264, 0.01626),  # at 64 rows: 1.367 (compiled 1.383)
+  ("v5p", "partials"): (0.3339, 0.01836),  # 1.509 (1.505)
+  ("v6e", "partials"): (0.4131, 0.00851),  # 0.958 (0.940)
+  ("tpu7x", "astype"): (0.6873, 0.001056),  # 0.755 (0.755)
 }
 # Bytes of a block scale (DeepSeek-V3 stores f32 `weight_scale_inv`).
 _SCALE_BYTES = 4
@@ -448,7 +439,8 @@ def window_macs(plan: fe.FusedPlan, generation) -> float:
   """Padded MACs of one window pass of one step: gate, up and down of `plan.window` rows over a
   chunk, as `bench.costmodel.kernel_dot_macs` counts the kernel's dots (rows to at least
   `min_pass_rows`, contraction and columns to the MXU edge). Every weight kind runs the same
-  full-depth products: block-scaled weights are dequantized in VMEM before them."""
+  full-depth products (block-scaled weights dequantized on their way to the MXU), except the
+  "partials" route's 128-deep ones."""
   gen = get_generation(generation)
   mxu = gen.mxu_size
   rows = max(plan.window, min_pass_rows(gen))
@@ -465,42 +457,27 @@ def window_macs(plan: fe.FusedPlan, generation) -> float:
   return float(2 * rows * pad(d) * pad(c) + rows * pad(c) * pad(d))
 
 
-def partials_window_s(plan: fe.FusedPlan, generation) -> float:
-  """Seconds the compiled step issues per window on the "partials" route
-  (`PARTIALS_BUNDLES` at the plan's window, at `bench.llo.implied_clock_hz`); 0 on others.
+def window_issue_s(plan: fe.FusedPlan, generation) -> float:
+  """Seconds the compiled step issues per window of block-scaled weights (`ISSUE_BUNDLES` at
+  the plan's window and route, at `bench.llo.implied_clock_hz`); 0 for other kinds.
 
   Raises:
-    KeyError: a generation the compiled schedule has not been read for.
+    KeyError: a (generation, route) the compiled schedule has not been read for.
   """
-  if plan.kind != "block" or plan.upcast != "partials":
+  if plan.kind != "block":
     return 0.0
   gen = get_generation(generation)
-  base, per_row = PARTIALS_BUNDLES[gen.name]
+  base, per_row = ISSUE_BUNDLES[(gen.name, plan.upcast)]
   values = 3 * plan.d * plan.chunk
   return values / 1024 * (base + per_row * plan.window) / implied_clock_hz(gen)
 
 
 def step_compute_s(plan: fe.FusedPlan, windows, per_window: float, generation):
   """Each step's compute seconds for its `windows` windows: the MXU's time, or the compiled
-  step's issue where that is longer (the "partials" route, whose products and partials'
-  scaling share one loop), plus a separate dequantization loop's issue (`dequant_step_s`)."""
-  issue = partials_window_s(plan, generation)
+  step's issue where that is longer (block-scaled weights, whose vector work shares the
+  products' loop: `window_issue_s`)."""
   windows = np.asarray(windows, float)
-  return np.maximum(windows * per_window, windows * issue) + dequant_step_s(plan, generation)
-
-
-def dequant_step_s(plan: fe.FusedPlan, generation) -> float:
-  """Seconds one step's block-scaled weights take to dequantize (`DEQUANT_BUNDLES` per 1,024
-  values at `bench.llo.implied_clock_hz`); 0 for other kinds.
-
-  Raises:
-    KeyError: a (generation, upcast) the compiled schedule has not been read for.
-  """
-  if plan.kind != "block" or plan.upcast == "partials":
-    return 0.0
-  gen = get_generation(generation)
-  rate = DEQUANT_BUNDLES[(gen.name, plan.upcast)]
-  return 3 * plan.d * plan.chunk / 1024 * rate / implied_clock_hz(gen)
+  return np.maximum(windows * per_window, windows * window_issue_s(plan, generation))
 
 
 def gather_macs(plan: fe.FusedPlan, generation) -> tuple[float, float]:
@@ -630,8 +607,9 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
   visits = np.arange(len(sizes)) if visit_all else np.flatnonzero(sizes)
   per_window = window_macs(plan, gen) * 2 / flops
   windows = expert_windows(plan, sizes)[visits]
-  dequant = dequant_step_s(plan, gen)
-  mxu = np.repeat(step_compute_s(plan, windows, per_window, gen), plan.core_chunks)
+  compute = step_compute_s(plan, windows, per_window, gen)
+  vector = float((compute - windows * per_window).sum()) * plan.core_chunks
+  mxu = np.repeat(compute, plan.core_chunks)
   mxu = mxu.reshape(len(visits), plan.core_chunks)
   gather, scatter = (m * 2 / flops for m in gather_macs(plan, gen))
   if plan.gather and len(visits):
@@ -651,7 +629,7 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
     mxu_excess_s=total - copies,
     mxu_s=float(mxu.sum()),
     gather_mxu_s=float(windows.sum() * (gather + scatter)),
-    dequant_s=dequant * steps,
+    vector_s=vector,
     dma_s=copies,
   )
 
@@ -671,7 +649,7 @@ def _summed(parts: list[dict], plans: list[fe.FusedPlan], gen, **extra) -> dict:
     weight_bytes_read=int(sum(p["weight_bytes"] for p in parts)),
     mxu_us=total("mxu_s"),
     gather_mxu_us=total("gather_mxu_s"),
-    dequant_us=total("dequant_s"),
+    vector_us=total("vector_s"),
     dma_us=total("dma_s"),
     io_us=total("io_s"),
     exposed_us=total("exposed_s"),
@@ -871,11 +849,11 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
   rows_in, rows_out = tiles_in * granule_in / bw, tiles_out * granule_out / bw
   dma = plan.step_weight_bytes / bw
 
-  dequant = dequant_step_s(plan, gen)
-
   def core(v0: int, v1: int) -> dict:
     n = v1 - v0
-    mxu = np.repeat(step_compute_s(plan, windows[v0:v1], per_window, gen), chunks)
+    compute = step_compute_s(plan, windows[v0:v1], per_window, gen)
+    vector = float((compute - windows[v0:v1] * per_window).sum()) * chunks
+    mxu = np.repeat(compute, chunks)
     head, tail = np.zeros(len(mxu)), np.zeros(len(mxu))
     if n:
       starts = np.arange(n) * chunks
@@ -892,7 +870,7 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
       mxu_excess_s=total - copies,
       mxu_s=float(mxu.sum()),
       gather_mxu_s=0.0,
-      dequant_s=dequant * len(mxu),
+      vector_s=vector,
       dma_s=copies,
     )
 
@@ -1235,9 +1213,9 @@ def _why(r: dict) -> str:
     # NOTE: the stream's time past its copies: products the copies do not hide (the last
     # piece's, or the MXU's where it is slower than HBM) and the first piece's wait.
     mxu = "MXU over DMA"
-    if r.get("dequant_us"):
-      mxu = "MXU and dequantization over DMA"
-      mxu += f" (dequantization: {r['dequant_us'] / r['mxu_us']:.0%} of that compute)"
+    if r.get("vector_us"):
+      mxu = "MXU and vector issue over DMA"
+      mxu += f" (issue past the MXU's time: {r['vector_us'] / r['mxu_us']:.0%} of that compute)"
     if r.get("gather_mxu_us"):
       mxu += f" (one-hot gather and add back: {r['gather_mxu_us'] / r['mxu_us']:.0%} of the MXU)"
     calls = f"{r['calls']} calls' fixed" if r["calls"] > 1 else "fixed"
@@ -1575,15 +1553,17 @@ def _notes(fit: dict | None) -> list[str]:
     "[N, d] one-hot product per window and at its last the transposed one ([N, d] out, the "
     "128-deep contraction padded to the MXU edge: twice the MACs on v6e and tpu7x), as "
     "`costmodel.kernel_dot_macs` counts the kernel's dots.",
-    "Dequantization (fp8 block-scaled weights): each piece is upcast, scaled and cast to bf16 in "
-    "VMEM before its products, in a loop of its own, so its bundles add to the step's MXU time: "
-    + ", ".join(f"{g} {v:.2f}" for (g, _), v in DEQUANT_BUNDLES.items())
-    + " bundles per 1,024 values, read from the compiled kernel's schedule (`python -m "
-    "bench.fused_vliw`, bench/results/fused-vliw.md), at the clock the bf16 peak implies (v5e "
-    "1.50, v5p 1.75, v6e 3.50, tpu7x 4.40 GHz: the last two exceed published clocks, so there "
-    "this is a lower bound). v5e, v5p and v6e read the e4m3fn bytes as e4m3b11fnuz, which they "
-    "unpack in one instruction (`fused_experts.upcast_route`). Not modeled: the gathered "
-    "layout's one-hot builds and its [N, d] f32 add per window added back.",
+    "Vector work of fp8 block-scaled weights, in the products' loop: v5e, v5p and v6e multiply "
+    "the stored values (one product per 128-deep block row) and scale the partials; tpu7x "
+    "converts, scales and casts each 128 x 128 block to bf16 on its way to the MXU "
+    "(`fused_experts.upcast_route`). The compiled step's bundles per 1,024 values per window "
+    "(base + per row x the window's rows): "
+    + ", ".join(f"{g} {a:.3f} + {b:.5f} x rows" for (g, _), (a, b) in ISSUE_BUNDLES.items())
+    + ", read from the compiled kernel's schedule (`python -m bench.fused_vliw`, "
+    "bench/results/fused-vliw.md), at the clock the bf16 peak implies (v5e 1.50, v5p 1.75, v6e "
+    "3.50, tpu7x 4.40 GHz: the last two exceed published clocks, so there this is a lower "
+    "bound). A window takes the longer of this issue and its MXU time. Not modeled: the "
+    "gathered layout's one-hot builds and its [N, d] f32 add per window added back.",
     "DMA: at one TensorCore's bandwidth, no efficiency loss for the [d, chunk] gate/up blocks' "
     "strided rows (chunk x itemsize contiguous bytes per row).",
     "Block path with the gmm pair (float weights on v5p): `plan_decode`'s "
@@ -1643,7 +1623,7 @@ def run(
       block_layer_xla_ops=BLOCK_LAYER_XLA_OPS,
       block_expert_xla_ops=BLOCK_EXPERT_XLA_OPS,
       gather_xla_ops=GATHER_XLA_OPS,
-      dequant_bundles_per_1024={f"{g} {u}": v for (g, u), v in DEQUANT_BUNDLES.items()},
+      issue_bundles_per_1024={f"{g} {u}": list(v) for (g, u), v in ISSUE_BUNDLES.items()},
       gather_above=serving.GATHER_ABOVE,
       max_fused_tokens=serving.MAX_FUSED_TOKENS,
       maxtext_tiling=list(MAXTEXT_TILING),

@@ -18,7 +18,8 @@ two above any published TPU clock, so their µs are lower bounds).
 
 The case is DeepSeek-V3's expert (d 7,168, f 2,048) at decode size: 64 tokens, 4 local
 experts, the tokens layout, the plan `plan_fused` makes for the generation. The dequantization
-rate it measures (bundles per 1,024 values) is what `bench.decode.DEQUANT_BUNDLES` charges.
+rate it measures (bundles per 1,024 values, at 16 and 128 tokens) is what
+`bench.decode.ISSUE_BUNDLES` fits.
 
     python -m bench.fused_vliw --markdown bench/results/fused-vliw.md
 """

@@ -26,12 +26,13 @@ microseconds; the exchange plan the ragged path needs (counts, offsets, a second
 about a third of that layer's ops (`bench/results/decode-ops.md`).
 
 Above `MAX_FUSED_TOKENS` tokens on the expert axis, or where the tokens do not fit the fused
-kernel's VMEM (`fused_experts.plan_fused`), or above `GATHER_ABOVE` for fp8 block-scaled experts
-multiplied as stored on a 128-wide MXU (whose partials outrun the MXU in the gathered layout's
-128-token windows), the forward is `moe.moe_block`'s (sort, ragged exchange), without its aux outputs, and its experts are the fused kernel again, streaming the
-received rows from HBM (`fused_experts(stream=True)`): each non-empty expert's weights read
-once, only the received rows touched; on a megacore device (v5p) its two TensorCores take
-half of the visits each.
+kernel's VMEM (`fused_experts.plan_fused`), or above `GATHER_ABOVE` for fp8 block-scaled
+experts multiplied as stored on a 128-wide MXU (whose partials outrun the MXU in the gathered
+layout's 128-token windows), the forward is `moe.moe_block`'s (sort, ragged exchange), without
+its aux outputs, and its experts are the fused kernel again, streaming the received rows from
+HBM (`fused_experts(stream=True)`): each non-empty expert's weights read once, only the
+received rows touched; on a megacore device (v5p) its two TensorCores take half of the visits
+each.
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ bytes, once:
 
 Weights: float (bf16 / f32), `quant.QuantizedWeights` (int8 / fp8 values, one scale per output
 column: the scales multiply the products) or `quant.BlockQuantizedWeights` (one scale per 128 x
-128 tile, DeepSeek-V3's fp8 layout: each step's blocks are upcast and scaled in VMEM, their
-scales copied to SMEM, and the products run at full depth). Values are upcast to the rows' dtype
-in VMEM; HBM holds and the DMA moves the narrow values.
+128 tile, DeepSeek-V3's fp8 layout: their scales copied to SMEM, each block either dequantized
+on its way to the MXU for full-depth products or multiplied as stored with the partial products
+scaled, `upcast_route`). HBM holds and the DMA moves the narrow values; no dequantized copy of
+them is kept in VMEM.
 
 On a device with two TensorCores (v5p, v4) the grid has one "parallel" step per core; each
 streams half of every visited expert's chunks, and the two partial sums are added after the
@@ -128,9 +129,10 @@ class FusedPlan:
       weights streamed again.
     upcast: how kind "block" values reach the MXU (`upcast_route`): "partials" (as stored: one
       128-deep product per block row of d, each partial times its blocks' scales, summed in
-      f32), or dequantized into a compute-dtype copy in VMEM first, "astype" (the generation
-      converts the stored dtype itself) or "e4m3b11" (float8_e4m3fn bytes read as
-      float8_e4m3b11fnuz, which v5e / v5p / v6e unpack in one instruction).
+      f32), or each 128 x 128 block dequantized to the compute dtype inside the products' loop
+      on its way to the MXU, "astype" (the generation converts the stored dtype itself) or
+      "e4m3b11" (float8_e4m3fn bytes read as float8_e4m3b11fnuz, which v5e / v5p / v6e unpack
+      in one instruction).
   """
 
   @property
@@ -235,6 +237,8 @@ def _vmem_bytes(
   elif not stream:
     resident += rows * 128 * 4  # the [rows, 1] row weights, padded to 128 lanes
   weights = 2 * 3 * d * chunk * w_item  # two slots of gate, up, down
+  # NOTE: weights upcast to the rows' dtype for the products (a float upcast, or block values
+  # dequantized inline) are values Mosaic may hold in VMEM: counted as a whole step's.
   upcast = 3 * d * chunk * x_item if w_item != x_item and dequantized else 0
   # NOTE: one window's gate and up products (f32), its activation, one down piece's product.
   work = window * (chunk * (2 * 4 + 4 + x_item) + d // pieces * 4)
@@ -255,18 +259,22 @@ def upcast_route(w_dtype: Any, *, x_dtype: Any = jnp.bfloat16, generation: Any =
   """How the fused kernel brings block-scaled values to the MXU (`FusedPlan.upcast`).
 
   A block scale varies along the contraction as well as the columns, so either the values are
-  dequantized (upcast, scaled, cast to the compute dtype) in VMEM before full-depth products,
-  or each 128-deep block row of d is its own product and the scales multiply its partial sums.
+  dequantized (upcast, scaled, cast to the compute dtype) for full-depth products, or each
+  128-deep block row of d is its own product and the scales multiply its partial sums. The
+  dequantized blocks are built inside the products' loop body and go from the vector registers
+  into the MXU, so the vector unit's work issues beside the MXU's and no copy of them takes VMEM
+  bandwidth or a loop of its own.
 
   - "astype": dequantized, the stored dtype converted as such. Where the vector unit unpacks
-    it in one instruction (tpu7x's float8_e4m3fn: 0.75 bundles per 1,024 values with the
-    scale), this costs less than partials on a 256-wide MXU, where a 128-deep product uses
-    half of the array.
+    it in one instruction (tpu7x's float8_e4m3fn), this costs less than partials on a 256-wide
+    MXU, where a 128-deep product uses half of the array: compiled for tpu7x, a step of
+    DeepSeek-V3's expert at 64 tokens issues 0.76 bundles per 1,024 values, products included
+    (1.18 with a dequantization loop of its own before the products).
   - "partials": where Mosaic pushes the stored dtype into the MXU beside bf16 rows
     (`generations.TpuGeneration.mxu_pushes_fp8`: float8_e4m3fn on v5e, v5p and v6e), no value
     passes through the vector unit; the partials' scaling does, [window, 128] per block of the
     step. Compiled at 64 rows (a [64, 1,024] x [1,024, 2,048] product): 2,915 bundles against
-    4,874 dequantized first (v5e), 2,118 against 3,884 (v6e).
+    4,874 dequantized first in a loop of their own (v5e), 2,118 against 3,884 (v6e).
   - "e4m3b11": dequantized, float8_e4m3fn bytes read as float8_e4m3b11fnuz, which v5e, v5p and
     v6e unpack in one instruction (their e4m3fn takes fix-ups: 2.35 bundles per 1,024 values
     with the scale, against 1.33). Exact up to the factor 16 folded into the scale
@@ -479,8 +487,6 @@ class _Scratch(NamedTuple):
   # channel: [2 slots, 2, 1, chunk] f32; block: SMEM [2, 2, cb, d / block]
   gate_up_scales: Any = None
   down_scales: Any = None  # channel: [2 slots, 1, d] f32; block: SMEM [2, cb, d / block]
-  dequant_in: Any = None  # block: [2, pieces, d / pieces, chunk] its gate / up, compute dtype
-  dequant_out: Any = None  # block: [pieces, chunk, d / pieces] its down
   gathered: Any = None  # gather: [rows, d] the visited expert's tokens
   expert_acc: Any = None  # gather: [rows, d] f32 their sums
   visit_lo: Any = None  # stream: SMEM [max visits] each visit's first row
@@ -615,14 +621,12 @@ def _wait(copies) -> None:
 
 def _arrivals(plan: FusedPlan, copies, scratch: _Scratch, *, slot):
   """`arrive(part, piece)`: waits for the piece's copies (gate/up's first piece excepted: the
-  step waited for it before starting the next step's) and dequantizes block-scaled pieces into
-  the compute dtype."""
+  step waited for it before starting the next step's)."""
+  del scratch, slot
 
   def arrive(part, piece):
     if part == "down" or piece:
       _wait(copies(part, piece))
-    if plan.kind == "block" and plan.upcast != "partials":
-      _dequantize_piece(plan, scratch, slot=slot, part=part, piece=piece)
 
   return arrive
 
@@ -649,10 +653,8 @@ def _products(
   k, window, cdt = plan.piece, plan.window, jnp.dtype(plan.x_dtype)
   sums, act_rows = scratch.gate_up_sums, scratch.act
   partials = plan.kind == "block" and plan.upcast == "partials"
-  if plan.kind == "block" and not partials:
-    weights_in, weights_out = scratch.dequant_in, scratch.dequant_out
-  else:
-    weights_in, weights_out = scratch.gate_up.at[slot], scratch.down.at[slot]
+  inline = plan.kind == "block" and not partials
+  weights_in, weights_out = scratch.gate_up.at[slot], scratch.down.at[slot]
 
   def own(i):
     return pl.ds(pl.multiple_of(i * window, window), window)
@@ -669,7 +671,10 @@ def _products(
         return carry
       x = x_rows[pl.ds(place(i), window), p * k : (p + 1) * k]
       for which in range(2):
-        y = dot(x, weights_in[which, p])
+        if inline:
+          y = dot(x, _dequantized_gate_up(plan, scratch, slot=slot, which=which, piece=p))
+        else:
+          y = dot(x, weights_in[which, p])
         sums[which, own(i)] = y if p == 0 else sums[which, own(i)] + y
       return carry
 
@@ -693,7 +698,10 @@ def _products(
       if partials:
         _down_partials(plan, scratch, slot=slot, piece=p, at=own(i), into=into, row=place(i))
         return carry
-      y = dot(act_rows[own(i)], weights_out[p])
+      if inline:
+        y = dot(act_rows[own(i)], _dequantized_down(plan, scratch, slot=slot, piece=p))
+      else:
+        y = dot(act_rows[own(i)], weights_out[p])
       if plan.kind == "channel":
         y = y * scratch.down_scales[slot, :, cols]
       into[pl.ds(place(i), window), cols] += y
@@ -755,40 +763,44 @@ def _down_partials(plan: FusedPlan, scratch: _Scratch, *, slot, piece, at, into,
   lax.fori_loop(0, plan.chunk_blocks, block_row, 0)
 
 
-def _dequantize_piece(plan: FusedPlan, scratch: _Scratch, *, slot, part, piece) -> None:
-  """One piece of the step's block-scaled gate and up (or down) blocks as compute-dtype
-  weights in VMEM.
+def _dequantized_gate_up(plan: FusedPlan, scratch: _Scratch, *, slot, which, piece):
+  """One piece of the step's gate (which 0) or up (1) block-scaled values, dequantized on their
+  way to the MXU: each 128 x 128 block upcast, times its scale, cast to the compute dtype, the
+  blocks put together as one [d / pieces, chunk] operand (`FusedPlan.upcast`).
 
-  NOTE: a block scale varies along both the contraction and the output columns, so no product
-  can take it outside the MXU without cutting the product into 128-deep or 128-wide pieces
-  (half of a 256-wide MXU). Upcasting the narrow values costs a pass over them anyway; the
-  scale is one multiply more in that pass, and the products then run at full depth and width.
+  NOTE: a block scale varies along both the contraction and the output columns, so no full-depth
+  product can take it outside the MXU. Built inside the product's loop body, the blocks go from
+  the vector registers into the MXU with no dequantized copy in VMEM: the vector unit's unpack
+  and multiply issue beside the MXU's pushes (tpu7x, a [64, 1,024] x [1,024, 512] product: 783
+  bundles against 1,299 with a dequantization loop of its own before it).
   """
   b, cb, cdt = plan.block, plan.chunk_blocks, jnp.dtype(plan.x_dtype)
-  gate_up, down = scratch.gate_up.at[slot], scratch.down.at[slot]
-  in_scales, out_scales = scratch.gate_up_scales, scratch.down_scales
-  per_piece = plan.piece // b
-  first = piece * per_piece  # NOTE: the piece's first block of d, to index the scales
+  values, scales = scratch.gate_up.at[slot], scratch.gate_up_scales
+  first = piece * (plan.piece // b)  # NOTE: the piece's first block of d, to index the scales
 
-  def rows(kb, carry):
-    k0 = pl.multiple_of(kb * b, b)
-    for which in range(2):
-      for j in range(cb):
-        block = gate_up[which, piece, pl.ds(k0, b), j * b : (j + 1) * b]
-        scaled = _scaled(plan, block, in_scales[slot, which, j, first + kb])
-        dst = (which, piece, pl.ds(k0, b), slice(j * b, (j + 1) * b))
-        scratch.dequant_in[dst] = scaled.astype(cdt)
-    return carry
+  def block(kb, j):
+    v = values[which, piece, kb * b : (kb + 1) * b, j * b : (j + 1) * b]
+    return _scaled(plan, v, scales[slot, which, j, first + kb]).astype(cdt)
 
-  def cols(n, carry):
-    n0 = pl.multiple_of(n * b, b)
-    for j in range(cb):
-      block = down[piece, j * b : (j + 1) * b, pl.ds(n0, b)]
-      scaled = _scaled(plan, block, out_scales[slot, j, first + n])
-      scratch.dequant_out[piece, j * b : (j + 1) * b, pl.ds(n0, b)] = scaled.astype(cdt)
-    return carry
+  rows = [
+    jnp.concatenate([block(kb, j) for j in range(cb)], axis=1) for kb in range(plan.piece // b)
+  ]
+  return jnp.concatenate(rows, axis=0)
 
-  lax.fori_loop(0, per_piece, rows if part == "gate_up" else cols, 0)
+
+def _dequantized_down(plan: FusedPlan, scratch: _Scratch, *, slot, piece):
+  """One piece of d's columns of the step's block-scaled down values, dequantized on their way
+  to the MXU as `_dequantized_gate_up`'s: one [chunk, d / pieces] operand."""
+  b, cb, cdt = plan.block, plan.chunk_blocks, jnp.dtype(plan.x_dtype)
+  values, scales = scratch.down.at[slot], scratch.down_scales
+  first = piece * (plan.piece // b)  # NOTE: the piece's first block of d's columns
+
+  def block(j, n):
+    v = values[piece, j * b : (j + 1) * b, n * b : (n + 1) * b]
+    return _scaled(plan, v, scales[slot, j, first + n]).astype(cdt)
+
+  rows = [jnp.concatenate([block(j, n) for n in range(plan.piece // b)], axis=1) for j in range(cb)]
+  return jnp.concatenate(rows, axis=0)
 
 
 def _scaled(plan: FusedPlan, values, scale):
@@ -1417,8 +1429,6 @@ def _scratch_names(plan: FusedPlan) -> list[str]:
   if plan.kind != "float":
     names += ["gate_up_scales", "down_scales"]
   names += ["sems", "first_row", "visits"]
-  if plan.kind == "block" and plan.upcast != "partials":
-    names += ["dequant_in", "dequant_out"]
   if plan.gather:
     names += ["gathered", "expert_acc"]
   if plan.stream:
@@ -1448,9 +1458,6 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
     pltpu.SMEM((plan.num_experts + 1,), jnp.int32),
     pltpu.SMEM((plan.max_visits if plan.stream else plan.num_experts,), jnp.int32),
   ]
-  if plan.kind == "block" and plan.upcast != "partials":
-    cdt = jnp.dtype(plan.x_dtype)
-    shapes += [vmem((2, plan.pieces, plan.piece, c), cdt), vmem((plan.pieces, c, plan.piece), cdt)]
   if plan.gather:
     shapes += [vmem((plan.rows, d), jnp.dtype(plan.x_dtype)), vmem((plan.rows, d), jnp.float32)]
   if plan.stream:

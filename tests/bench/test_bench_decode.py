@@ -128,9 +128,9 @@ def test_window_macs_match_the_kernels_dots(chip, weights, by_token, gather):
   """The schedule's MXU work per window and step is what `costmodel.kernel_dot_macs` counts in
   the fused kernel's traced body (the step and window loops are `while` loops, counted once):
   block-scaled weights too (v5e, v5p, v6e: one product per 128-deep block row of the stored
-  values; tpu7x: dequantized per step, then full-depth products), the tokens layout,
-  v5p's two-core grid, and the gathered layout's one-hot gather and transposed add (the add's
-  128-deep contraction padded to v6e's 256-wide MXU)."""
+  values; tpu7x: full-depth products, each block dequantized on its way to the MXU), the
+  tokens layout, v5p's two-core grid, and the gathered layout's one-hot gather and transposed
+  add (the add's 128-deep contraction padded to v6e's 256-wide MXU)."""
   gen = get_generation(chip)
   dtype, kind = dec.WEIGHTS[weights]
   e, d, f, m = 3, 256, 512, 200 if gather else 40

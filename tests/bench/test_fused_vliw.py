@@ -3,7 +3,9 @@ a hand-written schedule in the compiled dumps' format."""
 
 from __future__ import annotations
 
-from bench import fused_vliw
+import pytest
+
+from bench import decode, fused_vliw, llo
 from tests.bench.test_llo import _line
 
 
@@ -43,3 +45,21 @@ def test_step_counts_split_products_and_dequantization():
   step_bundles = len(lines) - 2 - 9  # all but the first and last bundles and the inner loop
   assert counts.products == step_bundles
   assert counts.mxu_cycles > 0
+
+
+@pytest.mark.aot
+def test_tpu7x_fp8_step_dequantizes_inside_its_products(tmp_path):
+  """Compiled for tpu7x (real libtpu), a step of DeepSeek-V3's fp8 block-scaled expert at 64
+  tokens has no dequantization loop: each block is dequantized on its way to the MXU, and the
+  step issues fewer bundles per 1,024 values (0.76 with libtpu 0.0.50.1) than its products and
+  a dequantization loop of their own did (1.18). `bench.decode.ISSUE_BUNDLES` charges what the
+  compiled step issues."""
+  d = fused_vliw.compile_dump(chip="tpu7x", weights="fp8-block", dump_dir=str(tmp_path), tokens=64)
+  with open(llo.find_dump(d, fused_vliw.KERNEL)) as f:
+    counts = fused_vliw.step_counts(f.read(), "tpu7x")
+  rec = fused_vliw.record("tpu7x", "fp8-block", counts, 64)
+  assert rec["upcast"] == "astype"
+  assert counts.dequant == 0 and counts.mxu_cycles > 0
+  assert rec["products_bundles_per_1024"] < 1.0
+  base, per_row = decode.ISSUE_BUNDLES[("tpu7x", "astype")]
+  assert abs(base + per_row * rec["window"] - rec["products_bundles_per_1024"]) < 0.1
