@@ -229,19 +229,29 @@ def markdown(recs: Sequence[dict], *, command: str, versions: str) -> str:
     "lower bounds); copy: the step's weight bytes at one TensorCore's HBM bandwidth; model "
     "MXU: `bench.decode`'s MXU time of the step (rows padded to 128 per pass).",
     "",
-    "| chip | weights | tokens | chunk | upcast | products µs | dequant µs | issued µs "
-    "| MXU-busy µs | model MXU µs | copy µs | issued / copy | bundles per 1,024 values: "
-    "products · dequant |",
-    "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    "| chip | weights | tokens | chunk | upcast | issued µs | MXU-busy µs | model MXU µs "
+    "| copy µs | issued / copy | bundles per 1,024 values |",
+    "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
   ]
   for r in recs:
     lines.append(
       f"| {r['chip']} | {r['weights']} | {r['tokens']} | {r['chunk']} | {r['upcast'] or '-'} "
-      f"| {r['products_us']:.1f} | {r['dequant_us']:.1f} | {r['issue_us']:.1f} "
-      f"| {r['mxu_busy_us']:.1f} | {r['model_mxu_us']:.1f} | {r['copy_us']:.1f} "
-      f"| {r['issue_us'] / r['copy_us']:.2f} "
-      f"| {r['products_bundles_per_1024']:.2f} · {r['dequant_bundles_per_1024']:.2f} |"
+      f"| {r['issue_us']:.1f} | {r['mxu_busy_us']:.1f} | {r['model_mxu_us']:.1f} "
+      f"| {r['copy_us']:.1f} | {r['issue_us'] / r['copy_us']:.2f} "
+      f"| {r['products_bundles_per_1024'] + r['dequant_bundles_per_1024']:.2f} |"
     )
+  looped = [r for r in recs if r["dequant_us"]]
+  lines.append("")
+  if looped:
+    lines.append(
+      "Steps with loops without MXU work (a dequantization of their own), µs of the issue: "
+      + ", ".join(
+        f"{r['chip']} {r['weights']} {r['tokens']}: {r['dequant_us']:.1f}" for r in looped
+      )
+      + "."
+    )
+  else:
+    lines.append("No step has a loop without MXU work (no dequantization loop of its own).")
   return "\n".join(lines) + "\n"
 
 

@@ -771,8 +771,9 @@ def _dequantized_gate_up(plan: FusedPlan, scratch: _Scratch, *, slot, which, pie
   NOTE: a block scale varies along both the contraction and the output columns, so no full-depth
   product can take it outside the MXU. Built inside the product's loop body, the blocks go from
   the vector registers into the MXU with no dequantized copy in VMEM: the vector unit's unpack
-  and multiply issue beside the MXU's pushes (tpu7x, a [64, 1,024] x [1,024, 512] product: 783
-  bundles against 1,299 with a dequantization loop of its own before it).
+  and multiply issue beside the MXU's pushes (tpu7x, gate and up [64, 1,024] x [1,024, 512]
+  products: 790 bundles against 1,307 with a dequantization loop of their own before them,
+  `python -m bench.llo_variants --variant dq_inline,dq_products_loop`).
   """
   b, cb, cdt = plan.block, plan.chunk_blocks, jnp.dtype(plan.x_dtype)
   values, scales = scratch.gate_up.at[slot], scratch.gate_up_scales
