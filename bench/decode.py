@@ -36,6 +36,10 @@ exchange) four ways, fixed costs included:
   for the DeepSeek-V3 fp8 records: MaxText runs it dequantized), each call costed by
   `bench.costmodel` on the real pallas_call (TensorCores per kernel). Fixed: three calls and
   `MEGABLOX_XLA_OPS` top-level XLA instructions.
+- "maxtext-switch": the same MaxText call with `pallas_moe.maxtext.gmm` in megablox's place (the
+  one-line switch, docs/maxtext.md): three calls over the same padded buffer, our gmm's own
+  tiles for the buffer's rows (MaxText passes no hint of the rows it expects to fill), bf16
+  weights, the SwiGLU fusion between them. Fixed: three calls and `SWITCH_XLA_OPS`.
 - "tpu-inference-fused": vLLM tpu-inference's fused MoE kernel's approach: one kernel that
   streams every local expert's weights, empty or not, double-buffered: the fused schedule with
   every local expert visited (empty ones with no MXU work), one call, one TensorCore.
@@ -153,13 +157,14 @@ __all__ = [
 
 TOKENS = (1, 8, 32, 128)
 CHIPS = ("v5e", "v5p", "v6e", "tpu7x")
-IMPLS = ("moe_decode", "fused", "megablox-maxtext", "tpu-inference-fused")
+IMPLS = ("moe_decode", "fused", "megablox-maxtext", "maxtext-switch", "tpu-inference-fused")
 # NOTE: the impl the 1.10x verdict is about: the serving path.
 HEADLINE = "moe_decode"
 LABELS = {
   "moe_decode": "ours (moe_decode)",
   "fused": "fused kernel, sorted rows",
   "megablox-maxtext": "megablox-maxtext",
+  "maxtext-switch": "maxtext-switch",
   "tpu-inference-fused": "tpu-inference-fused",
 }
 SEED = 0
@@ -176,6 +181,10 @@ MAXTEXT_PAD_ROWS = 512
 # identical ones), so this is per layer, not per call. Buffers of 8,192-32,768 rows compile to
 # 67-114: the figure is low for megablox's larger buffers (128 tokens at EP 8 and 32).
 MEGABLOX_XLA_OPS = 45
+# NOTE: the same with `pallas_moe.maxtext.gmm` (the switch): 45-49 costed top-level instructions
+# at a 512-row buffer, the three Mosaic calls among them, on the four chips (`python -m
+# bench.decode_ops --path switch --topology v6e:2x2`; megablox 44-49 the same way).
+SWITCH_XLA_OPS = 47
 # NOTE: `moe_decode`'s compiled layer (`python -m bench.decode_ops`: Qwen3-30B-A3B dims, EP 4,
 # v6e:2x2, jax 0.12.0.1, libtpu 0.0.50.1, at 9110b14): 8 tokens per device, 33 top-level
 # instructions, 21 beside parameters, tuples, bitcasts and constants, one of them the Mosaic
@@ -953,7 +962,10 @@ def model_block_path(
     costmodel.cost(s, generation=gen, row_macs=macs, tensorcores="kernel") for _, s, macs in calls
   ]
   swiglu = _swiglu_us(bp.expert_rows, model.f, gen)
-  weight = sum(v for _, s, _ in calls for c in s for k, v in c.operand_bytes.items() if k == "in1")
+  # NOTE: our row-tile gmm copies its weights (and its rows) by manual DMA ("manual").
+  weight = sum(
+    v for _, s, _ in calls for c in s for k, v in c.operand_bytes.items() if k in ("in1", "manual")
+  )
   return dict(
     path="block",
     layout="gmm",
@@ -1029,6 +1041,42 @@ def model_megablox(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int,
   )
 
 
+def model_maxtext_switch(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int, tokens: int):
+  """MaxText's three gmm calls with the switch: our gmm on megablox's padded buffer (no hint of
+  the rows to expect: the tiles are chosen for the buffer's rows; the padding rows are never
+  read or written), bf16 weights, the SwiGLU fusion over the buffer between them."""
+  gen = get_generation(chip)
+  rows = maxtext_buffer_rows(model, ep=ep, tokens=tokens)
+  gs = np.asarray(sizes, np.int32).tobytes()
+  kw = dict(tokens=rows, top_k=1, rows=rows, sizes=gs, chip=gen.name)
+  wi = _gmm_schedules(model.d, model.f, **kw)
+  wo = _gmm_schedules(model.f, model.d, **kw)
+  calls = (wi, wi, wo)
+  reps = [
+    costmodel.cost(s, generation=gen, row_macs=macs, tensorcores="kernel") for _, s, macs in calls
+  ]
+  swiglu = _swiglu_us(rows, model.f, gen)
+  # NOTE: our row-tile gmm copies its weights (and its rows) by manual DMA ("manual").
+  weight = sum(
+    v for _, s, _ in calls for c in s for k, v in c.operand_bytes.items() if k in ("in1", "manual")
+  )
+  return dict(
+    kernel_us=sum(r.modeled_us for r in reps) + swiglu,
+    calls=len(calls),
+    xla_ops=SWITCH_XLA_OPS,
+    steps=sum(c.steps for r in reps for c in r.calls),
+    weight_bytes_read=int(weight),
+    hbm_bytes=int(sum(r.hbm_bytes for r in reps)),
+    mxu_us=sum(c.mxu_us for r in reps for c in r.calls),
+    dma_us=sum(c.dma_us for r in reps for c in r.calls),
+    exposed_us=sum(c.exposed_us for r in reps for c in r.calls),
+    swiglu_us=swiglu,
+    buffer_rows=rows,
+    tiles=[list(t) for t, _, _ in (wi, wo)],
+    tensorcores=max(c.tensorcores for r in reps for c in r.calls),
+  )
+
+
 # ----------------------------------------------------------------------------------------------
 # The per-call fixed cost from tokamax's measurements.
 
@@ -1085,6 +1133,8 @@ def _impl_record(impl: str, m: DecodeModel, w: str, sizes: np.ndarray, chip: str
     return model_fused(m, w, sizes, chip)
   if impl == "tpu-inference-fused":
     return model_tpu_inference(m, w, sizes, chip)
+  if impl == "maxtext-switch":
+    return model_maxtext_switch(m, sizes, chip, ep=ep, tokens=t)
   return model_megablox(m, sizes, chip, ep=ep, tokens=t)
 
 
@@ -1133,7 +1183,7 @@ def records(
         )
         fixed = costmodel.fixed_cost_us(gen, calls=rec["calls"], xla_ops=rec["xla_ops"])
         modeled = rec["kernel_us"] + fixed
-        read_dtype = "bfloat16" if impl == "megablox-maxtext" else WEIGHTS[w][0]
+        read_dtype = "bfloat16" if impl.startswith(("megablox", "maxtext")) else WEIGHTS[w][0]
         out.append(
           base
           | dict(
@@ -1201,7 +1251,7 @@ def _why(r: dict) -> str:
   """What puts a record above the floor, as shares of the floor."""
   floor = r["floor_us"]
   op_us = costmodel.XLA_OP_FIXED_US
-  if r.get("layout") == "gmm" or r["impl"] == "megablox-maxtext":
+  if r.get("layout") == "gmm" or r["impl"] in ("megablox-maxtext", "maxtext-switch"):
     parts = {
       f"{r['calls']} calls' fixed": r["calls"] * r["call_fixed_us"],
       f"{r['xla_ops']} XLA ops": r["xla_ops"] * op_us,
@@ -1350,7 +1400,9 @@ def _fused_cell(rs: list[dict]) -> str:
 def _others_cell(rs: list[dict]) -> str:
   by = _by_impl(rs)
   return " · ".join(
-    f"{by[i]['ratio']:.2f}" for i in ("megablox-maxtext", "tpu-inference-fused") if i in by
+    f"{by[i]['ratio']:.2f}"
+    for i in ("megablox-maxtext", "maxtext-switch", "tpu-inference-fused")
+    if i in by
   )
 
 
@@ -1502,7 +1554,14 @@ def markdown(result: dict) -> str:
       "",
     ]
   out += _grid(recs, _fused_cell)
-  out += ["", "## megablox-maxtext / floor · tpu-inference-fused / floor", ""]
+  out += [
+    "",
+    "## megablox-maxtext / floor · maxtext-switch / floor · tpu-inference-fused / floor",
+    "",
+    "MaxText's own layer with megablox, then with the one-line switch to `pallas_moe.maxtext`: "
+    "the gmm calls change, the padded buffer and the bf16 weights do not.",
+    "",
+  ]
   out += _grid(recs, _others_cell)
   out += ["", f"## Which points meet {LIMIT:.2f}x", ""]
   out += _verdict_lines(result["verdict"])
@@ -1573,7 +1632,9 @@ def _notes(fit: dict | None) -> list[str]:
     "[rows, f] out) at the device's bandwidth.",
     "megablox-maxtext: bf16 weights (also for the fp8 records, whose floor stays fp8: MaxText "
     "runs DeepSeek-V3 dequantized); rows padded to MaxText's dropless buffer; three calls and "
-    "the SwiGLU fusion over the buffer; the pad and MaxText's own sort / permute not charged.",
+    "the SwiGLU fusion over the buffer; the pad and MaxText's own sort / permute not charged. "
+    "maxtext-switch: the same with our gmm, its tiles chosen for the buffer's rows (no hint of "
+    "the rows MaxText fills).",
     "tpu-inference-fused: every local expert's weights at one TensorCore's bandwidth (on v5p "
     "half the device's), the activations' and first copies exposed, one call; its per-expert "
     "exposed first copies and in-kernel all-to-all (the kernel also routes and exchanges) not "

@@ -1,13 +1,17 @@
 """How many XLA instructions a decode-size MoE layer compiles to, and where they come from.
 
   python -m bench.decode_ops [--tokens_per_device 8] [--topology v6e:2x2] [--ep 4]
-      [--path serving|layer]
+      [--path serving|layer|megablox|switch] [--rows 512]
 
 At decode sizes (a few tokens per device) the layer's time is its fixed costs: one launch per
 XLA instruction and Mosaic call beside the weight reads. This compiles a forward of Qwen3-30B-
 A3B's MoE layer (128 experts top-8, d 2048, f 768, bf16) ahead of time for a TPU topology:
 `moe_decode`, the serving forward (--path serving, the default), or `moe_layer`'s (--path layer;
-only y is returned, so the aux-loss bookkeeping is dead code XLA drops). It counts the
+only y is returned, so the aux-loss bookkeeping is dead code XLA drops), or the expert work of
+MaxText's layer on one device (--path megablox: MaxText's megablox fork; --path switch:
+`pallas_moe.maxtext.gmm`, the one-line switch): wi_0, wi_1 and wo over a `--rows` buffer
+sorted by the 16 local experts, the SwiGLU between them, as MaxText's `sparse_matmul` calls
+them. It counts the
 top-level instructions of the entry computation (fusions count once; their bodies are not
 top-level), grouped by opcode and by the layer's named scopes in their op_name (route, sort,
 exchange_plan, dispatch, experts, combine, unsort, fsdp_gather; the rest is "other").
@@ -40,6 +44,8 @@ QWEN3_30B_A3B = dict(
   dtype="bfloat16",
   weight_dtype="bfloat16",
 )
+# NOTE: MaxText's base.yml wi_tile_* / wo_tile_* (forward, dlhs, drhs), as its gmm calls pass them.
+MAXTEXT_TILES = (512, 1024, 1024) * 3
 # NOTE: bookkeeping instructions that cost no launch (operands, tuples, views).
 FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant"}
 SCOPES = (
@@ -93,6 +99,48 @@ def compile_decode(
     return jax.jit(forward).lower(params, x).compile()
 
 
+def compile_maxtext_experts(*, topology: str, path: str, rows: int, experts: int = 16):
+  """MaxText's expert work on one device at Qwen3-30B-A3B's dims: gmm(x, wi_0), gmm(x, wi_1),
+  silu(gate) * up, gmm(h, wo) over `rows` rows (bf16, f32 products cast back, as MaxText),
+  with megablox (`path` "megablox", MaxText's installed fork) or the switch ("switch")."""
+  from jax.experimental import topologies
+
+  if path == "megablox":
+    from maxtext.kernels import megablox as mblx
+  else:
+    from pallas_moe import maxtext as mblx
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  dev = topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+  d, f = QWEN3_30B_A3B["d_model"], QWEN3_30B_A3B["expert_ffn_dim"]
+  bf16 = jnp.bfloat16
+
+  def experts_fn(x, w0, w1, wo, group_sizes):
+    def gmm(a, w):
+      # NOTE: as MaxText's `sparse_matmul` calls it on a TPU mesh (base.yml's tiles).
+      return mblx.gmm(
+        lhs=a,
+        rhs=w,
+        group_sizes=group_sizes,
+        preferred_element_type=bf16,
+        tiling=MAXTEXT_TILES,
+        use_tokamax_backend=False,
+        interpret=False,
+      )
+
+    return gmm(jax.nn.silu(gmm(x, w0)) * gmm(x, w1), wo)
+
+  sds = jax.ShapeDtypeStruct
+  args = (
+    sds((rows, d), bf16),
+    sds((experts, d, f), bf16),
+    sds((experts, d, f), bf16),
+    sds((experts, f, d), bf16),
+    sds((experts,), jnp.int32),
+  )
+  with jax.default_device(dev), tiling.use_generation(topology.split(":")[0]):
+    return jax.jit(experts_fn).lower(*args).compile()
+
+
 def count(text: str) -> dict:
   """Top-level instruction counts of the entry computation: total, costed, by opcode, by scope."""
   sched = hlo_schedule.parse_schedule(text)
@@ -112,14 +160,22 @@ def main(argv=None) -> None:
   parser.add_argument("--topology", default="v6e:2x2")
   parser.add_argument("--ep", type=int, default=4)
   parser.add_argument("--tokens_per_device", type=int, default=8)
-  parser.add_argument("--path", choices=("serving", "layer"), default="serving")
-  args = parser.parse_args(argv)
-  compiled = compile_decode(
-    topology=args.topology, ep=args.ep, tokens_per_device=args.tokens_per_device, path=args.path
+  parser.add_argument(
+    "--path", choices=("serving", "layer", "megablox", "switch"), default="serving"
   )
+  parser.add_argument("--rows", type=int, default=512, help="megablox / switch: buffer rows")
+  args = parser.parse_args(argv)
+  if args.path in ("megablox", "switch"):
+    compiled = compile_maxtext_experts(topology=args.topology, path=args.path, rows=args.rows)
+    where = f"{args.topology.split(':')[0]}, one device, a {args.rows}-row buffer"
+  else:
+    compiled = compile_decode(
+      topology=args.topology, ep=args.ep, tokens_per_device=args.tokens_per_device, path=args.path
+    )
+    where = f"{args.topology} EP {args.ep}, {args.tokens_per_device} tokens per device"
   c = count(compiled.as_text())
   print(
-    f"{args.path}: {args.topology} EP {args.ep}, {args.tokens_per_device} tokens per device: "
+    f"{args.path}: {where}: "
     f"{c['total']} top-level instructions, {c['costed']} beside parameters / tuples / "
     f"bitcasts / constants, {c['mosaic']} Mosaic calls"
   )

@@ -222,6 +222,13 @@ def test_records_fields_bytes_and_floor(qwen_records):
     assert tpi["weight_bytes_read"] == r["local_experts"] * dec.expert_bytes(QWEN, "bf16")
     assert r["modeled_us"] >= r["floor_us"]
     assert mb["calls"] == 3 and mb["xla_ops"] == dec.MEGABLOX_XLA_OPS
+    # The switch: the same three calls over MaxText's padded buffer, our gmm in them.
+    sw = by[(p, "maxtext-switch")]
+    assert sw["calls"] == 3 and sw["xla_ops"] == dec.SWITCH_XLA_OPS
+    assert sw["buffer_rows"] == mb["buffer_rows"] and sw["weights_read_dtype"] == "bfloat16"
+    # Every non-empty expert's bf16 weights once, with the rows the row-tile kernel copies.
+    assert r["floor_bytes"] <= sw["weight_bytes_read"] < 1.05 * r["floor_bytes"]
+    assert r["modeled_us"] < sw["modeled_us"] < mb["modeled_us"]
     # v5p: the weight stream split over the device's two TensorCores, the partial sums added
     # by one XLA op; each core reads half the bytes at one TensorCore's bandwidth.
     cores = get_generation(r["chip"]).tensorcores_per_device
@@ -408,3 +415,15 @@ def test_bound_counts_the_routed_rows():
   assert sizes[dev].max() <= unique <= min(32 * 128, sizes[dev].sum())
   assert dec.bound_us(100.0, 90.0, 5.0, 8.0) == 113.0
   assert dec.bound_us(100.0, 120.0, 5.0, 8.0) == 125.0
+
+
+@pytest.mark.aot
+def test_switch_xla_ops_as_compiled():
+  """`SWITCH_XLA_OPS` is what MaxText's three gmm calls and the SwiGLU between them compile to
+  with `pallas_moe.maxtext.gmm` (AOT for v6e, a 512-row buffer of 16 local experts), within 2."""
+  from bench import decode_ops
+
+  compiled = decode_ops.compile_maxtext_experts(topology="v6e:2x2", path="switch", rows=512)
+  counts = decode_ops.count(compiled.as_text())
+  assert counts["mosaic"] == 3
+  assert abs(counts["costed"] - dec.SWITCH_XLA_OPS) <= 2, counts
