@@ -489,3 +489,45 @@ def test_compiles_for_tpu(gen, kind, d, f, e):
     for fn, a in cases:
       compiled = jax.jit(fn).lower(*a).compile()
       assert "pallas_moe_fused_experts" in compiled.as_text()
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize(
+  "gen,rows,values,route",
+  [
+    ("v5e", "float32", "float8_e4m3fn", "e4m3b11"),
+    ("tpu7x", "bfloat16", "int8", "astype"),
+    ("v4", "bfloat16", "float8_e4m3fn", "astype"),
+  ],
+)
+def test_dequantizing_routes_compile_for_tpu(gen, rows, values, route):
+  """The block-scaled routes that dequantize on the way to the MXU compile with Mosaic (real
+  libtpu, ahead of time) where the bf16-row fp8 cases above do not reach them: f32 rows on v5e
+  (bytes read as e4m3b11fnuz), int8 blocks on tpu7x, e4m3fn on v4 (no fp8 unpack); the tokens
+  layout at 64 tokens, 4 experts of d 2,048, f 1,024."""
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  dev = aot_device(gen)
+  sharding = NamedSharding(Mesh(np.array([dev]), ("x",)), P())
+
+  def sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+  e, d, f, n = 4, 2048, 1024, 64
+  wi = quant.BlockQuantizedWeights(
+    sds((e, d, 2 * f), values), sds((e, d // 128, 2 * f // 128), F32)
+  )
+  wo = quant.BlockQuantizedWeights(sds((e, f, d), values), sds((e, f // 128, d // 128), F32))
+  args = (sds((n, d), rows), wi, wo, sds((e,), jnp.int32), sds((e, n), F32))
+
+  def call(x, wi, wo, gs, ew):
+    return fe.fused_experts(x, wi, wo, gs, expert_weights=ew)
+
+  with tiling.use_generation(gen), jax.default_device(dev):
+    plan = fe.plan_fused(
+      rows=n, d=d, f=f, num_experts=e, x_dtype=rows, w_dtype=values, kind="block", by_token=True
+    )
+    assert plan.upcast == route
+    compiled = jax.jit(call).lower(*args).compile()
+  assert "pallas_moe_fused_experts" in compiled.as_text()
