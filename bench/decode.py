@@ -40,6 +40,9 @@ exchange) four ways, fixed costs included:
   one-line switch, docs/maxtext.md): three calls over the same padded buffer, our gmm's own
   tiles for the buffer's rows (MaxText passes no hint of the rows it expects to fill), bf16
   weights, the SwiGLU fusion between them. Fixed: three calls and `SWITCH_XLA_OPS`.
+- "maxtext-switch-prefused": the switch with MaxText's `prefuse_moe_weights`: gate and up as one
+  gmm over [wi_0 | wi_1] (adjacent slices of the stored wi, so no copy). Fixed: two calls and
+  `SWITCH_PREFUSED_XLA_OPS`.
 - "tpu-inference-fused": vLLM tpu-inference's fused MoE kernel's approach: one kernel that
   streams every local expert's weights, empty or not, double-buffered: the fused schedule with
   every local expert visited (empty ones with no MXU work), one call, one TensorCore.
@@ -157,7 +160,14 @@ __all__ = [
 
 TOKENS = (1, 8, 32, 128)
 CHIPS = ("v5e", "v5p", "v6e", "tpu7x")
-IMPLS = ("moe_decode", "fused", "megablox-maxtext", "maxtext-switch", "tpu-inference-fused")
+IMPLS = (
+  "moe_decode",
+  "fused",
+  "megablox-maxtext",
+  "maxtext-switch",
+  "maxtext-switch-prefused",
+  "tpu-inference-fused",
+)
 # NOTE: the impl the 1.10x verdict is about: the serving path.
 HEADLINE = "moe_decode"
 LABELS = {
@@ -165,6 +175,7 @@ LABELS = {
   "fused": "fused kernel, sorted rows",
   "megablox-maxtext": "megablox-maxtext",
   "maxtext-switch": "maxtext-switch",
+  "maxtext-switch-prefused": "maxtext-switch-prefused",
   "tpu-inference-fused": "tpu-inference-fused",
 }
 SEED = 0
@@ -185,6 +196,9 @@ MEGABLOX_XLA_OPS = 45
 # at a 512-row buffer, the three Mosaic calls among them, on the four chips (`python -m
 # bench.decode_ops --path switch --topology v6e:2x2`; megablox 44-49 the same way).
 SWITCH_XLA_OPS = 47
+# NOTE: with MaxText's `prefuse_moe_weights` (one gmm for gate and up): 42-44, two Mosaic calls
+# among them (`python -m bench.decode_ops --path switch-prefused`).
+SWITCH_PREFUSED_XLA_OPS = 43
 # NOTE: `moe_decode`'s compiled layer (`python -m bench.decode_ops`: Qwen3-30B-A3B dims, EP 4,
 # v6e:2x2, jax 0.12.0.1, libtpu 0.0.50.1, at 9110b14): 8 tokens per device, 33 top-level
 # instructions, 21 beside parameters, tuples, bitcasts and constants, one of them the Mosaic
@@ -1041,17 +1055,23 @@ def model_megablox(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int,
   )
 
 
-def model_maxtext_switch(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int, tokens: int):
-  """MaxText's three gmm calls with the switch: our gmm on megablox's padded buffer (no hint of
-  the rows to expect: the tiles are chosen for the buffer's rows; the padding rows are never
-  read or written), bf16 weights, the SwiGLU fusion over the buffer between them."""
+def model_maxtext_switch(
+  model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int, tokens: int, prefused: bool = False
+):
+  """MaxText's gmm calls with the switch: our gmm on megablox's padded buffer (no hint of the
+  rows to expect: the tiles are chosen for the buffer's rows; the padding rows are never read
+  or written), bf16 weights, the SwiGLU fusion over the buffer between them. Three calls (wi_0,
+  wi_1, wo), or two with `prefused` (MaxText's `prefuse_moe_weights`: one over [wi_0 | wi_1])."""
   gen = get_generation(chip)
   rows = maxtext_buffer_rows(model, ep=ep, tokens=tokens)
   gs = np.asarray(sizes, np.int32).tobytes()
   kw = dict(tokens=rows, top_k=1, rows=rows, sizes=gs, chip=gen.name)
-  wi = _gmm_schedules(model.d, model.f, **kw)
   wo = _gmm_schedules(model.f, model.d, **kw)
-  calls = (wi, wi, wo)
+  if prefused:
+    calls = (_gmm_schedules(model.d, 2 * model.f, **kw), wo)
+  else:
+    wi = _gmm_schedules(model.d, model.f, **kw)
+    calls = (wi, wi, wo)
   reps = [
     costmodel.cost(s, generation=gen, row_macs=macs, tensorcores="kernel") for _, s, macs in calls
   ]
@@ -1063,7 +1083,7 @@ def model_maxtext_switch(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep
   return dict(
     kernel_us=sum(r.modeled_us for r in reps) + swiglu,
     calls=len(calls),
-    xla_ops=SWITCH_XLA_OPS,
+    xla_ops=SWITCH_PREFUSED_XLA_OPS if prefused else SWITCH_XLA_OPS,
     steps=sum(c.steps for r in reps for c in r.calls),
     weight_bytes_read=int(weight),
     hbm_bytes=int(sum(r.hbm_bytes for r in reps)),
@@ -1072,7 +1092,7 @@ def model_maxtext_switch(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep
     exposed_us=sum(c.exposed_us for r in reps for c in r.calls),
     swiglu_us=swiglu,
     buffer_rows=rows,
-    tiles=[list(t) for t, _, _ in (wi, wo)],
+    tiles=[list(t) for t, _, _ in calls[-2:]],
     tensorcores=max(c.tensorcores for r in reps for c in r.calls),
   )
 
@@ -1133,8 +1153,9 @@ def _impl_record(impl: str, m: DecodeModel, w: str, sizes: np.ndarray, chip: str
     return model_fused(m, w, sizes, chip)
   if impl == "tpu-inference-fused":
     return model_tpu_inference(m, w, sizes, chip)
-  if impl == "maxtext-switch":
-    return model_maxtext_switch(m, sizes, chip, ep=ep, tokens=t)
+  if impl.startswith("maxtext-switch"):
+    prefused = impl == "maxtext-switch-prefused"
+    return model_maxtext_switch(m, sizes, chip, ep=ep, tokens=t, prefused=prefused)
   return model_megablox(m, sizes, chip, ep=ep, tokens=t)
 
 
@@ -1251,7 +1272,7 @@ def _why(r: dict) -> str:
   """What puts a record above the floor, as shares of the floor."""
   floor = r["floor_us"]
   op_us = costmodel.XLA_OP_FIXED_US
-  if r.get("layout") == "gmm" or r["impl"] in ("megablox-maxtext", "maxtext-switch"):
+  if r.get("layout") == "gmm" or r["impl"].startswith(("megablox", "maxtext")):
     parts = {
       f"{r['calls']} calls' fixed": r["calls"] * r["call_fixed_us"],
       f"{r['xla_ops']} XLA ops": r["xla_ops"] * op_us,
@@ -1401,7 +1422,12 @@ def _others_cell(rs: list[dict]) -> str:
   by = _by_impl(rs)
   return " · ".join(
     f"{by[i]['ratio']:.2f}"
-    for i in ("megablox-maxtext", "maxtext-switch", "tpu-inference-fused")
+    for i in (
+      "megablox-maxtext",
+      "maxtext-switch",
+      "maxtext-switch-prefused",
+      "tpu-inference-fused",
+    )
     if i in by
   )
 
@@ -1556,10 +1582,12 @@ def markdown(result: dict) -> str:
   out += _grid(recs, _fused_cell)
   out += [
     "",
-    "## megablox-maxtext / floor · maxtext-switch / floor · tpu-inference-fused / floor",
+    "## megablox-maxtext · maxtext-switch · maxtext-switch-prefused · tpu-inference-fused "
+    "(/ floor)",
     "",
-    "MaxText's own layer with megablox, then with the one-line switch to `pallas_moe.maxtext`: "
-    "the gmm calls change, the padded buffer and the bf16 weights do not.",
+    "MaxText's own layer with megablox, then with the one-line switch to `pallas_moe.maxtext` "
+    "(three gmm calls; prefused: MaxText's `prefuse_moe_weights`, two): the gmm calls change, "
+    "the padded buffer and the bf16 weights do not.",
     "",
   ]
   out += _grid(recs, _others_cell)
@@ -1634,7 +1662,7 @@ def _notes(fit: dict | None) -> list[str]:
     "runs DeepSeek-V3 dequantized); rows padded to MaxText's dropless buffer; three calls and "
     "the SwiGLU fusion over the buffer; the pad and MaxText's own sort / permute not charged. "
     "maxtext-switch: the same with our gmm, its tiles chosen for the buffer's rows (no hint of "
-    "the rows MaxText fills).",
+    "the rows MaxText fills); prefused: gate and up in one call.",
     "tpu-inference-fused: every local expert's weights at one TensorCore's bandwidth (on v5p "
     "half the device's), the activations' and first copies exposed, one call; its per-expert "
     "exposed first copies and in-kernel all-to-all (the kernel also routes and exchanges) not "

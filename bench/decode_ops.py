@@ -1,7 +1,7 @@
 """How many XLA instructions a decode-size MoE layer compiles to, and where they come from.
 
   python -m bench.decode_ops [--tokens_per_device 8] [--topology v6e:2x2] [--ep 4]
-      [--path serving|layer|megablox|switch] [--rows 512]
+      [--path serving|layer|megablox|switch|switch-prefused] [--rows 512]
 
 At decode sizes (a few tokens per device) the layer's time is its fixed costs: one launch per
 XLA instruction and Mosaic call beside the weight reads. This compiles a forward of Qwen3-30B-
@@ -9,7 +9,8 @@ A3B's MoE layer (128 experts top-8, d 2048, f 768, bf16) ahead of time for a TPU
 `moe_decode`, the serving forward (--path serving, the default), or `moe_layer`'s (--path layer;
 only y is returned, so the aux-loss bookkeeping is dead code XLA drops), or the expert work of
 MaxText's layer on one device (--path megablox: MaxText's megablox fork; --path switch:
-`pallas_moe.maxtext.gmm`, the one-line switch): wi_0, wi_1 and wo over a `--rows` buffer
+`pallas_moe.maxtext.gmm`, the one-line switch; --path switch-prefused: the switch with MaxText's
+`prefuse_moe_weights`, one gmm over [wi_0 | wi_1]): wi_0, wi_1 and wo over a `--rows` buffer
 sorted by the 16 local experts, the SwiGLU between them, as MaxText's `sparse_matmul` calls
 them. It counts the
 top-level instructions of the entry computation (fusions count once; their bodies are not
@@ -102,7 +103,9 @@ def compile_decode(
 def compile_maxtext_experts(*, topology: str, path: str, rows: int, experts: int = 16):
   """MaxText's expert work on one device at Qwen3-30B-A3B's dims: gmm(x, wi_0), gmm(x, wi_1),
   silu(gate) * up, gmm(h, wo) over `rows` rows (bf16, f32 products cast back, as MaxText),
-  with megablox (`path` "megablox", MaxText's installed fork) or the switch ("switch")."""
+  with megablox (`path` "megablox", MaxText's installed fork) or the switch ("switch"; with
+  "switch-prefused" gate and up as one gmm over their concatenation, MaxText's
+  `prefuse_moe_weights`, the concatenation of adjacent slices of its stored wi)."""
   from jax.experimental import topologies
 
   if path == "megablox":
@@ -114,31 +117,37 @@ def compile_maxtext_experts(*, topology: str, path: str, rows: int, experts: int
   d, f = QWEN3_30B_A3B["d_model"], QWEN3_30B_A3B["expert_ffn_dim"]
   bf16 = jnp.bfloat16
 
-  def experts_fn(x, w0, w1, wo, group_sizes):
-    def gmm(a, w):
-      # NOTE: as MaxText's `sparse_matmul` calls it on a TPU mesh (base.yml's tiles).
-      return mblx.gmm(
-        lhs=a,
-        rhs=w,
-        group_sizes=group_sizes,
-        preferred_element_type=bf16,
-        tiling=MAXTEXT_TILES,
-        use_tokamax_backend=False,
-        interpret=False,
-      )
+  def gmm(a, w, group_sizes):
+    # NOTE: as MaxText's `sparse_matmul` calls it on a TPU mesh (base.yml's tiles).
+    return mblx.gmm(
+      lhs=a,
+      rhs=w,
+      group_sizes=group_sizes,
+      preferred_element_type=bf16,
+      tiling=MAXTEXT_TILES,
+      use_tokamax_backend=False,
+      interpret=False,
+    )
 
-    return gmm(jax.nn.silu(gmm(x, w0)) * gmm(x, w1), wo)
+  def experts_fn(x, w0, w1, wo, group_sizes):
+    gate, up = gmm(x, w0, group_sizes), gmm(x, w1, group_sizes)
+    return gmm(jax.nn.silu(gate) * up, wo, group_sizes)
+
+  def prefused_fn(x, wi, wo, group_sizes):
+    # NOTE: MaxText stores wi as [E, d, 2f] and slices wi_0 / wi_1 from it; their concatenation
+    # is wi again (XLA folds it).
+    w0, w1 = wi[..., :f], wi[..., f:]
+    h = gmm(x, jnp.concatenate([w0, w1], axis=-1), group_sizes)
+    return gmm(jax.nn.silu(h[:, :f]) * h[:, f:], wo, group_sizes)
 
   sds = jax.ShapeDtypeStruct
-  args = (
-    sds((rows, d), bf16),
-    sds((experts, d, f), bf16),
-    sds((experts, d, f), bf16),
-    sds((experts, f, d), bf16),
-    sds((experts,), jnp.int32),
-  )
+  x, wo, gs = sds((rows, d), bf16), sds((experts, f, d), bf16), sds((experts,), jnp.int32)
+  if path == "switch-prefused":
+    fn, args = prefused_fn, (x, sds((experts, d, 2 * f), bf16), wo, gs)
+  else:
+    fn, args = experts_fn, (x, sds((experts, d, f), bf16), sds((experts, d, f), bf16), wo, gs)
   with jax.default_device(dev), tiling.use_generation(topology.split(":")[0]):
-    return jax.jit(experts_fn).lower(*args).compile()
+    return jax.jit(fn).lower(*args).compile()
 
 
 def count(text: str) -> dict:
@@ -161,11 +170,13 @@ def main(argv=None) -> None:
   parser.add_argument("--ep", type=int, default=4)
   parser.add_argument("--tokens_per_device", type=int, default=8)
   parser.add_argument(
-    "--path", choices=("serving", "layer", "megablox", "switch"), default="serving"
+    "--path",
+    choices=("serving", "layer", "megablox", "switch", "switch-prefused"),
+    default="serving",
   )
   parser.add_argument("--rows", type=int, default=512, help="megablox / switch: buffer rows")
   args = parser.parse_args(argv)
-  if args.path in ("megablox", "switch"):
+  if args.path in ("megablox", "switch", "switch-prefused"):
     compiled = compile_maxtext_experts(topology=args.topology, path=args.path, rows=args.rows)
     where = f"{args.topology.split(':')[0]}, one device, a {args.rows}-row buffer"
   else:

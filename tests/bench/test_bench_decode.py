@@ -229,6 +229,11 @@ def test_records_fields_bytes_and_floor(qwen_records):
     # Every non-empty expert's bf16 weights once, with the rows the row-tile kernel copies.
     assert r["floor_bytes"] <= sw["weight_bytes_read"] < 1.05 * r["floor_bytes"]
     assert r["modeled_us"] < sw["modeled_us"] < mb["modeled_us"]
+    # Prefused: gate and up in one call over the same bytes, one call's fixed cost less.
+    pf = by[(p, "maxtext-switch-prefused")]
+    assert pf["calls"] == 2 and pf["xla_ops"] == dec.SWITCH_PREFUSED_XLA_OPS
+    assert pf["weight_bytes_read"] == pytest.approx(sw["weight_bytes_read"], rel=0.02)
+    assert pf["modeled_us"] < sw["modeled_us"]
     # v5p: the weight stream split over the device's two TensorCores, the partial sums added
     # by one XLA op; each core reads half the bytes at one TensorCore's bandwidth.
     cores = get_generation(r["chip"]).tensorcores_per_device
@@ -420,10 +425,15 @@ def test_bound_counts_the_routed_rows():
 @pytest.mark.aot
 def test_switch_xla_ops_as_compiled():
   """`SWITCH_XLA_OPS` is what MaxText's three gmm calls and the SwiGLU between them compile to
-  with `pallas_moe.maxtext.gmm` (AOT for v6e, a 512-row buffer of 16 local experts), within 2."""
+  with `pallas_moe.maxtext.gmm` (AOT for v6e, a 512-row buffer of 16 local experts), within 2;
+  `SWITCH_PREFUSED_XLA_OPS` the same with gate and up as one call over the stored wi."""
   from bench import decode_ops
 
-  compiled = decode_ops.compile_maxtext_experts(topology="v6e:2x2", path="switch", rows=512)
-  counts = decode_ops.count(compiled.as_text())
-  assert counts["mosaic"] == 3
-  assert abs(counts["costed"] - dec.SWITCH_XLA_OPS) <= 2, counts
+  for path, calls, ops in (
+    ("switch", 3, dec.SWITCH_XLA_OPS),
+    ("switch-prefused", 2, dec.SWITCH_PREFUSED_XLA_OPS),
+  ):
+    compiled = decode_ops.compile_maxtext_experts(topology="v6e:2x2", path=path, rows=512)
+    counts = decode_ops.count(compiled.as_text())
+    assert counts["mosaic"] == calls
+    assert abs(counts["costed"] - ops) <= 2, (path, counts)
