@@ -43,6 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+import pallas_moe as pm  # noqa: E402
 from pallas_moe import maxtext as mblx  # noqa: E402
 
 
@@ -121,13 +122,16 @@ def layer(tmp_path_factory):
   return _build_layer(str(tmp_path_factory.mktemp("maxtext")))
 
 
-def _build_layer(out_dir: str):
-  """MaxText's RoutedMoE from its base.yml: (config, mesh, graphdef, params, other state)."""
+def _build_layer(out_dir: str, **extra):
+  """MaxText's RoutedMoE from its base.yml (and `extra` config keys): (config, mesh, graphdef,
+  params, other state)."""
   mt = _mt()
   base_yml = os.path.join(os.path.dirname(mt.maxtext.__file__), "configs", "base.yml")
-  cfg = mt.pyconfig.initialize([None, base_yml], base_output_directory=out_dir, **OVERRIDES)
+  overrides = OVERRIDES | extra
+  cfg = mt.pyconfig.initialize([None, base_yml], base_output_directory=out_dir, **overrides)
   assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.routed_score_func) == (64, 6, "softmax")
-  assert "deepseek" in str(cfg.decoder_block).lower() and not cfg.prefuse_moe_weights
+  assert "deepseek" in str(cfg.decoder_block).lower()
+  assert bool(cfg.prefuse_moe_weights) == bool(extra.get("prefuse_moe_weights", False))
   mesh = Mesh(mt.maxtext_utils.create_device_mesh(cfg), cfg.mesh_axes)
   assert dict(mesh.shape)["expert"] == 4 and dict(mesh.shape)["data"] == 2
   with jax.set_mesh(mesh), mt.partitioning.axis_rules(cfg.logical_axis_rules):
@@ -223,6 +227,38 @@ def test_maxtext_routed_moe_with_pallas_moe_matches_dense(layer):
   # NOTE: the experts that get tokens (most of the 64: 32 tokens x top-6) get the same gradients.
   used = np.count_nonzero(np.abs(np.asarray(grads[4])).max(axis=(1, 2)))
   assert used > 32 and np.count_nonzero(np.abs(np.asarray(got[3])).max(axis=(1, 2))) == used
+
+
+def test_maxtext_prefused_weights_with_pallas_moe_match_dense(tmp_path):
+  """With MaxText's `prefuse_moe_weights` (wi stored as [E, d, 2f], gate and up as one gmm over
+  it: one call fewer at decode sizes), the switched layer's forward and input gradient equal
+  the dense f32 MoE of the same weights."""
+  layer = _build_layer(str(tmp_path), prefuse_moe_weights=True)
+  cfg, params = layer[0], layer[3]
+  assert "wi" in params and "wi_0" not in params
+  x, cot, _ = _inputs(layer)
+  moe = _mt().moe
+  originals = mblx.swap_into(moe)
+  try:
+    with pm.record_plans() as plans:
+      (_, out), (dx, _) = _run(layer, x, params, cot)
+  finally:
+    for name, value in originals.items():
+      setattr(moe, name, value)
+  wi = params["wi"][...]
+  f = wi.shape[-1] // 2
+  weights = (params["gate"]["kernel"][...], wi[..., :f], wi[..., f:], params["wo"][...])
+
+  def dense_loss(x):
+    out = _dense(x, *weights, top_k=cfg.num_experts_per_tok)
+    return jnp.sum(out * cot), out
+
+  (_, want), want_dx = jax.value_and_grad(dense_loss, has_aux=True)(x)
+  _close(out, want)
+  _close(dx, want_dx)
+  # NOTE: the gmm calls' output widths: gate and up as one [d, 2f] product, down as [f, d].
+  widths = sorted({p.dims[2] for p in plans if p.op == "gmm"})
+  assert widths == sorted({2 * f, cfg.emb_dim}), [p.describe() for p in plans]
 
 
 def test_stock_maxtext_routed_moe_fails_on_cpu(layer):
