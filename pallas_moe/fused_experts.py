@@ -619,10 +619,9 @@ def _wait(copies) -> None:
     c.wait()
 
 
-def _arrivals(plan: FusedPlan, copies, scratch: _Scratch, *, slot):
+def _arrivals(copies):
   """`arrive(part, piece)`: waits for the piece's copies (gate/up's first piece excepted: the
   step waited for it before starting the next step's)."""
-  del scratch, slot
 
   def arrive(part, piece):
     if part == "down" or piece:
@@ -1096,7 +1095,7 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
       _start(_step_copies(plan, copies(s + 1)))
 
     expert = scratch.visits[v0 + s // per_expert]
-    arrive = _arrivals(plan, copies(s), scratch, slot=s % 2)
+    arrive = _arrivals(copies(s))
     if plan.stream:
       _stream_step(
         plan,
