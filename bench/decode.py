@@ -946,6 +946,42 @@ def _swiglu_us(rows: int, f: int, gen) -> float:
   return rows * 3 * f * 2 / device_bandwidth(gen) * 1e6
 
 
+def _gmm_calls(
+  schedules, gen, *, row_macs=None, swiglu_us: float, xla_ops: int, weights=("in1", "manual")
+) -> dict:
+  """gmm calls in sequence, each costed on its schedules (`costmodel.cost`, TensorCores per
+  kernel), and the SwiGLU fusion between them: the record fields they share.
+
+  Args:
+    schedules: per call, its `costmodel.analyze` schedules.
+    row_macs: per call, its `row_macs` (None: none).
+    weights: operand-bytes keys (prefixes) that hold the weights: "in1" for BlockSpec'd
+      weights; our row-tile gmm copies its weights (and its rows) by manual DMA ("manual").
+  """
+  macs = row_macs or [None] * len(schedules)
+  reps = [
+    costmodel.cost(s, generation=gen, row_macs=m, tensorcores="kernel")
+    for s, m in zip(schedules, macs, strict=True)
+  ]
+  weight = sum(
+    v for s in schedules for c in s for k, v in c.operand_bytes.items() if k.startswith(weights)
+  )
+  calls = [c for r in reps for c in r.calls]
+  return dict(
+    kernel_us=sum(r.modeled_us for r in reps) + swiglu_us,
+    calls=len(schedules),
+    xla_ops=xla_ops,
+    steps=sum(c.steps for c in calls),
+    weight_bytes_read=int(weight),
+    hbm_bytes=int(sum(r.hbm_bytes for r in reps)),
+    mxu_us=sum(c.mxu_us for c in calls),
+    dma_us=sum(c.dma_us for c in calls),
+    exposed_us=sum(c.exposed_us for c in calls),
+    swiglu_us=swiglu_us,
+    tensorcores=max(c.tensorcores for c in calls),
+  )
+
+
 def model_block_path(
   model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int, tokens: int, plan=None
 ) -> dict:
@@ -972,32 +1008,19 @@ def model_block_path(
   gs = np.asarray(sizes, np.int32).tobytes()
   kw = dict(tokens=expected, top_k=1, rows=bp.expert_rows, sizes=gs, chip=gen.name)
   calls = [_gmm_schedules(model.d, 2 * model.f, **kw), _gmm_schedules(model.f, model.d, **kw)]
-  reps = [
-    costmodel.cost(s, generation=gen, row_macs=macs, tensorcores="kernel") for _, s, macs in calls
-  ]
-  swiglu = _swiglu_us(bp.expert_rows, model.f, gen)
-  # NOTE: our row-tile gmm copies its weights (and its rows) by manual DMA ("manual").
-  weight = sum(
-    v for _, s, _ in calls for c in s for k, v in c.operand_bytes.items() if k in ("in1", "manual")
-  )
-  return dict(
+  return _gmm_calls(
+    [s for _, s, _ in calls],
+    gen,
+    row_macs=[m for _, _, m in calls],
+    swiglu_us=_swiglu_us(bp.expert_rows, model.f, gen),
+    xla_ops=BLOCK_EXPERT_XLA_OPS,
+  ) | dict(
     path="block",
     layout="gmm",
     chunks=1,
-    kernel_us=sum(r.modeled_us for r in reps) + swiglu,
-    calls=len(calls),
-    xla_ops=BLOCK_EXPERT_XLA_OPS,
-    steps=sum(c.steps for r in reps for c in r.calls),
-    weight_bytes_read=int(weight),
-    hbm_bytes=int(sum(r.hbm_bytes for r in reps)),
-    mxu_us=sum(c.mxu_us for r in reps for c in r.calls),
-    dma_us=sum(c.dma_us for r in reps for c in r.calls),
-    exposed_us=sum(c.exposed_us for r in reps for c in r.calls),
-    swiglu_us=swiglu,
     buffer_rows=bp.expert_rows,
     expected_rows=bp.expected_rows,
     tiles=[list(t) for t, _, _ in calls],
-    tensorcores=max(c.tensorcores for r in reps for c in r.calls),
     layer_xla_ops=BLOCK_LAYER_XLA_OPS,
   )
 
@@ -1033,26 +1056,13 @@ def model_megablox(model: DecodeModel, sizes: np.ndarray, chip: str, *, ep: int,
   gs = np.asarray(sizes, np.int32).tobytes()
   wi = _megablox_schedules(model.d, model.f, len(sizes), rows, gs)
   wo = _megablox_schedules(model.f, model.d, len(sizes), rows, gs)
-  calls = (wi, wi, wo)
-  reps = [costmodel.cost(s, generation=gen, tensorcores="kernel") for s in calls]
-  swiglu = _swiglu_us(rows, model.f, gen)
-  weight = sum(
-    v for s in calls for c in s for k, v in c.operand_bytes.items() if k.startswith("in1")
-  )
-  return dict(
-    kernel_us=sum(r.modeled_us for r in reps) + swiglu,
-    calls=len(calls),
+  return _gmm_calls(
+    (wi, wi, wo),
+    gen,
+    swiglu_us=_swiglu_us(rows, model.f, gen),
     xla_ops=MEGABLOX_XLA_OPS,
-    steps=sum(c.steps for r in reps for c in r.calls),
-    weight_bytes_read=int(weight),
-    hbm_bytes=int(sum(r.hbm_bytes for r in reps)),
-    mxu_us=sum(c.mxu_us for r in reps for c in r.calls),
-    dma_us=sum(c.dma_us for r in reps for c in r.calls),
-    exposed_us=sum(c.exposed_us for r in reps for c in r.calls),
-    swiglu_us=swiglu,
-    buffer_rows=rows,
-    tensorcores=max(c.tensorcores for r in reps for c in r.calls),
-  )
+    weights=("in1",),
+  ) | dict(buffer_rows=rows)
 
 
 def model_maxtext_switch(
@@ -1072,29 +1082,13 @@ def model_maxtext_switch(
   else:
     wi = _gmm_schedules(model.d, model.f, **kw)
     calls = (wi, wi, wo)
-  reps = [
-    costmodel.cost(s, generation=gen, row_macs=macs, tensorcores="kernel") for _, s, macs in calls
-  ]
-  swiglu = _swiglu_us(rows, model.f, gen)
-  # NOTE: our row-tile gmm copies its weights (and its rows) by manual DMA ("manual").
-  weight = sum(
-    v for _, s, _ in calls for c in s for k, v in c.operand_bytes.items() if k in ("in1", "manual")
-  )
-  return dict(
-    kernel_us=sum(r.modeled_us for r in reps) + swiglu,
-    calls=len(calls),
+  return _gmm_calls(
+    [s for _, s, _ in calls],
+    gen,
+    row_macs=[m for _, _, m in calls],
+    swiglu_us=_swiglu_us(rows, model.f, gen),
     xla_ops=SWITCH_PREFUSED_XLA_OPS if prefused else SWITCH_XLA_OPS,
-    steps=sum(c.steps for r in reps for c in r.calls),
-    weight_bytes_read=int(weight),
-    hbm_bytes=int(sum(r.hbm_bytes for r in reps)),
-    mxu_us=sum(c.mxu_us for r in reps for c in r.calls),
-    dma_us=sum(c.dma_us for r in reps for c in r.calls),
-    exposed_us=sum(c.exposed_us for r in reps for c in r.calls),
-    swiglu_us=swiglu,
-    buffer_rows=rows,
-    tiles=[list(t) for t, _, _ in calls[-2:]],
-    tensorcores=max(c.tensorcores for r in reps for c in r.calls),
-  )
+  ) | dict(buffer_rows=rows, tiles=[list(t) for t, _, _ in calls[-2:]])
 
 
 # ----------------------------------------------------------------------------------------------
