@@ -269,7 +269,7 @@ def upcast_route(w_dtype: Any, *, x_dtype: Any = jnp.bfloat16, generation: Any =
     it in one instruction (tpu7x's float8_e4m3fn), this costs less than partials on a 256-wide
     MXU, where a 128-deep product uses half of the array: compiled for tpu7x, a step of
     DeepSeek-V3's expert at 64 tokens issues 0.76 bundles per 1,024 values, products included
-    (1.18 with a dequantization loop of its own before the products).
+    (1.17 with a dequantization loop of its own before the products).
   - "partials": where Mosaic pushes the stored dtype into the MXU beside bf16 rows
     (`generations.TpuGeneration.mxu_pushes_fp8`: float8_e4m3fn on v5e, v5p and v6e), no value
     passes through the vector unit; the partials' scaling does, [window, 128] per block of the
@@ -772,7 +772,9 @@ def _dequantized_gate_up(plan: FusedPlan, scratch: _Scratch, *, slot, which, pie
   the vector registers into the MXU with no dequantized copy in VMEM: the vector unit's unpack
   and multiply issue beside the MXU's pushes (tpu7x, gate and up [64, 1,024] x [1,024, 512]
   products: 790 bundles against 1,307 with a dequantization loop of their own before them,
-  `python -m bench.llo_variants --variant dq_inline,dq_products_loop`).
+  `python -m bench.llo_variants --variant dq_inline,dq_products_loop`). A step of several
+  windows dequantizes its blocks once per window; a 128-row window's products take the MXU
+  longer than that (tpu7x: 0.82 bundles per 1,024 values against 1 MXU cycle).
   """
   b, cb, cdt = plan.block, plan.chunk_blocks, jnp.dtype(plan.x_dtype)
   values, scales = scratch.gate_up.at[slot], scratch.gate_up_scales
