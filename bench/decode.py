@@ -8,7 +8,7 @@ At a few tokens per device an MoE layer's expert work is reading expert weights:
 bytes of the device's non-empty local experts' weights, as stored (values and scales), over the
 device's HBM bandwidth. Per (model, weights, expert-parallel degree, tokens per device, chip) this
 models the expert work of one device (gate/up, the activation and down; not routing or the
-exchange) four ways, fixed costs included:
+exchange) six ways, fixed costs included:
 
 - "moe_decode" (the headline): ours as the serving path `pallas_moe.decode.moe_decode` runs it,
   planned by its own `plan_decode`. Path "fused" (ep x T <= `MAX_FUSED_TOKENS` and VMEM fits):
