@@ -1497,13 +1497,14 @@ def _verdict_lines(v: dict) -> list[str]:
     f"Other points above {LIMIT:.2f}x ({len(v['other'])}), with what puts them above the floor "
     "(shares of the floor):",
     "",
-    "| model, weights, EP | T | chip | ours / floor | path | why |",
-    "|---|---:|---|---:|---|---|",
+    "| model, weights, EP | T | chip | ours / floor | bound / floor | ours / bound | path | why |",
+    "|---|---:|---|---:|---:|---:|---|---|",
   ]
   for r in v["other"]:
+    bound = r["bound_us"] / r["floor_us"]
     lines.append(
-      f"| {_config_label(r)} | {r['tokens']} | {r['chip']} | {r['ratio']:.2f} | {r['path']} "
-      f"| {r['why']} |"
+      f"| {_config_label(r)} | {r['tokens']} | {r['chip']} | {r['ratio']:.3f} | {bound:.3f} "
+      f"| {r['ratio'] / bound:.3f} | {r['path']} | {r['why']} |"
     )
   return lines
 
