@@ -6,23 +6,15 @@ from __future__ import annotations
 import pytest
 
 from bench import decode, fused_vliw, llo
-from tests.bench.test_llo import _line
+from tests.bench.test_llo import _Schedule
 
 
 def test_step_counts_split_products_and_dequantization():
   """The largest loop is the step (dynamic: counted once per step); its inner loop without MXU
   work is the dequantization (its static trip count times its bundles), every other bundle of
   the step its products, the dots' MXU cycles counted from their vmatmuls."""
-  lines, a = [], 0
-
-  def add(body, **kw):
-    nonlocal a
-    lines.append(_line(a, body, **kw))
-    a += 1
-
-  def delay(depth):
-    for _ in range(4):
-      add("", depth=depth)
+  sched = _Schedule()
+  lines, add, delay = sched.lines, sched.add, sched.delay
 
   add("smov")
   add("sld", label="LB", depth=1, tail="Start region 1")  # the step loop (dynamic)

@@ -127,19 +127,26 @@ def _line(addr, body, *, label="", depth=0, tail=""):
   return f"{addr:#x} {label}: {'>' * depth} {{ {body} }}" + (f" /* {tail} */" if tail else "")
 
 
+class _Schedule:
+  """A hand-written final_bundles dump: `add` appends one bundle at the next address, `delay`
+  a branch's four delay slots (as on v5e and v6e); `lines` holds them."""
+
+  def __init__(self):
+    self.lines = []
+
+  def add(self, body, **kw):
+    self.lines.append(_line(len(self.lines), body, **kw))
+
+  def delay(self, depth):
+    for _ in range(4):
+      self.add("", depth=depth)
+
+
 def test_branches_guards_and_per_group_regions():
   """A hand-written schedule: a grid loop, a dynamic loop with a zero-trip guard, a
   once-per-group region, and two sibling regions holding dots (the branches of a lax.cond)."""
-  lines, a = [], 0
-
-  def add(body, **kw):
-    nonlocal a
-    lines.append(_line(a, body, **kw))
-    a += 1
-
-  def delay(depth):
-    for _ in range(4):  # as on v5e and v6e
-      add("", depth=depth)
+  sched = _Schedule()
+  lines, add, delay = sched.lines, sched.add, sched.delay
 
   add("smov")
   add("sadd.s32", label="LB", depth=1, tail="Start region 1")  # grid loop
