@@ -221,9 +221,10 @@ LAYER_XLA_OPS = 124
 BLOCK_LAYER_XLA_OPS = 143
 BLOCK_EXPERT_XLA_OPS = 52
 BLOCK_STREAM_LAYER_XLA_OPS = 88
-# NOTE: a streamed call split over two TensorCores (v5p): the shared granule's row read and
-# converted, the granule added and written back in place (compiled for v5p, 8,192 rows).
-SEAM_XLA_OPS = 4
+# NOTE: a streamed call split over two TensorCores (v5p): the shared granule added (a fusion of
+# its slice and the add) and written back in place, at the row the kernel wrote as one uint32
+# (compiled for v5p; `test_seam_xla_ops_as_compiled`).
+SEAM_XLA_OPS = 2
 # NOTE: block-scaled fp8 weights pass through the vector unit inside the products' loop: on the
 # "partials" route (v5e, v5p, v6e: the stored values multiplied as they are, one product per
 # 128-deep block row, the partials scaled) and on "astype" (tpu7x: each 128 x 128 block

@@ -496,7 +496,7 @@ class _Scratch(NamedTuple):
   staging: Any = None  # stream: [held, d] the visit's sums in the output dtype, to copy out
   carry: Any = None  # stream: [align, d] f32 the last, unfinished granule of rows
   row_sems: Any = None  # stream: DMA semaphores [2, 2]: rows in (per slot), rows out
-  seam_row: Any = None  # stream on two cores: [8, 128] int32, the shared granule's first row
+  seam_row: Any = None  # stream on two cores: SMEM [1] uint32, the shared granule's first row
   gate_up_sums: Any = None  # [2, step rows, chunk] f32 a step's gate and up products
   act: Any = None  # [step rows, chunk] its activation in the compute dtype
 
@@ -1173,7 +1173,7 @@ def _stream_finish(plan: FusedPlan, refs, scratch: _Scratch, seam, *, v0, v1, vi
       scratch.carry[...] = jnp.zeros_like(scratch.carry)
 
     write(values, 0)
-    scratch.seam_row[...] = jnp.full(scratch.seam_row.shape, jnp.where(shared, (end // a) * a, 0))
+    scratch.seam_row[0] = jnp.where(shared, (end // a) * a, 0).astype(jnp.uint32)
     copy = pltpu.make_async_copy(scratch.seam_row, first_row, scratch.row_sems.at[1, 1])
     copy.start()
     copy.wait()
@@ -1376,7 +1376,8 @@ def _outputs(plan: FusedPlan, x, wi_v, group_sizes):
     return struct, hbm
   # NOTE: the granule both cores' rows can share, and its first row (see `_stream_finish`).
   seam = common.out_struct((plan.align, d), dtype, x, wi_v, group_sizes)
-  first_row = common.out_struct((8, 128), jnp.int32, x, wi_v, group_sizes)
+  # NOTE: one uint32, as XLA's dynamic slices take it: no slice or convert of it after the call.
+  first_row = common.out_struct((1,), jnp.uint32, x, wi_v, group_sizes)
   return [struct, seam, first_row], [hbm, hbm, hbm]
 
 
@@ -1390,7 +1391,7 @@ def _result(plan: FusedPlan, out, group_sizes, *, unowned_rows: str):
     out, values, first_row = out
     # NOTE: the cores' rows in the shared granule are disjoint (each wrote zeros for the
     # other's), so the sum is exact in any dtype.
-    row = (first_row[0, 0].astype(jnp.uint32), jnp.uint32(0))
+    row = (first_row.reshape(()), jnp.uint32(0))
     shared = lax.dynamic_slice(out, row, values.shape)
     out = lax.dynamic_update_slice(out, shared + values, row)
   if plan.stream and unowned_rows == "zero":
@@ -1474,6 +1475,6 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
       pltpu.SemaphoreType.DMA((2, 2)),
     ]
     if plan.cores > 1:
-      shapes.append(vmem((8, 128), jnp.int32))
+      shapes.append(pltpu.SMEM((1,), jnp.uint32))
   rows = plan.step_rows
   return shapes + [vmem((2, rows, c), jnp.float32), vmem((rows, c), jnp.dtype(plan.x_dtype))]

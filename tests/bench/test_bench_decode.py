@@ -437,3 +437,38 @@ def test_switch_xla_ops_as_compiled():
     counts = decode_ops.count(compiled.as_text())
     assert counts["mosaic"] == calls
     assert abs(counts["costed"] - ops) <= 2, (path, counts)
+
+
+@pytest.mark.aot
+def test_seam_xla_ops_as_compiled():
+  """`SEAM_XLA_OPS` is what a streamed fused call split over v5p's two TensorCores adds after
+  the kernel (the shared granule added back in place), against the same call on v6e's one."""
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from bench import decode_ops
+  from pallas_moe import fused_experts as fe
+  from pallas_moe import tiling
+  from tests.kernels.test_aot import _device as aot_device
+
+  m, d, f, e = 1024, 512, 256, 4
+
+  def costed(chip):
+    dev = aot_device(chip)
+    sh = NamedSharding(Mesh(np.array([dev]), ("x",)), P())
+    bf16 = jnp.bfloat16
+    args = [
+      jax.ShapeDtypeStruct(s, t, sharding=sh)
+      for s, t in (((m, d), bf16), ((e, d, 2 * f), bf16), ((e, f, d), bf16), ((e,), jnp.int32))
+    ]
+    args.append(jax.ShapeDtypeStruct((m,), jnp.float32, sharding=sh))
+
+    def call(x, wi, wo, gs, rw):
+      return fe.fused_experts(x, wi, wo, gs, row_weights=rw, stream=True, unowned_rows="undefined")
+
+    with tiling.use_generation(tiling.get_generation(chip)), jax.default_device(dev):
+      counts = decode_ops.count(jax.jit(call).lower(*args).compile().as_text())
+    assert counts["mosaic"] == 1
+    return counts["costed"]
+
+  assert costed("v5p") - costed("v6e") == dec.SEAM_XLA_OPS
