@@ -73,15 +73,23 @@ def _compile_in_this_process(spec: dict[str, Any]) -> None:
     wo = quant.BlockQuantizedWeights(sds((e, f, d), f8), sds((e, f // b, d // b), f32))
   args = (sds((n, d), jnp.bfloat16), wi, wo, sds((e,), jnp.int32), sds((e, n), jnp.float32))
 
+  plan = plan_for(spec["chip"], spec["weights"], n, spec.get("pieces"))
+
   def call(x, wi, wo, group_sizes, expert_weights):
-    return fe.fused_experts(x, wi, wo, group_sizes, expert_weights=expert_weights)
+    return fe.fused_experts(x, wi, wo, group_sizes, expert_weights=expert_weights, plan=plan)
 
   with tiling.use_generation(gen), jax.default_device(dev):
     jax.jit(call).lower(*args).compile()
 
 
 def compile_dump(
-  *, chip: str, weights: str, dump_dir: str, tokens: int = DIMS["tokens"], timeout_s: float = 900
+  *,
+  chip: str,
+  weights: str,
+  dump_dir: str,
+  tokens: int = DIMS["tokens"],
+  pieces: int | None = None,
+  timeout_s: float = 900,
 ) -> str:
   """AOT-compiles the case in a fresh process with the LLO dumps on (libtpu reads its flags
   once, when jax loads it); a directory whose compile finished is reused.
@@ -93,7 +101,7 @@ def compile_dump(
   if os.path.exists(done):
     return dump_dir
   os.makedirs(dump_dir, exist_ok=True)
-  spec = DIMS | dict(chip=chip, weights=weights, tokens=tokens)
+  spec = DIMS | dict(chip=chip, weights=weights, tokens=tokens, pieces=pieces)
   return llo.dump_compile("bench.fused_vliw", spec, dump_dir=dump_dir, timeout_s=timeout_s)
 
 
@@ -147,8 +155,9 @@ def step_counts(text: str, generation) -> StepCounts:
   return StepCounts(products=_issued(step) - dequant, dequant=dequant, mxu_cycles=mxu(step))
 
 
-def plan_for(chip: str, weights: str, tokens: int = DIMS["tokens"]):
-  """The fused plan of the case, as `plan_fused` makes it for the generation."""
+def plan_for(chip: str, weights: str, tokens: int = DIMS["tokens"], pieces: int | None = None):
+  """The fused plan of the case, as `plan_fused` makes it for the generation (`pieces`: its
+  parts of d forced)."""
   from bench import decode as bd
   from pallas_moe import fused_experts as fe
 
@@ -163,17 +172,24 @@ def plan_for(chip: str, weights: str, tokens: int = DIMS["tokens"]):
     kind=kind,
     generation=chip,
     by_token=True,
+    pieces=pieces,
   )
 
 
-def record(chip: str, weights: str, counts: StepCounts, tokens: int = DIMS["tokens"]) -> dict:
+def record(
+  chip: str,
+  weights: str,
+  counts: StepCounts,
+  tokens: int = DIMS["tokens"],
+  pieces: int | None = None,
+) -> dict:
   """The compiled step beside the model's: µs at the implied clock, the model's copy and MXU
   time of the step (one TensorCore's rates), the dequantization's bundles per 1,024 values."""
   from bench import decode as bd
   from pallas_moe.generations import get_generation, tensorcore_rates
 
   gen = get_generation(chip)
-  plan = plan_for(chip, weights, tokens)
+  plan = plan_for(chip, weights, tokens, pieces)
   clock = llo.implied_clock_hz(gen)
   flops, bw = tensorcore_rates(gen)
   values = 3 * plan.d * plan.chunk
@@ -204,6 +220,7 @@ def run(
   tokens: Sequence[int] = (DIMS["tokens"],),
   *,
   work: str,
+  pieces: int | None = None,
 ) -> list:
   from pallas_moe.generations import get_generation
 
@@ -211,10 +228,10 @@ def run(
   for chip in chips:
     for w in weights:
       for t in tokens:
-        where = os.path.join(work, f"{chip}-{w}-{t}")
-        d = compile_dump(chip=chip, weights=w, dump_dir=where, tokens=t)
+        where = os.path.join(work, f"{chip}-{w}-{t}" + (f"-p{pieces}" if pieces else ""))
+        d = compile_dump(chip=chip, weights=w, dump_dir=where, tokens=t, pieces=pieces)
         text = open(llo.find_dump(d, KERNEL)).read()
-        out.append(record(chip, w, step_counts(text, get_generation(chip)), t))
+        out.append(record(chip, w, step_counts(text, get_generation(chip)), t, pieces))
   return out
 
 
@@ -260,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("--chips", nargs="*", default=list(CHIPS))
   p.add_argument("--weights", nargs="*", default=list(WEIGHTS))
   p.add_argument("--tokens", nargs="*", type=int, default=[16, 64, 128])
+  p.add_argument("--pieces", type=int, default=None, help="force the plan's parts of d")
   p.add_argument("--work", default=None, help="dump directory (default: a temporary one)")
   p.add_argument("--markdown", default=None, help="write the table here")
   p.add_argument("--json", default=None, help="write the records here")
@@ -271,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   import jax
 
   with tempfile.TemporaryDirectory() as tmp:
-    recs = run(a.chips, a.weights, a.tokens, work=a.work or tmp)
+    recs = run(a.chips, a.weights, a.tokens, work=a.work or tmp, pieces=a.pieces)
   # NOTE: the dump and JSON paths are where this run kept things, not what it measured.
   shown = list(argv if argv is not None else sys.argv[1:])
   for flag in ("--work", "--json"):

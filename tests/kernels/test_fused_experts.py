@@ -399,6 +399,12 @@ def test_plan_streams_only_what_fits():
   assert plan.expert_weight_bytes == 3 * 7168 * 2048 + 4 * 3 * 16 * 56
   # NOTE: each step's weights come in seven pieces of 1,024 rows of d (4 x 256: the MXU edge).
   assert (plan.pieces, plan.piece) == (7, 1024)
+  # NOTE: a window of at most 32 rows takes up to 16 pieces: 14 of 512 rows (2 x 256).
+  small = fe.plan_fused(
+    rows=32, d=7168, f=2048, num_experts=8, x_dtype=jnp.bfloat16,
+    w_dtype=jnp.float8_e4m3fn, kind="block", generation="v6e", by_token=True,
+  )  # fmt: skip
+  assert (small.window, small.pieces, small.piece) == (32, 14, 512)
   with pytest.raises(ValueError, match="fewer rows per call"):
     fe.plan_fused(
       rows=8192,
