@@ -51,11 +51,12 @@ The fused kernel's schedule (`pallas_moe.fused_experts`): steps of (visited expe
 each copying `FusedPlan.step_weight_bytes`. On a device with two TensorCores (v5p) the grid is
 (2,) "parallel" and each core streams `FusedPlan.core_chunks` of every visited expert: each core
 is modeled at one TensorCore's rates with its half of the steps, the call's time is the busiest
-core's, and one XLA op adds the two f32 partial sums after the call. Per core: the activations'
-copies (rows in, routing weights in, result out; the inputs are read whole into one VMEM copy)
-are exposed; the weight steps run as `pipeline` replays them: each step's copies in
-`FusedPlan.pieces` pieces of d, served in order, each piece's products as soon as it has
-arrived, so the first piece's copy and the last piece's products are what the stream exposes.
+core's, and one XLA op adds the two partial sums (in the result's dtype) after the call. Per
+core: the activations' copies (rows in, routing weights in, result out; the inputs are read
+whole into one VMEM copy) are exposed; the weight steps run as `pipeline` replays them: each
+step's copies in `FusedPlan.pieces` pieces of d, served in order, each piece's products as soon
+as it has arrived, so the first piece's copy and the last piece's products are what the stream
+exposes.
 MXU work per window of rows and step: one [window, d] x [d, chunk] product each for gate and up,
 one [window, chunk] x [chunk, d] for down, the window padded to `generations.min_pass_rows`,
 contraction and columns to the MXU edge (what `bench.costmodel` charges the kernel's dots), at one
@@ -548,10 +549,10 @@ def activation_bytes(plan: fe.FusedPlan) -> int:
   """HBM bytes one TensorCore's call copies besides the weights, all exposed: its rows in, the
   routing weights in (tokens layout: [E_l, 1, rows] f32, E_l x rows x 4 bytes, and as much again
   for the gathered layout's [E_l, 1, rows] int32 token lists; sorted rows: [rows, 1] f32, a
-  column in 128 lanes), its result out (the f32 partial sum where the call is split over
-  TensorCores)."""
+  column in 128 lanes), its result out (its partial sum where the call is split over
+  TensorCores, in the result's dtype)."""
   x_item = jnp.dtype(plan.x_dtype).itemsize
-  out_item = 4 if plan.cores > 1 else jnp.dtype(plan.out_dtype).itemsize
+  out_item = jnp.dtype(plan.out_dtype).itemsize
   if plan.by_token:
     weights = plan.num_experts * plan.rows * 4 * (2 if plan.gather else 1)
   else:
@@ -560,12 +561,12 @@ def activation_bytes(plan: fe.FusedPlan) -> int:
 
 
 def _partial_sum_s(plan: fe.FusedPlan, gen) -> float:
-  """The XLA op after a split call: the cores' f32 partial sums read, the result written
+  """The XLA op after a split call: the cores' partial sums read, the result written
   (streamed rows: one shared granule, `SEAM_XLA_OPS`' fixed cost only)."""
   if plan.cores == 1 or plan.stream:
     return 0.0
   out_item = jnp.dtype(plan.out_dtype).itemsize
-  return plan.rows * plan.d * (plan.cores * 4 + out_item) / device_bandwidth(gen)
+  return plan.rows * plan.d * (plan.cores + 1) * out_item / device_bandwidth(gen)
 
 
 def pipeline(
@@ -1620,7 +1621,7 @@ def _notes(fit: dict | None) -> list[str]:
     "copies in `FusedPlan.pieces` pieces of d (gate/up's then down's) served in order, the "
     "next step's queued once this step's first piece is in, each piece multiplied once it has "
     "arrived (the first piece's copy and the last piece's products exposed); a v5p call's "
-    "two f32 partial sums added by one XLA op at the device's bandwidth. "
+    "two partial sums (in the result's dtype) added by one XLA op at the device's bandwidth. "
     "Streamed (the block path's experts): one TensorCore; rows move in whole granules of 16 "
     "(with their f32 row weights): a visit's first step starts the next visit's rows in and "
     "its last step its finished rows out, queued ahead of and behind the next step's weights; "

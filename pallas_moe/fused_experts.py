@@ -33,8 +33,8 @@ scaled, `upcast_route`). HBM holds and the DMA moves the narrow values; no dequa
 them is kept in VMEM.
 
 On a device with two TensorCores (v5p, v4) the grid has one "parallel" step per core; each
-streams half of every visited expert's chunks, and the two partial sums are added after the
-call.
+streams half of every visited expert's chunks, and the two partial sums, each in the result's
+dtype, are added after the call (as a tensor-parallel split of f adds its devices' sums).
 """
 
 from __future__ import annotations
@@ -125,9 +125,10 @@ class FusedPlan:
       back by its transpose once the expert's last chunk is done; otherwise over all tokens.
     cores: TensorCores the call's weight stream is split over (2 on a megacore device). Rows
       resident in VMEM: each core streams half of every visited expert's chunks and the call
-      returns both cores' partial sums, which `fused_experts` adds. Streamed rows: each core
-      takes half of the visits (whole experts' weights, rows disjoint) and writes its own
-      rows; the one granule both cores' rows can share comes back apart and is added in.
+      returns both cores' partial sums in `out_dtype`, which `fused_experts` adds in f32.
+      Streamed rows: each core takes half of the visits (whole experts' weights, rows
+      disjoint) and writes its own rows; the one granule both cores' rows can share comes
+      back apart and is added in.
     stream: sorted rows that stay in HBM (any number of them): each visit copies its expert's
       rows in, `align` rows at a time, and its finished rows out (`_stream_step`). Only the
       rows of `group_sizes` are read or written; the rest of the buffer is never touched.
@@ -1372,13 +1373,16 @@ def fused_experts(
 
 
 def _outputs(plan: FusedPlan, x, wi_v, group_sizes):
-  """The call's output structs and specs: the result (each TensorCore's f32 partial sum where
-  a resident call is split), and for streamed rows on two cores the granule they can share."""
+  """The call's output structs and specs: the result (each TensorCore's partial sum where a
+  resident call is split), and for streamed rows on two cores the granule they can share."""
   d = plan.d
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   split = plan.cores > 1 and not plan.stream
   shape = (plan.cores, plan.rows, d) if split else (plan.rows, d)
-  dtype = jnp.float32 if split else plan.out_dtype
+  # NOTE: a split call's partial sums come out in the result's dtype, as a tensor-parallel
+  # split of f hands its devices' sums to their reduction: half the bytes of f32 to write and
+  # read again (the XLA op adds them in f32).
+  dtype = plan.out_dtype
   struct = common.out_struct(shape, dtype, x, wi_v, group_sizes)
   if split:
     return struct, pl.BlockSpec((1, plan.rows, d), lambda c, *_: (c, 0, 0))
@@ -1394,11 +1398,11 @@ def _outputs(plan: FusedPlan, x, wi_v, group_sizes):
 
 
 def _result(plan: FusedPlan, out, group_sizes, *, unowned_rows: str):
-  """The call's outputs as one [rows, d] result: split calls' partial sums added, the shared
-  granule added in place, rows past the groups zeroed (streamed, `unowned_rows` "zero")."""
+  """The call's outputs as one [rows, d] result: split calls' partial sums added in f32, the
+  shared granule added in place, rows past the groups zeroed (streamed, `unowned_rows` "zero")."""
   if plan.cores > 1 and not plan.stream:
-    # NOTE: the two TensorCores' partial sums (each over half of f).
-    out = jnp.sum(out, axis=0).astype(plan.out_dtype)
+    # NOTE: the two TensorCores' partial sums (each over half of f), one XLA fusion.
+    out = jnp.sum(out.astype(jnp.float32), axis=0).astype(plan.out_dtype)
   elif plan.cores > 1:
     out, values, first_row = out
     # NOTE: the cores' rows in the shared granule are disjoint (each wrote zeros for the

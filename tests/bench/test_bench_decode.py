@@ -440,9 +440,10 @@ def test_switch_xla_ops_as_compiled():
 
 
 @pytest.mark.aot
-def test_seam_xla_ops_as_compiled():
-  """`SEAM_XLA_OPS` is what a streamed fused call split over v5p's two TensorCores adds after
-  the kernel (the shared granule added back in place), against the same call on v6e's one."""
+def test_split_call_xla_ops_as_compiled():
+  """What a fused call split over v5p's two TensorCores adds after the kernel, against the same
+  call on v6e's one: rows resident in VMEM, one op adding the two partial sums (bf16, added in
+  f32); streamed rows, `SEAM_XLA_OPS` (the shared granule added back in place)."""
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
@@ -451,24 +452,24 @@ def test_seam_xla_ops_as_compiled():
   from pallas_moe import tiling
   from tests.kernels.test_aot import _device as aot_device
 
-  m, d, f, e = 1024, 512, 256, 4
+  d, f, e = 512, 256, 4
 
-  def costed(chip):
+  def costed(chip, m, stream):
     dev = aot_device(chip)
     sh = NamedSharding(Mesh(np.array([dev]), ("x",)), P())
     bf16 = jnp.bfloat16
-    args = [
-      jax.ShapeDtypeStruct(s, t, sharding=sh)
-      for s, t in (((m, d), bf16), ((e, d, 2 * f), bf16), ((e, f, d), bf16), ((e,), jnp.int32))
-    ]
+    shapes = (((m, d), bf16), ((e, d, 2 * f), bf16), ((e, f, d), bf16), ((e,), jnp.int32))
+    args = [jax.ShapeDtypeStruct(s, t, sharding=sh) for s, t in shapes]
     args.append(jax.ShapeDtypeStruct((m,), jnp.float32, sharding=sh))
+    kw = dict(stream=True, unowned_rows="undefined") if stream else {}
 
     def call(x, wi, wo, gs, rw):
-      return fe.fused_experts(x, wi, wo, gs, row_weights=rw, stream=True, unowned_rows="undefined")
+      return fe.fused_experts(x, wi, wo, gs, row_weights=rw, **kw)
 
     with tiling.use_generation(tiling.get_generation(chip)), jax.default_device(dev):
       counts = decode_ops.count(jax.jit(call).lower(*args).compile().as_text())
     assert counts["mosaic"] == 1
     return counts["costed"]
 
-  assert costed("v5p") - costed("v6e") == dec.SEAM_XLA_OPS
+  for m, stream, ops in ((64, False, 1), (1024, True, dec.SEAM_XLA_OPS)):
+    assert costed("v5p", m, stream) - costed("v6e", m, stream) == ops, stream
