@@ -242,6 +242,12 @@ ISSUE_BUNDLES = {
   ("tpu7x", "astype"): (0.6873, 0.001056),  # 0.755 (0.755)
 }
 # Bytes of a block scale (DeepSeek-V3 stores f32 `weight_scale_inv`).
+# NOTE: the gathered layout's table check at the call's start (`fused_experts._clean_table`:
+# non-finite values zeroed, their rows marked), bundles per 1,024 table values, read from the
+# compiled kernel's schedule: DeepSeek-V3's fp8 experts over 256 gathered tokens, 16 trips of a
+# loop over one 16-row granule (v5e 269, v5p 270, v6e 292, tpu7x 295 bundles a trip). It runs
+# while the first step's copies stream; the first product waits for both.
+TABLE_CHECK_BUNDLES = {"v5e": 2.40, "v5p": 2.41, "v6e": 2.61, "tpu7x": 2.63}
 _SCALE_BYTES = 4
 # NOTE: the sorted-rows layout's [rows, 1] f32 row weights: a column laid out in 128 lanes.
 _COLUMN_BYTES = 128 * 4
@@ -497,6 +503,14 @@ def window_issue_s(plan: fe.FusedPlan, generation) -> float:
   return values / 1024 * (base + per_row * plan.window) / implied_clock_hz(gen)
 
 
+def table_check_s(plan: fe.FusedPlan, generation) -> float:
+  """Seconds the gathered layout's table check issues (`TABLE_CHECK_BUNDLES`); 0 otherwise."""
+  if not plan.gather:
+    return 0.0
+  gen = get_generation(generation)
+  return plan.rows * plan.d / 1024 * TABLE_CHECK_BUNDLES[gen.name] / implied_clock_hz(gen)
+
+
 def step_compute_s(plan: fe.FusedPlan, windows, per_window: float, generation):
   """Each step's compute seconds for its `windows` windows: the MXU's time, or the compiled
   step's issue where that is longer (block-scaled weights, whose vector work shares the
@@ -570,7 +584,7 @@ def _partial_sum_s(plan: fe.FusedPlan, gen) -> float:
 
 
 def pipeline(
-  mxu: np.ndarray, copy: float, *, pieces: int, head=None, tail=None
+  mxu: np.ndarray, copy: float, *, pieces: int, head=None, tail=None, start: float = 0.0
 ) -> tuple[float, float, float]:
   """One TensorCore's steps as the fused kernel runs them (`fused_experts._kernel`), piece by
   piece.
@@ -590,6 +604,8 @@ def pipeline(
       `_visit_rows_turn` starts before the next step's weights).
     tail: per step, seconds queued just behind its weights (a visit's finished rows, started
       after its last step's products).
+    start: seconds of the core's own work before its first product (the gathered layout's
+      table check), run while the first copies stream.
 
   Returns:
     (seconds until the first product can start, seconds until the last is done, seconds of
@@ -611,8 +627,8 @@ def pipeline(
     return arrivals
 
   arrivals = queue(0, 0.0)
-  first = float(arrivals[0])
-  done = 0.0
+  first = max(start, float(arrivals[0]))
+  done = start
   for s in range(steps):
     begin = max(done, float(arrivals[0]))
     nxt = queue(s + 1, begin) if s + 1 < steps else None
@@ -643,7 +659,7 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
   mxu = mxu.ravel()
   steps = len(mxu)
   dma = plan.step_weight_bytes / bw
-  first, total, copies = pipeline(mxu, dma, pieces=plan.pieces)
+  first, total, copies = pipeline(mxu, dma, pieces=plan.pieces, start=table_check_s(plan, gen))
   return dict(
     core_steps=steps,
     steps=steps * plan.cores,
@@ -1646,8 +1662,13 @@ def _notes(fit: dict | None) -> list[str]:
     + ", read from the compiled kernel's schedule (`python -m bench.fused_vliw`, "
     "bench/results/fused-vliw.md), at the clock the bf16 peak implies (v5e 1.50, v5p 1.75, v6e "
     "3.50, tpu7x 4.40 GHz: the last two exceed published clocks, so there this is a lower "
-    "bound). A window takes the longer of this issue and its MXU time. Not modeled: the "
-    "gathered layout's one-hot builds and its [N, d] f32 add per window added back.",
+    "bound). A window takes the longer of this issue and its MXU time. The gathered layout's "
+    "table check (non-finite values zeroed, their rows marked, so that the one-hot products "
+    "cannot spread 0 x inf = NaN to other tokens) at the call's start, under the first "
+    "step's copies: "
+    + ", ".join(f"{g} {b:.2f}" for g, b in TABLE_CHECK_BUNDLES.items())
+    + " bundles per 1,024 table values, from the compiled schedule. Not modeled: the gathered "
+    "layout's one-hot builds and its [N, d] f32 add per window added back.",
     "DMA: at one TensorCore's bandwidth, no efficiency loss for the [d, chunk] gate/up blocks' "
     "strided rows (chunk x itemsize contiguous bytes per row).",
     "Block path with the gmm pair (float weights on v5p): `plan_decode`'s "

@@ -241,7 +241,8 @@ def _vmem_bytes(
     # NOTE: the [E, 1, rows] routing weights (and token lists), each padded to 8 sublanes.
     resident += experts * 8 * rows * 4 * (2 if gather else 1)
   if gather:
-    resident += rows * d * (x_item + 4)  # an expert's gathered rows and their f32 sums
+    # NOTE: an expert's gathered rows and their f32 sums; the table's non-finite rows (128 lanes).
+    resident += rows * d * (x_item + 4) + rows * 128 * 4
   elif not stream:
     resident += rows * 128 * 4  # the [rows, 1] row weights, padded to 128 lanes
   weights = 2 * 3 * d * chunk * w_item  # two slots of gate, up, down
@@ -502,6 +503,7 @@ class _Scratch(NamedTuple):
   down_scales: Any = None  # channel: [2 slots, 1, d] f32; block: SMEM [2, cb, d / block]
   gathered: Any = None  # gather: [rows, d] the visited expert's tokens
   expert_acc: Any = None  # gather: [rows, d] f32 their sums
+  bad_rows: Any = None  # gather: [rows, 1] f32, 1 where the token's row is not finite
   visit_lo: Any = None  # stream: SMEM [max visits] each visit's first row
   visit_hi: Any = None  # stream: SMEM [max visits] one past its last row
   x_rows: Any = None  # stream: [2 slots, held, d] a visit's rows, from its first rounded down
@@ -1038,6 +1040,29 @@ def _gathered_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, ar
     lax.fori_loop(0, windows, scatter, 0)
 
 
+def _clean_table(plan: FusedPlan, table, scratch: _Scratch) -> None:
+  """Zeroes the table's values that are not finite and marks their rows in `bad_rows`.
+
+  NOTE: the one-hot products that gather and add back a visited expert's tokens multiply every
+  row of the table (or of the expert's sums) by 0 or 1, and 0 x inf is NaN: one non-finite
+  token would make every token's result NaN. Zeroed, it reaches no other row; its own row
+  comes out NaN at the end.
+  """
+  # NOTE: a granule of rows at a time: its f32 values and mask are the only temporaries.
+  a = plan.align
+
+  def block(b, carry):
+    r0 = pl.multiple_of(b * a, a)
+    rows = table[pl.ds(r0, a), :].astype(jnp.float32)
+    finite = jnp.abs(rows) <= jnp.finfo(jnp.float32).max
+    table[pl.ds(r0, a), :] = jnp.where(finite, rows, 0.0).astype(table.dtype)
+    bad = jnp.min(finite.astype(jnp.float32), axis=1, keepdims=True) < 1.0
+    scratch.bad_rows[pl.ds(r0, a), :] = bad.astype(jnp.float32)
+    return carry
+
+  lax.fori_loop(0, plan.rows // a, block, 0)
+
+
 def _token_column(weights, expert, r0, window):
   """[window, 1] routing weights of tokens [r0, r0 + window) for `expert`, from the [E, 1,
   rows] lanes (a column would take 128 lanes of VMEM per token)."""
@@ -1092,6 +1117,10 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
       _visit_rows_in(plan, (x, row_weights, out), scratch, v0, "start")
     _start(_step_copies(plan, copies(0)))
 
+  if plan.gather:
+    # NOTE: under the first step's copies.
+    _clean_table(plan, x, scratch)
+
   def step(s, carry):
     _wait(copies(s)("gate_up", 0))
     if plan.stream:
@@ -1140,6 +1169,11 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     return carry
 
   lax.fori_loop(0, steps, step, 0)
+  if plan.gather:
+    # NOTE: a token whose row is not finite comes out NaN, as it would from its own products.
+    bad = scratch.bad_rows[...] > 0
+    out[...] = jnp.where(bad, jnp.nan, scratch.acc[...]).reshape(out.shape).astype(out.dtype)
+    return
   if not plan.stream:
     out[...] = scratch.acc[...].reshape(out.shape).astype(out.dtype)
     return
@@ -1449,7 +1483,7 @@ def _scratch_names(plan: FusedPlan) -> list[str]:
     names += ["gate_up_scales", "down_scales"]
   names += ["sems", "first_row", "visits"]
   if plan.gather:
-    names += ["gathered", "expert_acc"]
+    names += ["gathered", "expert_acc", "bad_rows"]
   if plan.stream:
     names += ["visit_lo", "visit_hi", "x_rows", "row_weights", "staging", "carry", "row_sems"]
     if plan.cores > 1:
@@ -1478,7 +1512,11 @@ def _scratch_shapes(plan: FusedPlan) -> list[Any]:
     pltpu.SMEM((plan.max_visits if plan.stream else plan.num_experts,), jnp.int32),
   ]
   if plan.gather:
-    shapes += [vmem((plan.rows, d), jnp.dtype(plan.x_dtype)), vmem((plan.rows, d), jnp.float32)]
+    shapes += [
+      vmem((plan.rows, d), jnp.dtype(plan.x_dtype)),
+      vmem((plan.rows, d), jnp.float32),
+      vmem((plan.rows, 1), jnp.float32),
+    ]
   if plan.stream:
     visits = pltpu.SMEM((plan.max_visits,), jnp.int32)
     shapes += [

@@ -250,6 +250,39 @@ def test_gathered_tokens(kind, mode, capfd):
   _check(out, np_token_experts(x, wi64, wo64, ew))
 
 
+@pytest.mark.parametrize("mode", ["hlo", "races"])
+def test_gathered_non_finite_token_stays_in_its_row(mode, capfd):
+  """A token with an inf (routed) and one with a NaN (routed nowhere) among gathered tokens:
+  their rows come out NaN and every other row matches float64; the one-hot gather and add back
+  would otherwise spread 0 x inf = NaN to every token."""
+  m, d, f, e = 40, 128, 128, 3
+  wi, wo, wi64, wo64 = _weights("float", e=e, d=d, f=f)
+  x = np.array(random_array(15, (m, d), F32))
+  x[5, 7], x[9, 0] = np.inf, np.nan
+  routed = {0: [1, 2, 3], 1: [2, 11], 2: [5, 12]}
+  tokens = np.full((e, m), -1, np.int32)
+  weights = np.zeros((e, m), np.float32)
+  ew = np.zeros((e, m), np.float64)
+  for ex, ts in routed.items():
+    tokens[ex, : len(ts)], weights[ex, : len(ts)], ew[ex, ts] = ts, 0.5, 0.5
+  interpret = {"hlo": True, "races": RACE_PARAMS}[mode]
+  with no_races_or_oob(capfd) if mode == "races" else contextlib.nullcontext():
+    out = fe.fused_experts(
+      jnp.asarray(x),
+      wi,
+      wo,
+      jnp.asarray([len(routed[i]) for i in range(e)], jnp.int32),
+      expert_weights=jnp.asarray(weights),
+      expert_tokens=jnp.asarray(tokens),
+      interpret=interpret,
+    )
+  out = np.asarray(out, np.float64)
+  assert np.isnan(out[[5, 9]]).all()
+  clean = np.setdiff1d(np.arange(m), [5, 9])
+  x[[5, 9]] = 0.0
+  _check(out[clean], np_token_experts(jnp.asarray(x), wi64, wo64, ew)[clean])
+
+
 @pytest.mark.parametrize("by_token", [False, True])
 def test_two_tensorcores(by_token, capfd):
   """A megacore device's split: each of two TensorCores (grid steps under the simulator, with
