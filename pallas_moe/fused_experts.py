@@ -408,9 +408,7 @@ def plan_fused(
     experts=num_experts if by_token else 0,
     gather=gather,
     stream=visit_rows if stream else 0,
-    pieces=_pieces(
-      d, gen.mxu_size, block if kind == "block" else 128, pieces, small=window <= SMALL_WINDOW
-    ),
+    pieces=_pieces(d, gen.mxu_size, granule, pieces, small=window <= SMALL_WINDOW),
     dequantized=upcast != "partials",
   )
   cores = gen.tensorcores_per_device if cores is None else cores
