@@ -1167,13 +1167,12 @@ def _kernel(plan: FusedPlan, has_weights: bool, *refs) -> None:
     return carry
 
   lax.fori_loop(0, steps, step, 0)
-  if plan.gather:
-    # NOTE: a token whose row is not finite comes out NaN, as it would from its own products.
-    bad = scratch.bad_rows[...] > 0
-    out[...] = jnp.where(bad, jnp.nan, scratch.acc[...]).reshape(out.shape).astype(out.dtype)
-    return
   if not plan.stream:
-    out[...] = scratch.acc[...].reshape(out.shape).astype(out.dtype)
+    acc = scratch.acc[...]
+    if plan.gather:
+      # NOTE: a token whose row is not finite comes out NaN, as it would from its own products.
+      acc = jnp.where(scratch.bad_rows[...] > 0, jnp.nan, acc)
+    out[...] = acc.reshape(out.shape).astype(out.dtype)
     return
   _stream_finish(plan, (x, row_weights, out), scratch, seam, v0=v0, v1=v1, visited=visited)
 
