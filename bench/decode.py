@@ -60,8 +60,10 @@ exposes.
 MXU work per window of rows and step: one [window, d] x [d, chunk] product each for gate and up,
 one [window, chunk] x [chunk, d] for down, the window padded to `generations.min_pass_rows`,
 contraction and columns to the MXU edge (what `bench.costmodel` charges the kernel's dots), at one
-TensorCore's bf16 peak; in the gathered layout, a visited expert's first step on a core adds its
-windows' one-hot gathers and its last step their transposed adds (`gather_macs`). Block-scaled
+TensorCore's bf16 peak; in the gathered layout, a visited expert's first step on a core gathers
+its windows by one-hot products before its first piece's products, and its last step adds each
+down piece's columns back by the transposed product once that piece is done (`gather_macs`),
+so only the last piece's add back follows the last copy. Block-scaled
 fp8 weights take vector work inside the products' loop (scaled partials, or each block
 dequantized on its way to the MXU): the compiled step issues `ISSUE_BUNDLES` bundles per 1,024
 values per window (`bench.fused_vliw`), and a window takes the longer of that and its MXU time
@@ -227,9 +229,10 @@ BLOCK_STREAM_LAYER_XLA_OPS = 88
 # (compiled for v5p; `test_seam_xla_ops_as_compiled`).
 SEAM_XLA_OPS = 2
 # NOTE: block-scaled fp8 weights pass through the vector unit inside the products' loop: on the
-# "partials" route (v5e, v5p, v6e: the stored values multiplied as they are, one product per
-# 128-deep block row, the partials scaled) and on "astype" (tpu7x: each 128 x 128 block
-# converted, scaled and cast to bf16 on its way to the MXU, no dequantized copy in VMEM). The
+# "partials" route (v5e, v5p: the stored values multiplied as they are, one product per
+# 128-deep block row, the partials scaled; v6e's row is kept for comparison), on "e4m3b11"
+# (v6e: each block's bytes read as float8_e4m3b11fnuz, scaled and cast to bf16 on its way to
+# the MXU) and on "astype" (tpu7x: the same, converted as stored; no dequantized copy in VMEM). The
 # compiled step's bundles per 1,024 values, base + per_row x the window's rows, fit on the step
 # compiled at 16 and 128 tokens (one window of them; `python -m bench.fused_vliw`,
 # bench/results/fused-vliw.md). Vector and MXU work are one loop, so the step takes the longer
@@ -239,6 +242,7 @@ ISSUE_BUNDLES = {
   ("v5e", "partials"): (0.3264, 0.01626),  # at 64 rows: 1.367 (compiled 1.383)
   ("v5p", "partials"): (0.3339, 0.01836),  # 1.509 (1.505)
   ("v6e", "partials"): (0.4131, 0.00851),  # 0.958 (0.940)
+  ("v6e", "e4m3b11"): (0.9481, 0.001514),  # 1.045 (1.022)
   ("tpu7x", "astype"): (0.6873, 0.001056),  # 0.755 (0.755)
 }
 # Bytes of a block scale (DeepSeek-V3 stores f32 `weight_scale_inv`).
@@ -584,7 +588,15 @@ def _partial_sum_s(plan: fe.FusedPlan, gen) -> float:
 
 
 def pipeline(
-  mxu: np.ndarray, copy: float, *, pieces: int, head=None, tail=None, start: float = 0.0
+  mxu: np.ndarray,
+  copy: float,
+  *,
+  pieces: int,
+  head=None,
+  tail=None,
+  start: float = 0.0,
+  before=None,
+  after_down=None,
 ) -> tuple[float, float, float]:
   """One TensorCore's steps as the fused kernel runs them (`fused_experts._kernel`), piece by
   piece.
@@ -606,6 +618,10 @@ def pipeline(
       after its last step's products).
     start: seconds of the core's own work before its first product (the gathered layout's
       table check), run while the first copies stream.
+    before: per step, seconds of work at its start, once its first piece is in, before its
+      first product (the gathered layout's one-hot gathers at an expert's first step).
+    after_down: per step, seconds of work after each down piece's products, split evenly
+      over the pieces (the gathered layout's adds back at an expert's last step).
 
   Returns:
     (seconds until the first product can start, seconds until the last is done, seconds of
@@ -616,7 +632,10 @@ def pipeline(
     return 0.0, 0.0, 0.0
   head = np.zeros(steps) if head is None else np.asarray(head, float)
   tail = np.zeros(steps) if tail is None else np.asarray(tail, float)
+  before = np.zeros(steps) if before is None else np.asarray(before, float)
+  after_down = np.zeros(steps) if after_down is None else np.asarray(after_down, float)
   shares = np.array([2 / 3 / pieces] * pieces + [1 / 3 / pieces] * pieces)
+  down = np.array([0.0] * pieces + [1 / pieces] * pieces)
   free = 0.0
 
   def queue(s, at):
@@ -632,9 +651,9 @@ def pipeline(
   for s in range(steps):
     begin = max(done, float(arrivals[0]))
     nxt = queue(s + 1, begin) if s + 1 < steps else None
-    t = begin
+    t = begin + before[s]
     for k, share in enumerate(shares):
-      t = max(t, float(arrivals[k])) + mxu[s] * share
+      t = max(t, float(arrivals[k])) + mxu[s] * share + after_down[s] * down[k]
     done, arrivals = t, nxt
   return first, done, float(steps * copy + head.sum() + tail.sum())
 
@@ -653,13 +672,17 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
   mxu = np.repeat(compute, plan.core_chunks)
   mxu = mxu.reshape(len(visits), plan.core_chunks)
   gather, scatter = (m * 2 / flops for m in gather_macs(plan, gen))
+  before, after_down = np.zeros_like(mxu), np.zeros_like(mxu)
   if plan.gather and len(visits):
-    mxu[:, 0] += windows * gather
-    mxu[:, -1] += windows * scatter
-  mxu = mxu.ravel()
+    before[:, 0] = windows * gather
+    after_down[:, -1] = windows * scatter
+  mxu, before, after_down = mxu.ravel(), before.ravel(), after_down.ravel()
   steps = len(mxu)
   dma = plan.step_weight_bytes / bw
-  first, total, copies = pipeline(mxu, dma, pieces=plan.pieces, start=table_check_s(plan, gen))
+  first, total, copies = pipeline(
+    mxu, dma, pieces=plan.pieces, start=table_check_s(plan, gen), before=before,
+    after_down=after_down,
+  )  # fmt: skip
   return dict(
     core_steps=steps,
     steps=steps * plan.cores,
@@ -668,7 +691,7 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
     exposed_s=first,
     stream_s=total - first,
     mxu_excess_s=total - copies,
-    mxu_s=float(mxu.sum()),
+    mxu_s=float(mxu.sum() + before.sum() + after_down.sum()),
     gather_mxu_s=float(windows.sum() * (gather + scatter)),
     vector_s=vector,
     dma_s=copies,
@@ -1650,8 +1673,9 @@ def _notes(fit: dict | None) -> list[str]:
     "MXU: one TensorCore's bf16 peak; each window's rows padded to 128 (`min_pass_rows`), "
     "contraction and columns to the MXU edge. Gathered layout: per visited expert and "
     "TensorCore, ceil(its tokens / 128) windows per step, plus at its first step one [128, N] x "
-    "[N, d] one-hot product per window and at its last the transposed one ([N, d] out, the "
-    "128-deep contraction padded to the MXU edge: twice the MACs on v6e and tpu7x), as "
+    "[N, d] one-hot product per window before the first piece's products, and at its last the "
+    "transposed one ([N, d] out, the 128-deep contraction padded to the MXU edge: twice the "
+    "MACs on v6e and tpu7x) piece by piece of d, each after that piece's down products, as "
     "`costmodel.kernel_dot_macs` counts the kernel's dots.",
     "Vector work of fp8 block-scaled weights, in the products' loop: v5e, v5p and v6e multiply "
     "the stored values (one product per 128-deep block row) and scale the partials; tpu7x "

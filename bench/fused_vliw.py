@@ -73,7 +73,7 @@ def _compile_in_this_process(spec: dict[str, Any]) -> None:
     wo = quant.BlockQuantizedWeights(sds((e, f, d), f8), sds((e, f // b, d // b), f32))
   args = (sds((n, d), jnp.bfloat16), wi, wo, sds((e,), jnp.int32), sds((e, n), jnp.float32))
 
-  plan = plan_for(spec["chip"], spec["weights"], n, spec.get("pieces"))
+  plan = plan_for(spec["chip"], spec["weights"], n, spec.get("pieces"), spec.get("upcast"))
 
   def call(x, wi, wo, group_sizes, expert_weights):
     return fe.fused_experts(x, wi, wo, group_sizes, expert_weights=expert_weights, plan=plan)
@@ -89,6 +89,7 @@ def compile_dump(
   dump_dir: str,
   tokens: int = DIMS["tokens"],
   pieces: int | None = None,
+  upcast: str | None = None,
   timeout_s: float = 900,
 ) -> str:
   """AOT-compiles the case in a fresh process with the LLO dumps on (libtpu reads its flags
@@ -101,7 +102,7 @@ def compile_dump(
   if os.path.exists(done):
     return dump_dir
   os.makedirs(dump_dir, exist_ok=True)
-  spec = DIMS | dict(chip=chip, weights=weights, tokens=tokens, pieces=pieces)
+  spec = DIMS | dict(chip=chip, weights=weights, tokens=tokens, pieces=pieces, upcast=upcast)
   return llo.dump_compile("bench.fused_vliw", spec, dump_dir=dump_dir, timeout_s=timeout_s)
 
 
@@ -155,9 +156,15 @@ def step_counts(text: str, generation) -> StepCounts:
   return StepCounts(products=_issued(step) - dequant, dequant=dequant, mxu_cycles=mxu(step))
 
 
-def plan_for(chip: str, weights: str, tokens: int = DIMS["tokens"], pieces: int | None = None):
+def plan_for(
+  chip: str,
+  weights: str,
+  tokens: int = DIMS["tokens"],
+  pieces: int | None = None,
+  upcast: str | None = None,
+):
   """The fused plan of the case, as `plan_fused` makes it for the generation (`pieces`: its
-  parts of d forced)."""
+  parts of d forced; `upcast`: its route for block-scaled values forced)."""
   from bench import decode as bd
   from pallas_moe import fused_experts as fe
 
@@ -173,6 +180,7 @@ def plan_for(chip: str, weights: str, tokens: int = DIMS["tokens"], pieces: int 
     generation=chip,
     by_token=True,
     pieces=pieces,
+    upcast=upcast if weights == "fp8-block" else None,
   )
 
 
@@ -182,6 +190,7 @@ def record(
   counts: StepCounts,
   tokens: int = DIMS["tokens"],
   pieces: int | None = None,
+  upcast: str | None = None,
 ) -> dict:
   """The compiled step beside the model's: µs at the implied clock, the model's copy and MXU
   time of the step (one TensorCore's rates), the dequantization's bundles per 1,024 values."""
@@ -189,7 +198,7 @@ def record(
   from pallas_moe.generations import get_generation, tensorcore_rates
 
   gen = get_generation(chip)
-  plan = plan_for(chip, weights, tokens, pieces)
+  plan = plan_for(chip, weights, tokens, pieces, upcast)
   clock = llo.implied_clock_hz(gen)
   flops, bw = tensorcore_rates(gen)
   values = 3 * plan.d * plan.chunk
@@ -221,6 +230,7 @@ def run(
   *,
   work: str,
   pieces: int | None = None,
+  upcast: str | None = None,
 ) -> list:
   from pallas_moe.generations import get_generation
 
@@ -228,10 +238,12 @@ def run(
   for chip in chips:
     for w in weights:
       for t in tokens:
-        where = os.path.join(work, f"{chip}-{w}-{t}" + (f"-p{pieces}" if pieces else ""))
-        d = compile_dump(chip=chip, weights=w, dump_dir=where, tokens=t, pieces=pieces)
+        tag = (f"-p{pieces}" if pieces else "") + (f"-{upcast}" if upcast else "")
+        where = os.path.join(work, f"{chip}-{w}-{t}{tag}")
+        kw = dict(pieces=pieces, upcast=upcast)
+        d = compile_dump(chip=chip, weights=w, dump_dir=where, tokens=t, **kw)
         text = open(llo.find_dump(d, KERNEL)).read()
-        out.append(record(chip, w, step_counts(text, get_generation(chip)), t, pieces))
+        out.append(record(chip, w, step_counts(text, get_generation(chip)), t, **kw))
   return out
 
 
@@ -278,6 +290,9 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("--weights", nargs="*", default=list(WEIGHTS))
   p.add_argument("--tokens", nargs="*", type=int, default=[16, 64, 128])
   p.add_argument("--pieces", type=int, default=None, help="force the plan's parts of d")
+  p.add_argument(
+    "--upcast", default=None, help="force the fp8 block-scaled route (`FusedPlan.upcast`)"
+  )
   p.add_argument("--work", default=None, help="dump directory (default: a temporary one)")
   p.add_argument("--markdown", default=None, help="write the table here")
   p.add_argument("--json", default=None, help="write the records here")
@@ -289,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   import jax
 
   with tempfile.TemporaryDirectory() as tmp:
-    recs = run(a.chips, a.weights, a.tokens, work=a.work or tmp, pieces=a.pieces)
+    recs = run(a.chips, a.weights, a.tokens, work=a.work or tmp, pieces=a.pieces, upcast=a.upcast)
   # NOTE: the dump and JSON paths are where this run kept things, not what it measured.
   shown = list(argv if argv is not None else sys.argv[1:])
   for flag in ("--work", "--json"):

@@ -280,15 +280,22 @@ def upcast_route(w_dtype: Any, *, x_dtype: Any = jnp.bfloat16, generation: Any =
     DeepSeek-V3's expert at 64 tokens issues 0.76 bundles per 1,024 values, products included
     (1.17 with a dequantization loop of its own before the products).
   - "partials": where Mosaic pushes the stored dtype into the MXU beside bf16 rows
-    (`generations.TpuGeneration.mxu_pushes_fp8`: float8_e4m3fn on v5e, v5p and v6e), no value
-    passes through the vector unit; the partials' scaling does, [window, 128] per block of the
-    step. Compiled at 64 rows (a [64, 1,024] x [1,024, 2,048] product): 2,915 bundles against
-    4,874 dequantized first in a loop of their own (v5e), 2,118 against 3,884 (v6e).
+    (`generations.TpuGeneration.mxu_pushes_fp8`: float8_e4m3fn on v5e, v5p and v6e) and the
+    MXU is 128 wide (v5e, v5p), no value passes through the vector unit; the partials'
+    scaling does, [window, 128] per block of the step, and the products are exact in f32.
+    Compiled at 64 rows (a [64, 1,024] x [1,024, 2,048] product): 2,915 bundles against 4,874
+    dequantized first in a loop of their own (v5e).
   - "e4m3b11": dequantized, float8_e4m3fn bytes read as float8_e4m3b11fnuz, which v5e, v5p and
     v6e unpack in one instruction (their e4m3fn takes fix-ups: 2.35 bundles per 1,024 values
     with the scale, against 1.33). Exact up to the factor 16 folded into the scale
     (subnormals included), except the byte 0x80 (e4m3fn's -0, e4m3b11fnuz's NaN), set back to
-    0, and e4m3fn's NaN bytes (0x7F, 0xFF), which read as +-480. For rows that are not bf16.
+    0, and e4m3fn's NaN bytes (0x7F, 0xFF), which read as +-480; the scaled value is rounded
+    to the compute dtype, as every dequantizing route does. For rows that are not bf16, and on
+    v6e's 256-wide MXU, where a 128-deep partial product fills half of the array: a step of
+    DeepSeek-V3's expert (chunk 1,024) takes 12.3 µs of MXU time on partials at a 128-row
+    pass against 6.1 full depth, and issues 6.0-7.0 µs at 16-128 rows
+    (`python -m bench.fused_vliw --chips v6e --weights fp8-block --upcast e4m3b11`), under
+    its 13.4 µs copy either way.
 
   Returns:
     The route's name.
@@ -297,11 +304,13 @@ def upcast_route(w_dtype: Any, *, x_dtype: Any = jnp.bfloat16, generation: Any =
   w = jnp.dtype(w_dtype)
   if w != jnp.dtype(jnp.float8_e4m3fn) or w.name in gen.unpacks_fp8:
     return "astype"
-  if w.name in gen.mxu_pushes_fp8 and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16):
+  pushes = w.name in gen.mxu_pushes_fp8 and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16)
+  # NOTE: a partial product is one block (128) deep: on a wider MXU it fills part of the array.
+  if pushes and gen.mxu_size <= quant.BLOCK:
     return "partials"
   if "float8_e4m3b11fnuz" in gen.unpacks_fp8:
     return "e4m3b11"
-  return "astype"
+  return "partials" if pushes else "astype"
 
 
 def plan_fused(
@@ -324,6 +333,7 @@ def plan_fused(
   visit_rows: int = 256,
   pieces: int | None = None,
   window: int | None = None,
+  upcast: str | None = None,
 ) -> FusedPlan:
   """The fused kernel's plan: the largest chunk of f whose double-buffered weight blocks fit.
 
@@ -355,6 +365,8 @@ def plan_fused(
       capped at the rows a visit or the call holds; default 128). An MXU pass costs at least
       128 row cycles, and a window costs its whole size: where experts hold a little over 128
       rows, one window of about their size costs less than two of 128.
+    upcast: force how block-scaled values reach the MXU (`FusedPlan.upcast`; default:
+      `upcast_route`'s choice for the generation).
 
   Returns:
     A `FusedPlan`.
@@ -396,7 +408,7 @@ def plan_fused(
   else:
     candidates = [c for c in range(f, 0, -granule) if f % c == 0]
   budget = int(gen.vmem_bytes * _VMEM_SHARE)
-  upcast = upcast_route(w_dtype, x_dtype=x_dtype, generation=gen) if kind == "block" else "astype"
+  upcast = _upcast(upcast, kind=kind, w_dtype=w_dtype, x_dtype=x_dtype, gen=gen)
   kw = dict(
     rows=padded,
     d=d,
@@ -453,6 +465,27 @@ def plan_fused(
     pieces=kw["pieces"],
     upcast=upcast,
   )
+
+
+def _upcast(forced: str | None, *, kind: str, w_dtype, x_dtype, gen) -> str:
+  """The plan's `upcast`: `forced` where the generation can run it, else `upcast_route`'s."""
+  if forced is None:
+    return upcast_route(w_dtype, x_dtype=x_dtype, generation=gen) if kind == "block" else "astype"
+  w, x = jnp.dtype(w_dtype), jnp.dtype(x_dtype)
+  runs = {
+    "astype": kind == "block",
+    "partials": kind == "block" and w.name in gen.mxu_pushes_fp8 and x == jnp.bfloat16,
+    "e4m3b11": kind == "block"
+    and w == jnp.float8_e4m3fn
+    and "float8_e4m3b11fnuz" in gen.unpacks_fp8,
+  }
+  if not runs.get(forced, False):
+    can = [name for name, ok in runs.items() if ok] or ["none: only block-scaled weights"]
+    raise ValueError(
+      f"upcast={forced!r} does not run for {kind} {w.name} weights and {x.name} rows on "
+      f"{gen.name}; it runs: {', '.join(can)}."
+    )
+  return forced
 
 
 def _window(window: int | None, *, align: int, rows: int, by_token: bool) -> int:
@@ -644,7 +677,17 @@ def _arrivals(copies):
 
 
 def _products(
-  plan: FusedPlan, scratch: _Scratch, *, slot, arrive, windows, place, x_rows, scale, into
+  plan: FusedPlan,
+  scratch: _Scratch,
+  *,
+  slot,
+  arrive,
+  windows,
+  place,
+  x_rows,
+  scale,
+  into,
+  after_down=None,
 ):
   """One step's products over `windows` windows of rows, piece by piece of d as the pieces
   arrive: gate/up summed over the pieces into `gate_up_sums`, then the activation, then down's
@@ -661,6 +704,8 @@ def _products(
     scale: (window index, first row, activation [window, chunk] f32) -> the activation times
       the rows' routing weights, zero on rows the window does not own.
     into: the f32 sums' ref.
+    after_down: (piece, its columns of d) -> None, run once the piece's down products are in
+      `into` (before the next piece's wait), or None.
   """
   k, window, cdt = plan.piece, plan.window, jnp.dtype(plan.x_dtype)
   sums, act_rows = scratch.gate_up_sums, scratch.act
@@ -720,6 +765,8 @@ def _products(
       return carry
 
     lax.fori_loop(0, windows, down, 0)
+    if after_down is not None:
+      after_down(p, cols)
 
 
 def _gate_up_partials(plan: FusedPlan, scratch: _Scratch, *, slot, piece, x, row, at) -> None:
@@ -991,7 +1038,12 @@ def _token_onehot(expert_tokens, expert, r0, window: int, tokens: int):
 def _gathered_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, arrive, first, last):
   """One step over the expert's own tokens: gathered into windows at its first chunk, each
   window through gate/up, the activation (times the weights) and down into the expert's f32
-  sums, added into the tokens' sums at its last chunk."""
+  sums, added into the tokens' sums at its last chunk piece by piece of d.
+
+  NOTE: at the last chunk each down piece's columns are final once its products are in, so
+  they are added back then, while the next piece's copy streams: only the last piece's add
+  back is left after the call's last copy (the call's last step is always some expert's last).
+  """
   table, weights, expert_tokens, group_sizes = refs
   window, cdt = plan.window, jnp.dtype(plan.x_dtype)
   windows = (group_sizes[expert] + window - 1) // window
@@ -1016,13 +1068,18 @@ def _gathered_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, ar
     listed = r0 + lax.broadcasted_iota(jnp.int32, (window, 1), 0) < group_sizes[expert]
     return jnp.where(listed, act, 0.0)
 
-  def scatter(p, carry):
-    r0 = pl.multiple_of(p * window, window)
-    onehot = _token_onehot(expert_tokens, expert, r0, window, plan.rows).astype(cdt)
-    rows = scratch.expert_acc[pl.ds(r0, window), :].astype(cdt)
-    dims = (((0,), (0,)), ((), ()))
-    scratch.acc[...] += lax.dot_general(onehot, rows, dims, **exact)
-    return carry
+  def add_back(piece, cols):
+    def scatter(p, carry):
+      r0 = pl.multiple_of(p * window, window)
+      onehot = _token_onehot(expert_tokens, expert, r0, window, plan.rows).astype(cdt)
+      rows = scratch.expert_acc[pl.ds(r0, window), cols].astype(cdt)
+      dims = (((0,), (0,)), ((), ()))
+      scratch.acc[:, cols] += lax.dot_general(onehot, rows, dims, **exact)
+      return carry
+
+    @pl.when(last)
+    def _():
+      lax.fori_loop(0, windows, scatter, 0)
 
   @pl.when(first)
   def _():
@@ -1030,12 +1087,8 @@ def _gathered_step(plan: FusedPlan, refs, scratch: _Scratch, *, expert, slot, ar
 
   _products(
     plan, scratch, slot=slot, arrive=arrive, windows=windows, place=place,
-    x_rows=scratch.gathered, scale=scale, into=scratch.expert_acc,
+    x_rows=scratch.gathered, scale=scale, into=scratch.expert_acc, after_down=add_back,
   )  # fmt: skip
-
-  @pl.when(last)
-  def _():
-    lax.fori_loop(0, windows, scatter, 0)
 
 
 def _clean_table(plan: FusedPlan, table, scratch: _Scratch) -> None:

@@ -416,6 +416,12 @@ def test_pipeline_exposes_one_piece_at_either_end():
   assert hidden == pytest.approx(copy / 6)
   first, total, _ = dec.pipeline(np.full(5, 6.0), copy, pieces=4, start=2.0)
   assert (first, total) == pytest.approx((2.0, 2.0 + 5 * 6.0))
+  # NOTE: work split over the last step's down pieces (the gathered adds back) leaves one
+  # piece's share after the last byte; work before a step's products hides under its copies.
+  _, added, _ = dec.pipeline(mxu, copy, pieces=4, after_down=[0, 0, 0, 0, 0.2])
+  assert added == pytest.approx(5 * copy + 1.5 / 12 + 0.2 / 4)
+  _, ahead, _ = dec.pipeline(mxu, copy, pieces=4, before=[0.5, 0, 0, 0, 0.5])
+  assert ahead == pytest.approx(5 * copy + 1.5 / 12)
 
 
 def test_bound_counts_the_routed_rows():

@@ -106,7 +106,7 @@ def test_group_sizes_property(stream, data):
   [
     ("v5e", "bfloat16", "partials", "hlo"),
     ("v5p", "bfloat16", "partials", "races"),
-    ("v6e", "bfloat16", "partials", "hlo"),
+    ("v6e", "bfloat16", "e4m3b11", "hlo"),
     ("v5e", "float32", "e4m3b11", "hlo"),
     ("tpu7x", "bfloat16", "astype", "hlo"),
   ],
@@ -490,6 +490,17 @@ def test_errors():
     fe.plan_fused(rows=8, d=256, f=128, num_experts=2, x_dtype=F32, w_dtype=F32, pieces=3)
   with pytest.raises(ValueError, match="multiples of block"):
     fe.plan_fused(rows=8, d=96, f=128, num_experts=2, x_dtype=F32, w_dtype=jnp.int8, kind="block")
+  fp8 = dict(rows=8, d=256, f=256, num_experts=2, w_dtype=jnp.float8_e4m3fn, kind="block")
+  with pytest.raises(ValueError, match="upcast='partials' does not run .* it runs: astype"):
+    fe.plan_fused(x_dtype=jnp.bfloat16, generation="tpu7x", upcast="partials", **fp8)
+  # NOTE: a 128-deep partial product fills a 128-wide MXU, half of a 256-wide one.
+  routes = {g: fe.plan_fused(x_dtype=jnp.bfloat16, generation=g, **fp8).upcast for g in GENS}
+  assert routes == {"v5e": "partials", "v5p": "partials", "v6e": "e4m3b11", "tpu7x": "astype"}
+  forced = fe.plan_fused(x_dtype=jnp.bfloat16, generation="v6e", upcast="partials", **fp8)
+  assert forced.upcast == "partials"
+
+
+GENS = ("v5e", "v5p", "v6e", "tpu7x")
 
 
 # DeepSeek-V3's fp8 block-scaled expert (8 local experts at EP 32) on every generation, Qwen3's
