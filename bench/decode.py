@@ -908,7 +908,9 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
   visits, chunks = len(expert), plan.chunks
   windows = -(-(hi - lo // plan.align * plan.align) // plan.window)
   per_window = window_macs(plan, gen) * 2 / flops
-  granule_in = plan.align * (plan.d * jnp.dtype(plan.x_dtype).itemsize + 4)
+  # NOTE: the block path's rows come without routing weights (they scale the kernel's output
+  # rows in the reduce after it: `moe._pipelined_dedup_exchange`).
+  granule_in = plan.align * plan.d * jnp.dtype(plan.x_dtype).itemsize
   granule_out = plan.align * plan.d * jnp.dtype(plan.out_dtype).itemsize
   rows_in, rows_out = tiles_in * granule_in / bw, tiles_out * granule_out / bw
   dma = plan.step_weight_bytes / bw
@@ -1662,7 +1664,8 @@ def _notes(fit: dict | None) -> list[str]:
     "arrived (the first piece's copy and the last piece's products exposed); a v5p call's "
     "two partial sums (in the result's dtype) added by one XLA op at the device's bandwidth. "
     "Streamed (the block path's experts): one TensorCore; rows move in whole granules of 16 "
-    "(with their f32 row weights): a visit's first step starts the next visit's rows in and "
+    "(their routing weights scale the output rows in the reduce after the call): a visit's "
+    "first step starts the next visit's rows in and "
     "its last step its finished rows out, queued ahead of and behind the next step's weights; "
     "the first "
     "visit's rows in and the last's out are exposed; an expert's rows past one visit's "

@@ -972,7 +972,10 @@ def _pipelined_dedup_exchange(
       )
       prev = src
       # NOTE: the routing weights scale the expert rows' activations inside the MLP, so the
-      # weights' gradient does not keep the [P, d] expert outputs for the backward.
+      # weights' gradient does not keep the [P, d] expert outputs for the backward. The fused
+      # kernel is forward only: there they scale its outputs in the reduce's fusion, and the
+      # kernel copies no [P, 1] f32 column (a row of 128 lanes, 512 bytes of HBM, per row).
+      in_mlp = plan.fused is None
       y_rows = expert_mlp(
         rows,
         wi,
@@ -980,12 +983,14 @@ def _pipelined_dedup_exchange(
         sizes,
         config=config,
         expected_rows=plan.expected_rows,
-        row_weights=weight,
+        row_weights=weight if in_mlp else None,
         tilings=tilings,
         tensor_axis=tensor_axis,
         fused=plan.fused,
       )
-      y_u = dedup_lib.reduce_rows(y_rows, src=src, weight=None, valid=valid, num_rows=unique_rows)
+      y_u = dedup_lib.reduce_rows(
+        y_rows, src=src, weight=None if in_mlp else weight, valid=valid, num_rows=unique_rows
+      )
       with jax.named_scope("combine"):
         back = collectives.combine(
           y_u.astype(ch.x.dtype),
