@@ -867,19 +867,20 @@ def stream_visits(plan: fe.FusedPlan, sizes: np.ndarray) -> tuple[np.ndarray, ..
   sorted by expert in `sizes` order.
 
   Returns:
-    Per visit: (expert, first row, end row, granules copied in, granules copied out): a visit
+    Per visit: (expert, first row, end row, rows copied in, granules copied out): a visit
     holds its rows from the first rounded down to `plan.align`, at most `plan.visit_rows` past
-    that; it copies out the granules it finishes (the last, unfinished one is carried on, and
-    the call's last is copied out at its end).
+    that; it copies in its rows from the first rounded down to `plan.row_unit`, whole units;
+    it copies out the granules it finishes (the last, unfinished one is carried on, and the
+    call's last is copied out at its end).
   """
-  a, held = plan.align, plan.visit_rows
+  a, u, held = plan.align, plan.row_unit, plan.visit_rows
   out, row = [], 0
   for e, size in enumerate(np.asarray(sizes, np.int64)):
     end, lo = row + int(size), row
     while lo < end:
       base = lo // a * a
       hi = min(end, base + held)
-      out.append((e, lo, hi, -(-(hi - base) // a), (hi - base) // a))
+      out.append((e, lo, hi, -(-(hi - lo // u * u) // u) * u, (hi - base) // a))
       lo = hi
     row = end
   cols = np.array(out, np.int64).reshape(-1, 5)
@@ -905,15 +906,15 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
   """
   gen = get_generation(chip)
   flops, bw = tensorcore_rates(gen)
-  expert, lo, hi, tiles_in, tiles_out = stream_visits(plan, sizes)
+  expert, lo, hi, copied_in, tiles_out = stream_visits(plan, sizes)
   visits, chunks = len(expert), plan.chunks
   windows = -(-(hi - lo // plan.align * plan.align) // plan.window)
   per_window = window_macs(plan, gen) * 2 / flops
   # NOTE: the block path's rows come without routing weights (they scale the kernel's output
   # rows in the reduce after it: `moe._pipelined_dedup_exchange`).
-  granule_in = plan.align * plan.d * jnp.dtype(plan.x_dtype).itemsize
+  row_in = plan.d * jnp.dtype(plan.x_dtype).itemsize
   granule_out = plan.align * plan.d * jnp.dtype(plan.out_dtype).itemsize
-  rows_in, rows_out = tiles_in * granule_in / bw, tiles_out * granule_out / bw
+  rows_in, rows_out = copied_in * row_in / bw, tiles_out * granule_out / bw
   dma = plan.step_weight_bytes / bw
 
   def core(v0: int, v1: int) -> dict:
@@ -1664,8 +1665,10 @@ def _notes(fit: dict | None) -> list[str]:
     "next step's queued once this step's first piece is in, each piece multiplied once it has "
     "arrived (the first piece's copy and the last piece's products exposed); a v5p call's "
     "two partial sums (in the result's dtype) added by one XLA op at the device's bandwidth. "
-    "Streamed (the block path's experts): one TensorCore; rows move in whole granules of 16 "
-    "(their routing weights scale the output rows in the reduce after the call): a visit's "
+    "Streamed (the block path's experts): one TensorCore; rows come in from a visit's first "
+    "row rounded down to the chip's VMEM copy unit (8 rows; 16 on tpu7x) and go out in whole "
+    "granules of 16 (their routing weights scale the output rows in the reduce after the "
+    "call): a visit's "
     "first step starts the next visit's rows in and "
     "its last step its finished rows out, queued ahead of and behind the next step's weights; "
     "the first "

@@ -141,6 +141,8 @@ class FusedPlan:
       on its way to the MXU, "astype" (the generation converts the stored dtype itself) or
       "e4m3b11" (float8_e4m3fn bytes read as float8_e4m3b11fnuz, which v5e / v5p / v6e unpack
       in one instruction).
+    row_unit: with `stream`, a visit's rows come in from its first row rounded down to this
+      (`generations.TpuGeneration.copy_row_unit`, at most `align`), not to its granule.
   """
 
   @property
@@ -170,6 +172,7 @@ class FusedPlan:
   visit_rows: int = 0
   pieces: int = 1
   upcast: str = "astype"
+  row_unit: int = 16
 
   @property
   def step_rows(self) -> int:
@@ -464,6 +467,7 @@ def plan_fused(
     visit_rows=visit_rows if stream else 0,
     pieces=kw["pieces"],
     upcast=upcast,
+    row_unit=min(align, gen.copy_row_unit),
   )
 
 
@@ -942,19 +946,54 @@ def _row_copies(plan: FusedPlan, src, dst, sem, *, src_row, dst_row, tiles):
   return run
 
 
+def _visit_row_copies(plan: FusedPlan, src, dst, sem, *, first, dst_row, rows):
+  """Copies of `rows` rows from src row `first` to dst row `dst_row` (both multiples of
+  `plan.row_unit`): whole `align`-row tiles, then the rest in units of `plan.row_unit` rows
+  (the descriptors, as a function of the method)."""
+  a, u = plan.align, plan.row_unit
+  tiles = rows // a
+  units = (rows - tiles * a + u - 1) // u
+
+  def copy(at, size):
+    return pltpu.make_async_copy(
+      src.at[pl.ds(pl.multiple_of(first + at, u), size)],
+      dst.at[pl.ds(pl.multiple_of(dst_row + at, u), size)],
+      sem,
+    )
+
+  def run(method):
+    def tile(p, carry):
+      getattr(copy(p * a, a), method)()
+      return carry
+
+    def unit(q, carry):
+      getattr(copy(tiles * a + q * u, u), method)()
+      return carry
+
+    lax.fori_loop(0, tiles, tile, 0)
+    lax.fori_loop(0, units, unit, 0)
+
+  return run
+
+
 def _visit_rows_in(plan: FusedPlan, refs, scratch: _Scratch, visit, method: str) -> None:
   """Starts or waits for ("start" / "wait") the copies of a visit's rows and row weights into
-  its slot (visit % 2), from its first row rounded down to `align`."""
+  its slot (visit % 2), placed from its first row rounded down to `align`.
+
+  NOTE: only rows from the visit's first rounded down to `plan.row_unit` are copied: the
+  granule's rows before it belong to the previous visit, and the products mask them (a stale
+  row's values, NaN included, are selected away, never multiplied into a result).
+  """
   x_hbm, w_hbm, _ = refs
-  a, slot = plan.align, visit % 2
+  a, u, slot = plan.align, plan.row_unit, visit % 2
   lo, hi = scratch.visit_lo[visit], scratch.visit_hi[visit]
   base = (lo // a) * a
-  tiles = (hi - base + a - 1) // a
+  first = (lo // u) * u
   sem = scratch.row_sems.at[0, slot]
-  kw = dict(src_row=base, dst_row=0, tiles=tiles)
-  _row_copies(plan, x_hbm, scratch.x_rows.at[slot], sem, **kw)(method)
+  kw = dict(first=first, dst_row=first - base, rows=hi - first)
+  _visit_row_copies(plan, x_hbm, scratch.x_rows.at[slot], sem, **kw)(method)
   if w_hbm is not None:
-    _row_copies(plan, w_hbm, scratch.row_weights.at[slot], sem, **kw)(method)
+    _visit_row_copies(plan, w_hbm, scratch.row_weights.at[slot], sem, **kw)(method)
 
 
 def _visit_rows_out(plan: FusedPlan, refs, scratch: _Scratch, visit, method: str) -> None:

@@ -62,6 +62,10 @@ class TpuGeneration:
     mxu_pushes_fp8: 8-bit float dtypes Mosaic multiplies bf16 rows by as they are: the MXU
       converts the weights as they are pushed in, and no converted copy passes through the
       vector unit.
+    copy_row_unit: the row a DMA into VMEM of 16-bit rows (or f32 ones beside them) may start
+      on is a multiple of this: Mosaic's tile of such a VMEM buffer ("offsets along tiled
+      dimensions must be aligned to tiles"). Compiled: 8 on v5e, v5p and v6e, 16 on tpu7x; 16
+      where not compiled.
   """
 
   name: str
@@ -81,6 +85,7 @@ class TpuGeneration:
   step_overhead_s: float = 0.35e-6
   unpacks_fp8: tuple[str, ...] = ()
   mxu_pushes_fp8: tuple[str, ...] = ()
+  copy_row_unit: int = 16
 
 
 # NOTE on the narrow MXU modes (int8 / fp8). Sources: Cloud TPU docs per chip ("Peak compute per
@@ -141,6 +146,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       device_kinds=("TPU v5e", "TPU v5 lite"),
       unpacks_fp8=_UNPACKS_V5,
       mxu_pushes_fp8=_PUSHES_V5,
+      copy_row_unit=8,
     ),
     TpuGeneration(
       name="v5p",
@@ -158,6 +164,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       device_kinds=("TPU v5", "TPU v5p"),
       unpacks_fp8=_UNPACKS_V5,
       mxu_pushes_fp8=_PUSHES_V5,
+      copy_row_unit=8,
     ),
     TpuGeneration(
       name="v6e",
@@ -176,6 +183,7 @@ GENERATIONS: dict[str, TpuGeneration] = {
       step_overhead_s=V6E_STEP_OVERHEAD_S,
       unpacks_fp8=_UNPACKS_V5,
       mxu_pushes_fp8=_PUSHES_V5,
+      copy_row_unit=8,
     ),
     TpuGeneration(
       name="tpu7x",

@@ -298,17 +298,20 @@ def test_serving_paths():
 
 def test_stream_visits_follow_the_kernel():
   """Visits as `fused_experts._stream_metadata` makes them: an expert's rows from its first row
-  rounded down to 16, at most `visit_rows` past that per visit; granules in and out."""
-  plan = dec.fe.plan_fused(
-    rows=400, d=256, f=256, num_experts=4, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16,
-    stream=True, visit_rows=64,
-  )  # fmt: skip
-  assert (plan.align, plan.visit_rows) == (16, 64)
-  expert, lo, hi, tiles_in, tiles_out = dec.stream_visits(plan, np.array([3, 0, 130, 10]))
+  rounded down to 16, at most `visit_rows` past that per visit; rows in from the first rounded
+  down to the chip's copy unit (8 on v6e, 16 on tpu7x), granules out."""
+  kw = dict(rows=400, d=256, f=256, num_experts=4, x_dtype=jnp.bfloat16, w_dtype=jnp.bfloat16)
+  plan = dec.fe.plan_fused(**kw, stream=True, visit_rows=64, generation="v6e")
+  assert (plan.align, plan.visit_rows, plan.row_unit) == (16, 64, 8)
+  expert, lo, hi, rows_in, tiles_out = dec.stream_visits(plan, np.array([3, 0, 130, 10]))
   np.testing.assert_array_equal(expert, [0, 2, 2, 2, 3])
   np.testing.assert_array_equal(lo, [0, 3, 64, 128, 133])
   np.testing.assert_array_equal(hi, [3, 64, 128, 133, 143])
-  np.testing.assert_array_equal(tiles_in, [1, 4, 4, 1, 1])
+  np.testing.assert_array_equal(rows_in, [8, 64, 64, 8, 16])
+  wide = dec.fe.plan_fused(**kw, stream=True, visit_rows=64, generation="tpu7x")
+  np.testing.assert_array_equal(
+    dec.stream_visits(wide, np.array([3, 0, 130, 10]))[3], [16, 64, 64, 16, 16]
+  )
   # Finished granules out; the call's last (rows 128-143) after the last visit.
   np.testing.assert_array_equal(tiles_out, [0, 4, 4, 0, 1])
 
