@@ -402,14 +402,7 @@ def plan_fused(
   if kind == "block" and (d % block or f % block):
     raise ValueError(f"block-scaled weights need d={d} and f={f} to be multiples of block={block}.")
   granule = block if kind == "block" else 128
-  if chunk is not None:
-    if f % chunk or (chunk != f and chunk % granule):
-      raise ValueError(f"chunk={chunk} must divide f={f} and be a multiple of {granule} (or f).")
-    candidates = [chunk]
-  elif f % granule:
-    candidates = [f]
-  else:
-    candidates = [c for c in range(f, 0, -granule) if f % c == 0]
+  candidates = _chunks(f, chunk, granule)
   budget = int(gen.vmem_bytes * _VMEM_SHARE)
   upcast = _upcast(upcast, kind=kind, w_dtype=w_dtype, x_dtype=x_dtype, gen=gen)
   kw = dict(
@@ -469,6 +462,18 @@ def plan_fused(
     upcast=upcast,
     row_unit=min(align, gen.copy_row_unit),
   )
+
+
+def _chunks(f: int, chunk: int | None, granule: int) -> list[int]:
+  """The chunks of f a plan may take, widest first: `chunk` (checked), else every divisor of f
+  that is a multiple of `granule` (f itself where none is)."""
+  if chunk is not None:
+    if f % chunk or (chunk != f and chunk % granule):
+      raise ValueError(f"chunk={chunk} must divide f={f} and be a multiple of {granule} (or f).")
+    return [chunk]
+  if f % granule:
+    return [f]
+  return [c for c in range(f, 0, -granule) if f % c == 0]
 
 
 def _upcast(forced: str | None, *, kind: str, w_dtype, x_dtype, gen) -> str:
