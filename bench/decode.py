@@ -1684,12 +1684,17 @@ def _notes(fit: dict | None) -> list[str]:
     "transposed one ([N, d] out, the 128-deep contraction padded to the MXU edge: twice the "
     "MACs on v6e and tpu7x) piece by piece of d, each after that piece's down products, as "
     "`costmodel.kernel_dot_macs` counts the kernel's dots.",
-    "Vector work of fp8 block-scaled weights, in the products' loop: v5e, v5p and v6e multiply "
-    "the stored values (one product per 128-deep block row) and scale the partials; tpu7x "
-    "converts, scales and casts each 128 x 128 block to bf16 on its way to the MXU "
+    "Vector work of fp8 block-scaled weights, in the products' loop: v5e and v5p (128-wide "
+    'MXUs) multiply the stored values ("partials": one product per 128-deep block row) and '
+    "scale the partials; v6e (bytes read as e4m3b11fnuz) and tpu7x (e4m3fn as stored) upcast, "
+    "scale and cast each 128 x 128 block to bf16 on its way to the MXU "
     "(`fused_experts.upcast_route`). The compiled step's bundles per 1,024 values per window "
     "(base + per row x the window's rows): "
-    + ", ".join(f"{g} {a:.3f} + {b:.5f} x rows" for (g, _), (a, b) in ISSUE_BUNDLES.items())
+    + ", ".join(
+      f"{g} {route} {a:.3f} + {b:.5f} x rows"
+      for (g, route), (a, b) in ISSUE_BUNDLES.items()
+      if fe.upcast_route("float8_e4m3fn", generation=g) == route
+    )
     + ", read from the compiled kernel's schedule (`python -m bench.fused_vliw`, "
     "bench/results/fused-vliw.md), at the clock the bf16 peak implies (v5e 1.50, v5p 1.75, v6e "
     "3.50, tpu7x 4.40 GHz: the last two exceed published clocks, so there this is a lower "
