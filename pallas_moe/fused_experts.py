@@ -929,40 +929,23 @@ def _expert_step(
   )  # fmt: skip
 
 
-def _row_copies(plan: FusedPlan, src, dst, sem, *, src_row, dst_row, tiles):
-  """`tiles` copies of `align` rows each, src rows from `src_row` to dst rows from `dst_row`:
-  the descriptors, as a function of the tile."""
+def _row_copies(plan: FusedPlan, src, dst, sem, *, src_row, dst_row, rows, unit=None):
+  """Copies of `rows` rows from src row `src_row` to dst row `dst_row`: whole `align`-row
+  tiles, then the rest rounded up to `unit` rows (the descriptors, as a function of the
+  method).
+
+  NOTE: Mosaic starts a copy into a VMEM slice only on the buffer's tile: where a copy starts
+  mid-granule, `unit` is `plan.row_unit` and both rows are multiples of it. None: `rows` and
+  both rows are whole granules (multiples of `align`), and there is no rest to copy.
+  """
   a = plan.align
-
-  def copy(p):
-    return pltpu.make_async_copy(
-      src.at[pl.ds(pl.multiple_of(src_row + p * a, a), a)],
-      dst.at[pl.ds(pl.multiple_of(dst_row + p * a, a), a)],
-      sem,
-    )
-
-  def run(method):
-    def body(p, carry):
-      getattr(copy(p), method)()
-      return carry
-
-    lax.fori_loop(0, tiles, body, 0)
-
-  return run
-
-
-def _visit_row_copies(plan: FusedPlan, src, dst, sem, *, first, dst_row, rows):
-  """Copies of `rows` rows from src row `first` to dst row `dst_row` (both multiples of
-  `plan.row_unit`): whole `align`-row tiles, then the rest in units of `plan.row_unit` rows
-  (the descriptors, as a function of the method)."""
-  a, u = plan.align, plan.row_unit
+  step = unit or a
   tiles = rows // a
-  units = (rows - tiles * a + u - 1) // u
 
   def copy(at, size):
     return pltpu.make_async_copy(
-      src.at[pl.ds(pl.multiple_of(first + at, u), size)],
-      dst.at[pl.ds(pl.multiple_of(dst_row + at, u), size)],
+      src.at[pl.ds(pl.multiple_of(src_row + at, step), size)],
+      dst.at[pl.ds(pl.multiple_of(dst_row + at, step), size)],
       sem,
     )
 
@@ -971,12 +954,13 @@ def _visit_row_copies(plan: FusedPlan, src, dst, sem, *, first, dst_row, rows):
       getattr(copy(p * a, a), method)()
       return carry
 
-    def unit(q, carry):
-      getattr(copy(tiles * a + q * u, u), method)()
+    def rest(q, carry):
+      getattr(copy(tiles * a + q * unit, unit), method)()
       return carry
 
     lax.fori_loop(0, tiles, tile, 0)
-    lax.fori_loop(0, units, unit, 0)
+    if unit is not None:
+      lax.fori_loop(0, (rows - tiles * a + unit - 1) // unit, rest, 0)
 
   return run
 
@@ -995,10 +979,10 @@ def _visit_rows_in(plan: FusedPlan, refs, scratch: _Scratch, visit, method: str)
   base = (lo // a) * a
   first = (lo // u) * u
   sem = scratch.row_sems.at[0, slot]
-  kw = dict(first=first, dst_row=first - base, rows=hi - first)
-  _visit_row_copies(plan, x_hbm, scratch.x_rows.at[slot], sem, **kw)(method)
+  kw = dict(src_row=first, dst_row=first - base, rows=hi - first, unit=u)
+  _row_copies(plan, x_hbm, scratch.x_rows.at[slot], sem, **kw)(method)
   if w_hbm is not None:
-    _visit_row_copies(plan, w_hbm, scratch.row_weights.at[slot], sem, **kw)(method)
+    _row_copies(plan, w_hbm, scratch.row_weights.at[slot], sem, **kw)(method)
 
 
 def _visit_rows_out(plan: FusedPlan, refs, scratch: _Scratch, visit, method: str) -> None:
@@ -1008,7 +992,7 @@ def _visit_rows_out(plan: FusedPlan, refs, scratch: _Scratch, visit, method: str
   base = (lo // a) * a
   out = _row_copies(
     plan, scratch.staging, refs[2], scratch.row_sems.at[1, 0], src_row=0, dst_row=base,
-    tiles=(hi - base) // a,
+    rows=(hi - base) // a * a,
   )  # fmt: skip
   out(method)
 
@@ -1294,7 +1278,7 @@ def _stream_finish(plan: FusedPlan, refs, scratch: _Scratch, seam, *, v0, v1, vi
   def write(dst, row):
     scratch.staging[0:a, :] = scratch.carry[...].astype(scratch.staging.dtype)
     copy = _row_copies(
-      plan, scratch.staging, dst, scratch.row_sems.at[1, 0], src_row=0, dst_row=row, tiles=1
+      plan, scratch.staging, dst, scratch.row_sems.at[1, 0], src_row=0, dst_row=row, rows=a
     )
     copy("start")
     copy("wait")
