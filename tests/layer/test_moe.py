@@ -187,10 +187,11 @@ def test_errors():
 
 
 def test_demo_loss_falls():
-  """The demo's training loop on data=2 x expert=4 (fewer steps): the loss falls."""
+  """The demo's training loop on data=2 x expert=4 (fewer steps and tokens: 80 tokens keep
+  every step in one buffer bucket, one compile): the loss falls."""
   from pallas_moe import demo
 
-  result = demo.main(steps=5, tokens=128, log=False)
+  result = demo.main(steps=5, tokens=80, log=False)
   assert result["losses"][-1] < 0.8 * result["losses"][0], result["losses"]
   assert result["dropped_rows"] == 0
   assert result["tokens_per_s"] > 0
