@@ -79,6 +79,7 @@ def main(
   log: bool = True,
   routing: str = "greedy",
   dispatch_quantization: str | None = None,
+  gmm_impl: str = "pallas",
 ) -> dict:
   """Trains the student for `steps` steps.
 
@@ -90,6 +91,8 @@ def main(
     routing: see `demo_config`.
     dispatch_quantization: None, "int8" or "fp8": 8-bit forward dispatch
       (`MoEConfig.dispatch_quantization`).
+    gmm_impl: the experts' grouped matmuls (`MoEConfig.gmm_impl`): "pallas" (the kernels;
+      interpreted on CPU, whose compile is most of a short run's time) or "xla" / "ragged_dot".
 
   Returns:
     dict with `losses` (per step MSE), `tokens_per_s`, `dropped_rows` (total (token, choice)
@@ -105,7 +108,7 @@ def main(
 
   from pallas_moe import moe
 
-  config = demo_config(routing)
+  config = dataclasses.replace(demo_config(routing), gmm_impl=gmm_impl)
   if dispatch_quantization is not None:
     config = dataclasses.replace(config, dispatch_quantization=dispatch_quantization)
   mesh = jax.make_mesh(
@@ -182,8 +185,9 @@ def main(
   tps = timed_tokens / timed if timed else float("nan")
   if log:
     print(
-      f"loss {losses[0]:.5f} -> {losses[-1]:.5f}; {tps:,.0f} tokens/s (CPU interpret mode, "
-      f"steps without a compile); dropped rows {dropped}; buffer buckets {compiled}"
+      f"loss {losses[0]:.5f} -> {losses[-1]:.5f}; {tps:,.0f} tokens/s ({jax.default_backend()}, "
+      f"gmm_impl={config.gmm_impl!r}, steps without a compile); dropped rows {dropped}; buffer "
+      f"buckets {compiled}"
     )
   return {
     "losses": np.asarray(losses),
@@ -207,6 +211,12 @@ if __name__ == "__main__":
     default=None,
     help="8-bit forward dispatch (MoEConfig.dispatch_quantization); default: none",
   )
+  parser.add_argument(
+    "--gmm_impl",
+    choices=("pallas", "mosaic", "interpret", "xla", "ragged_dot"),
+    default="pallas",
+    help="the experts' grouped matmuls (MoEConfig.gmm_impl); default: the Pallas kernels",
+  )
   args = parser.parse_args()
   _cpu_setup()
   main(
@@ -214,4 +224,5 @@ if __name__ == "__main__":
     tokens=args.tokens,
     routing=args.routing,
     dispatch_quantization=args.dispatch_quantization,
+    gmm_impl=args.gmm_impl,
   )

@@ -25,9 +25,9 @@ import numpy as np
 
 WORKER = pathlib.Path(__file__).with_name("multihost_worker.py")
 REPO = WORKER.parent.parent
-# NOTE: the whole test took 65-75 s on 2 cores shared with other jobs (the workers and this
-# process compute at once; the demo's Pallas step is most of it); the bound only stops a hang (a
-# process waiting forever in a collective for a peer that died).
+# NOTE: the whole test takes about 32 s on 2 cores (the workers and this process compute at
+# once); the bound only stops a hang (a process waiting forever in a collective for a peer that
+# died).
 TIMEOUT_S = 300
 # NOTE: the same programs on the same shards; only sums over devices (psum over gloo) may add in
 # another order: measured differences are at most 1.5e-7 of an array's largest entry (about one
