@@ -851,8 +851,9 @@ SLACK_GMM = (203, 40, 48, 16, 16, 8, 6, 3, jnp.float32, jnp.float32, False, Fals
 SLACK_TGMM = (203, 32, 48, 16, 16, 48, 16, 6, 3, jnp.float32, jnp.float32, False)
 
 
+# NOTE: a fraction as the other TPU-simulator tests take (its default case runs there).
 @pytest.mark.parametrize("mode, existing", [("hlo", True), ("tpu", False)])
-@examples(0.5)
+@examples(0.25)
 @given(data=st.data())
 def test_slack_buffers_match_references(mode, existing, data):
   """sum(group_sizes) far below m, shards anywhere in m: gmm's rows outside the shard are exact
