@@ -406,8 +406,17 @@ def bound_us(floor_us: float, mxu_us: float, call_us: float, rows_us: float = 0.
 
 
 def _plan(
-  model: DecodeModel, weights: str, *, rows: int, local: int, gen, cores: int | None = None
+  model: DecodeModel,
+  weights: str,
+  *,
+  rows: int,
+  local: int,
+  gen,
+  cores: int | None = None,
+  **layout,
 ) -> fe.FusedPlan:
+  """`plan_fused` for `rows` bf16 rows over `local` experts of `model` (`layout`: by_token,
+  gather, stream)."""
   dtype, kind = WEIGHTS[weights]
   return fe.plan_fused(
     rows=rows,
@@ -419,6 +428,7 @@ def _plan(
     kind=kind,
     generation=gen,
     cores=cores,
+    **layout,
   )
 
 
@@ -974,11 +984,9 @@ def model_gathered_distinct(
     does not fit the kernel's VMEM.
   """
   gen = get_generation(chip)
-  dtype, kind = WEIGHTS[weights]
   try:
-    plan = fe.plan_fused(
-      rows=max(distinct, 1), d=model.d, f=model.f, num_experts=len(sizes),
-      x_dtype=jnp.bfloat16, w_dtype=dtype, kind=kind, generation=gen, by_token=True,
+    plan = _plan(
+      model, weights, rows=max(distinct, 1), local=len(sizes), gen=gen, by_token=True,
       gather=True,
     )  # fmt: skip
   except ValueError:
