@@ -67,8 +67,9 @@ so only the last piece's add back follows the last copy. Block-scaled
 fp8 weights take vector work inside the products' loop (scaled partials, or each block
 dequantized on its way to the MXU): the compiled step issues `ISSUE_BUNDLES` bundles per 1,024
 values per window (`bench.fused_vliw`), and a window takes the longer of that and its MXU time
-(`step_compute_s`). The gathered layout's other VPU work (building the one-hots, the [N, d] f32
-add per window added back) is not modeled.
+(`step_compute_s`). Where the compiled step of a plan the grid runs issues longer than that
+(`bench.fused_vliw --points`: the gathered layout's one-hot builds and f32 adds, the activation
+between the products), the model takes the compiled issue (`compiled_issue`).
 
 Group sizes: one seeded draw per (model, ep, tokens): ep x tokens tokens each choose top_k
 distinct experts uniformly; a device's local experts are a contiguous block of E / ep. Reported:
@@ -253,6 +254,10 @@ ISSUE_BUNDLES = {
 # loop over one 16-row granule (v5e 269, v5p 270, v6e 292, tpu7x 295 bundles a trip). It runs
 # while the first step's copies stream; the first product waits for both.
 TABLE_CHECK_BUNDLES = {"v5e": 2.40, "v5p": 2.41, "v6e": 2.61, "tpu7x": 2.63}
+# NOTE: the compiled step of every fused plan the grid models (`python -m bench.fused_vliw
+# --points`): where it issues longer than the model's MXU time and fp8 issue, the model takes
+# the compiled figure (`compiled_issue`).
+COMPILED_STEPS = Path(__file__).parent / "results" / "fused-vliw-points.json"
 _SCALE_BYTES = 4
 # NOTE: the sorted-rows layout's [rows, 1] f32 row weights: a column laid out in 128 lanes.
 _COLUMN_BYTES = 128 * 4
@@ -534,6 +539,65 @@ def step_compute_s(plan: fe.FusedPlan, windows, per_window: float, generation):
   return np.maximum(windows * per_window, windows * window_issue_s(plan, generation))
 
 
+def model_step_s(plan: fe.FusedPlan, generation) -> float:
+  """The model's compute of one step as the compiled step's issue counts it
+  (`bench.fused_vliw.step_counts`: a dynamic loop once, predicated regions taken): one window
+  of a gathered or streamed step, its gathers and adds back both included; all the windows of
+  a tokens step."""
+  gen = get_generation(generation)
+  flops, _ = tensorcore_rates(gen)
+  windows = 1 if (plan.gather or plan.stream) else plan.rows // plan.window
+  per_window = window_macs(plan, gen) * 2 / flops
+  step = float(step_compute_s(plan, [windows], per_window, gen)[0])
+  return step + sum(gather_macs(plan, gen)) * 2 / flops
+
+
+def plan_key(plan: fe.FusedPlan, generation) -> str:
+  """A fused plan's step on a generation, as text: the generation and every field of the plan
+  but those that change the operands and not the step (the local experts, the VMEM figures)."""
+  fields = dataclasses.asdict(plan)
+  for name in ("num_experts", "vmem_bytes", "vmem_limit_bytes"):
+    fields.pop(name)
+  fields["generation"] = get_generation(generation).name
+  return json.dumps(fields, sort_keys=True)
+
+
+@functools.cache
+def compiled_steps(path: str = str(COMPILED_STEPS)) -> dict[str, tuple[float, float]]:
+  """`plan_key` -> the compiled step's (issue, of it predicated) in µs, from `python -m
+  bench.fused_vliw --points`' records (empty where the file is absent)."""
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return {r["plan_key"]: (r["issue_us"], r["predicated_us"]) for r in json.load(f)}
+
+
+def compiled_issue(plan: fe.FusedPlan, generation) -> tuple[float, float]:
+  """What the compiled step issues beyond the model's compute of it (`model_step_s`).
+
+  The compiled step counts every predicated region as taken. Its products are its
+  unconditional bundles, less the model's gathers and adds back where Mosaic predicated them
+  instead of branching (at most the whole step less those): each step's compute takes the
+  longer of that and the model's (the scale). The rest of the whole step, past the scaled
+  compute and the model's gathers and adds back, is an expert's first and last steps' own work
+  (the extra: a gathered expert's one-hot builds and f32 adds, a streamed visit's row copies).
+
+  Returns:
+    (scale >= 1 of every step's compute, extra seconds per visited expert of one window); (1,
+    0) where the plan was not compiled.
+  """
+  got = compiled_steps().get(plan_key(plan, generation))
+  if got is None:
+    return 1.0, 0.0
+  issue, predicated = (x * 1e-6 for x in got)
+  gen = get_generation(generation)
+  flops, _ = tensorcore_rates(gen)
+  gathers = sum(gather_macs(plan, gen)) * 2 / flops
+  products = model_step_s(plan, gen) - gathers
+  scale = max(1.0, min(issue - predicated, issue - gathers) / products)
+  return scale, max(0.0, issue - products * scale - gathers)
+
+
 def gather_macs(plan: fe.FusedPlan, generation) -> tuple[float, float]:
   """Padded MACs of one window's one-hot gather and of its transposed add, as
   `bench.costmodel.kernel_dot_macs` counts them (`fused_experts._gathered_step`).
@@ -678,15 +742,19 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
   visits = np.arange(len(sizes)) if visit_all else np.flatnonzero(sizes)
   per_window = window_macs(plan, gen) * 2 / flops
   windows = expert_windows(plan, sizes)[visits]
-  compute = step_compute_s(plan, windows, per_window, gen)
+  scale, extra = compiled_issue(plan, gen)
+  compute = step_compute_s(plan, windows, per_window, gen) * scale
   vector = float((compute - windows * per_window).sum()) * plan.core_chunks
   mxu = np.repeat(compute, plan.core_chunks)
   mxu = mxu.reshape(len(visits), plan.core_chunks)
   gather, scatter = (m * 2 / flops for m in gather_macs(plan, gen))
   before, after_down = np.zeros_like(mxu), np.zeros_like(mxu)
-  if plan.gather and len(visits):
-    before[:, 0] = windows * gather
-    after_down[:, -1] = windows * scatter
+  if len(visits):
+    # NOTE: the compiled step's own work at an expert's first and last steps, half each (per
+    # window where the windows are the expert's own).
+    own = windows if plan.gather else np.ones_like(windows)
+    before[:, 0] = windows * gather + own * extra / 2
+    after_down[:, -1] = windows * scatter + own * extra / 2
   mxu, before, after_down = mxu.ravel(), before.ravel(), after_down.ravel()
   steps = len(mxu)
   dma = plan.step_weight_bytes / bw
@@ -706,6 +774,9 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
     gather_mxu_s=float(windows.sum() * (gather + scatter)),
     vector_s=vector,
     dma_s=copies,
+    issue_scale=scale,
+    issue_extra_s=float(before.sum() + after_down.sum())
+    - float(windows.sum() * (gather + scatter)),
   )
 
 
@@ -735,6 +806,8 @@ def _summed(parts: list[dict], plans: list[fe.FusedPlan], gen, **extra) -> dict:
     window=max(p.window for p in plans),
     tensorcores=max(p.cores for p in plans),
     step_overhead_us=core_steps * gen.step_overhead_s * 1e6,
+    issue_scale=max(p.get("issue_scale", 1.0) for p in parts),
+    issue_extra_us=total("issue_extra_s") if all("issue_extra_s" in p for p in parts) else 0.0,
     **extra,
   )
 
@@ -928,19 +1001,27 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
   rows_in, rows_out = copied_in * row_in / bw, tiles_out * granule_out / bw
   dma = plan.step_weight_bytes / bw
 
+  scale, extra = compiled_issue(plan, gen)
+
   def core(v0: int, v1: int) -> dict:
     n = v1 - v0
-    compute = step_compute_s(plan, windows[v0:v1], per_window, gen)
+    compute = step_compute_s(plan, windows[v0:v1], per_window, gen) * scale
     vector = float((compute - windows[v0:v1] * per_window).sum()) * chunks
     mxu = np.repeat(compute, chunks)
     head, tail = np.zeros(len(mxu)), np.zeros(len(mxu))
+    before, after_down = np.zeros(len(mxu)), np.zeros(len(mxu))
     if n:
       starts = np.arange(n) * chunks
       # NOTE: a visit's first step starts the next visit's rows ahead of the next step's
       # weights; its last step starts its finished rows out behind them.
       head[starts[:-1] + 1] += rows_in[v0 + 1 : v1]
       tail[starts[:-1] + chunks] += rows_out[v0 : v1 - 1]
-    first, total, copies = pipeline(mxu, dma, pieces=plan.pieces, head=head, tail=tail)
+      # NOTE: the compiled step's own work at a visit's first and last steps, half each.
+      before[starts] += extra / 2
+      after_down[starts + chunks - 1] += extra / 2
+    first, total, copies = pipeline(
+      mxu, dma, pieces=plan.pieces, head=head, tail=tail, before=before, after_down=after_down
+    )
     return dict(
       rows_stream_s=float(head.sum() + tail.sum()),
       core_steps=len(mxu),
@@ -952,6 +1033,8 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
       gather_mxu_s=0.0,
       vector_s=vector,
       dma_s=copies,
+      issue_scale=scale,
+      issue_extra_s=float(before.sum() + after_down.sum()),
     )
 
   half = -(-visits // plan.cores)
@@ -1374,6 +1457,11 @@ def _why(r: dict) -> str:
       mxu += f" (issue past the MXU's time: {r['vector_us'] / r['mxu_us']:.0%} of that compute)"
     if r.get("gather_mxu_us"):
       mxu += f" (one-hot gather and add back: {r['gather_mxu_us'] / r['mxu_us']:.0%} of the MXU)"
+    if r.get("issue_scale", 1.0) > 1.0 or r.get("issue_extra_us", 0.0) > 0.0:
+      mxu += (
+        f" (compiled issue: products x{r.get('issue_scale', 1.0):.2f}, "
+        f"{r.get('issue_extra_us', 0.0):.1f} µs at experts' first and last steps)"
+      )
     calls = f"{r['calls']} calls' fixed" if r["calls"] > 1 else "fixed"
     parts = {
       calls: r["fixed_us"],
@@ -1757,8 +1845,18 @@ def _notes(fit: dict | None) -> list[str]:
     "cannot spread 0 x inf = NaN to other tokens) at the call's start, under the first "
     "step's copies: "
     + ", ".join(f"{g} {b:.2f}" for g, b in TABLE_CHECK_BUNDLES.items())
-    + " bundles per 1,024 table values, from the compiled schedule. Not modeled: the gathered "
-    "layout's one-hot builds and its [N, d] f32 add per window added back.",
+    + " bundles per 1,024 table values, from the compiled schedule.",
+    "Compiled issue: every fused plan `moe_decode` runs in this grid is compiled ahead of time "
+    "(`python -m bench.fused_vliw --points`, bench/results/fused-vliw-points.md), its step "
+    "counted with every predicated region taken. Where that issues longer than the model's "
+    "compute (work the model does not count: the activation and accumulations between the "
+    "products, the gathered layout's one-hot builds and f32 adds, a streamed visit's row "
+    "copies), the model takes the compiled figure (`compiled_issue`): each step's compute "
+    "stretched to the step's unconditional bundles (less the model's gathers and adds back "
+    "where Mosaic predicated them), and the rest of the whole step charged once per visited "
+    "expert, half at its first step, half after its last step's down pieces. Where the compiled "
+    "step issues less, the model's figure stays. The other impls' plans are not compiled: "
+    "their figures are the model's (optimistic for them where ours is stretched).",
     "DMA: at one TensorCore's bandwidth, no efficiency loss for the [d, chunk] gate/up blocks' "
     "strided rows (chunk x itemsize contiguous bytes per row).",
     "Block path with the gmm pair (float weights on v5p): `plan_decode`'s "

@@ -46,7 +46,8 @@ DIMS = dict(d=7168, f=2048, experts=4, tokens=64)
 
 
 def _compile_in_this_process(spec: dict[str, Any]) -> None:
-  """Compiles the tokens-layout fused call of `spec` for its generation (dump flags set)."""
+  """Compiles the fused call of `spec` for its generation (dump flags set): DIMS' tokens layout,
+  or with "ep" the plan `bench.decode` models at that grid point (`point_plan`)."""
   import jax
   import jax.numpy as jnp
   from jax.experimental import topologies
@@ -54,32 +55,75 @@ def _compile_in_this_process(spec: dict[str, Any]) -> None:
   from jax.sharding import PartitionSpec as P
 
   from pallas_moe import fused_experts as fe
-  from pallas_moe import quant, tiling
+  from pallas_moe import tiling
 
   gen = tiling.get_generation(spec["chip"])
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   dev = topologies.get_topology_desc(topology_name=gen.aot_topology, platform="tpu").devices[0]
   sh = NamedSharding(Mesh(np.array([dev]), ("x",)), P())
-  d, f, e, n = (spec[k] for k in ("d", "f", "experts", "tokens"))
 
   def sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
-  if spec["weights"] == "bf16":
-    wi, wo = sds((e, d, 2 * f), jnp.bfloat16), sds((e, f, d), jnp.bfloat16)
+  if "ep" in spec:
+    layout, plan = point_plan(**{k: spec[k] for k in POINT_KEYS})
   else:
-    b, f8, f32 = quant.BLOCK, jnp.float8_e4m3fn, jnp.float32
-    wi = quant.BlockQuantizedWeights(sds((e, d, 2 * f), f8), sds((e, d // b, 2 * f // b), f32))
-    wo = quant.BlockQuantizedWeights(sds((e, f, d), f8), sds((e, f // b, d // b), f32))
-  args = (sds((n, d), jnp.bfloat16), wi, wo, sds((e,), jnp.int32), sds((e, n), jnp.float32))
+    layout = "tokens"
+    plan = plan_for(
+      spec["chip"], spec["weights"], spec["tokens"], spec.get("pieces"), spec.get("upcast")
+    )
+  # NOTE: a streamed plan's rows are the receive buffer's, in HBM.
+  e, n = plan.num_experts, plan.rows
+  args = (sds((n, plan.d), jnp.bfloat16), *_weights(sds, plan, spec["weights"]))
+  args += (sds((e,), jnp.int32), sds((e, n), jnp.float32), sds((e, n), jnp.int32))
 
-  plan = plan_for(spec["chip"], spec["weights"], n, spec.get("pieces"), spec.get("upcast"))
-
-  def call(x, wi, wo, group_sizes, expert_weights):
-    return fe.fused_experts(x, wi, wo, group_sizes, expert_weights=expert_weights, plan=plan)
+  def call(x, wi, wo, group_sizes, expert_weights, expert_tokens):
+    if layout == "streamed":
+      # NOTE: as the block path calls it (`moe._fused_forward`), without routing weights.
+      kw = dict(stream=True, unowned_rows="undefined")
+    else:
+      kw = dict(expert_weights=expert_weights)
+      if layout == "gathered":
+        kw["expert_tokens"] = expert_tokens
+    return fe.fused_experts(x, wi, wo, group_sizes, plan=plan, **kw)
 
   with tiling.use_generation(gen), jax.default_device(dev):
     jax.jit(call).lower(*args).compile()
+
+
+def _weights(sds, plan, weights: str):
+  """Abstract [gate | up] and down weights of the plan's experts, stored as `weights`."""
+  import jax.numpy as jnp
+
+  from pallas_moe import quant
+
+  e, d, f = plan.num_experts, plan.d, plan.f
+  if weights == "bf16":
+    return sds((e, d, 2 * f), jnp.bfloat16), sds((e, f, d), jnp.bfloat16)
+  b, f8, f32 = quant.BLOCK, jnp.float8_e4m3fn, jnp.float32
+  wi = quant.BlockQuantizedWeights(sds((e, d, 2 * f), f8), sds((e, d // b, 2 * f // b), f32))
+  wo = quant.BlockQuantizedWeights(sds((e, f, d), f8), sds((e, f // b, d // b), f32))
+  return wi, wo
+
+
+POINT_KEYS = ("model", "weights", "chip", "ep", "tokens")
+
+
+def point_plan(*, model: str, weights: str, chip: str, ep: int, tokens: int):
+  """The fused kernel's layout and plan at a point of `bench.decode`'s grid, as its serving
+  model runs it (`bench.decode.model_serving`).
+
+  Returns:
+    (layout: "tokens", "gathered" or "streamed", `FusedPlan`), or None where the point's
+    experts are the gmm pair.
+  """
+  from bench import decode as bd
+
+  m = next(x for x in bd.MODELS if x.name == model)
+  plan = bd.serving_plan(m, weights, chip, ep=ep, tokens=tokens)
+  if plan.path == "block":
+    return None if plan.block.fused is None else ("streamed", plan.block.fused)
+  return ("gathered" if plan.fused.gather else "tokens"), plan.fused
 
 
 def compile_dump(
@@ -127,6 +171,10 @@ class StepCounts:
   products: int
   dequant: int
   mxu_cycles: float
+  # NOTE: of products + dequant, the bundles in predicated regions (`pl.when` bodies Mosaic
+  # branched around: an expert's first step's gathers, its last step's adds back, a visit's
+  # row copies), counted as taken.
+  predicated: int = 0
 
 
 def step_counts(text: str, generation) -> StepCounts:
@@ -153,7 +201,21 @@ def step_counts(text: str, generation) -> StepCounts:
     trips = [(c.exit_bound or 1) if c.kind == "loop" else 1 for c in node.children]
     return own + sum(mxu(c) * t for c, t in zip(node.children, trips, strict=True))
 
-  return StepCounts(products=_issued(step) - dequant, dequant=dequant, mxu_cycles=mxu(step))
+  return StepCounts(
+    products=_issued(step) - dequant,
+    dequant=dequant,
+    mxu_cycles=mxu(step),
+    predicated=_predicated(step),
+  )
+
+
+def _predicated(node: llo.Node) -> int:
+  """Bundles of `_issued(node)` inside predicated regions."""
+  total = 0
+  for child in node.children:
+    trips = (child.exit_bound or 1) if child.kind == "loop" else 1
+    total += (_issued(child) if child.kind == "cond" else _predicated(child)) * trips
+  return total
 
 
 def plan_for(
@@ -223,6 +285,84 @@ def record(
   )
 
 
+def point_record(counts: StepCounts, **point) -> dict:
+  """A grid point's compiled step beside `bench.decode`'s (one TensorCore's rates).
+
+  The compiled step counts a dynamic loop once and every predicated region as taken, so it is
+  one window of a gathered or streamed step (an expert's first step's gathers and its last
+  step's adds back both included), and all of a tokens step's windows. The model's step is
+  the same: its windows at the longer of their MXU time and their fp8 issue
+  (`bench.decode.step_compute_s`), plus the gathered layout's one-hot products.
+  """
+  from bench import decode as bd
+  from pallas_moe.generations import get_generation, tensorcore_rates
+
+  layout, plan = point_plan(**point)
+  gen = get_generation(point["chip"])
+  flops, bw = tensorcore_rates(gen)
+  us = 1e6 / llo.implied_clock_hz(gen)
+  return dict(
+    point,
+    layout=layout,
+    rows=plan.rows,
+    window=plan.window,
+    windows=1 if layout != "tokens" else plan.rows // plan.window,
+    chunk=plan.chunk,
+    pieces=plan.pieces,
+    cores=plan.cores,
+    upcast=plan.upcast if plan.kind == "block" else "",
+    issue_us=(counts.products + counts.dequant) * us,
+    predicated_us=counts.predicated * us,
+    mxu_busy_us=counts.mxu_cycles * us,
+    model_step_us=bd.model_step_s(plan, gen) * 1e6,
+    model_gather_us=sum(bd.gather_macs(plan, gen)) * 2 / flops * 1e6,
+    copy_us=plan.step_weight_bytes / bw * 1e6,
+    plan_key=bd.plan_key(plan, gen),
+  )
+
+
+def grid_points(chips: Sequence[str] = CHIPS) -> list[dict]:
+  """One point of `bench.decode`'s grid per distinct fused plan it models (points whose
+  experts are the gmm pair left out), in grid order."""
+  from bench import decode as bd
+
+  seen, out = set(), []
+  for m, w, ep, t, *_ in bd._cases(bd.MODELS, bd.TOKENS):
+    for chip in chips:
+      point = dict(model=m.name, weights=w, chip=chip, ep=ep, tokens=t)
+      got = point_plan(**point)
+      if got is None:
+        continue
+      layout, plan = got
+      # NOTE: the local experts change the operands' shapes, not the step.
+      key = (layout, bd.plan_key(plan, chip))
+      if key not in seen:
+        seen.add(key)
+        out.append(point)
+  return out
+
+
+def run_points(points: Sequence[dict], *, work: str, jobs: int | None = None) -> list[dict]:
+  """Compiles each point's plan, `jobs` compiles at a time (default: one per CPU), a dump
+  directory per point under `work` (reused where its compile finished), and returns
+  `point_record`s in `points` order."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  from pallas_moe.generations import get_generation
+
+  def one(point: dict) -> dict:
+    where = os.path.join(work, "{model}-{weights}-{chip}-ep{ep}-t{tokens}".format(**point))
+    if not os.path.exists(os.path.join(where, "compiled.ok")):
+      os.makedirs(where, exist_ok=True)
+      llo.dump_compile("bench.fused_vliw", point, dump_dir=where, timeout_s=1800)
+    with open(llo.find_dump(where, KERNEL)) as f:
+      counts = step_counts(f.read(), get_generation(point["chip"]))
+    return point_record(counts, **point)
+
+  with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+    return list(pool.map(one, points))
+
+
 def run(
   chips: Sequence[str] = CHIPS,
   weights: Sequence[str] = WEIGHTS,
@@ -284,6 +424,34 @@ def markdown(recs: Sequence[dict], *, command: str, versions: str) -> str:
   return "\n".join(lines) + "\n"
 
 
+def markdown_points(recs: Sequence[dict], *, command: str, versions: str) -> str:
+  """The grid points' compiled steps against `bench.decode`'s, one row per distinct plan."""
+  lines = [
+    "# The fused kernel's compiled step at the decode grid's plans",
+    "",
+    f"`{command}` ({versions}; 2-core VM, no TPU: compiled ahead of time, nothing ran). One "
+    "point per distinct plan `bench.decode` models for `moe_decode` (the local experts change "
+    "the operands, not the step). A gathered or streamed step is one window (dynamic loops "
+    "counted once), its first chunk's gathers and last chunk's adds back both taken; a tokens "
+    "step is all its windows. Issued: the step loop's bundles at the clock the bf16 peak "
+    "implies; model: `bench.decode`'s step (`step_compute_s`, plus the gathered layout's "
+    "one-hot products); copy: the step's weights at one TensorCore's HBM bandwidth.",
+    "",
+    "| model | weights | chip | EP | T | layout | rows | window | chunk | pieces | issued µs "
+    "| MXU-busy µs | model µs | issued / model | copy µs | issued / copy |",
+    "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in recs:
+    lines.append(
+      f"| {r['model']} | {r['weights']} | {r['chip']} | {r['ep']} | {r['tokens']} "
+      f"| {r['layout']} | {r['rows']} | {r['window']} | {r['chunk']} | {r['pieces']} "
+      f"| {r['issue_us']:.2f} | {r['mxu_busy_us']:.2f} | {r['model_step_us']:.2f} "
+      f"| {r['issue_us'] / r['model_step_us']:.2f} | {r['copy_us']:.2f} "
+      f"| {r['issue_us'] / r['copy_us']:.2f} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--chips", nargs="*", default=list(CHIPS))
@@ -292,6 +460,12 @@ def main(argv: Sequence[str] | None = None) -> None:
   p.add_argument("--pieces", type=int, default=None, help="force the plan's parts of d")
   p.add_argument(
     "--upcast", default=None, help="force the fp8 block-scaled route (`FusedPlan.upcast`)"
+  )
+  p.add_argument(
+    "--points",
+    action="store_true",
+    help="compile the plans bench.decode models at its grid's points (one per distinct plan) "
+    "instead of DeepSeek-V3's tokens layout",
   )
   p.add_argument("--work", default=None, help="dump directory (default: a temporary one)")
   p.add_argument("--markdown", default=None, help="write the table here")
@@ -304,7 +478,10 @@ def main(argv: Sequence[str] | None = None) -> None:
   import jax
 
   with tempfile.TemporaryDirectory() as tmp:
-    recs = run(a.chips, a.weights, a.tokens, work=a.work or tmp, pieces=a.pieces, upcast=a.upcast)
+    if a.points:
+      recs = run_points(grid_points(a.chips), work=a.work or tmp)
+    else:
+      recs = run(a.chips, a.weights, a.tokens, work=a.work or tmp, pieces=a.pieces, upcast=a.upcast)
   # NOTE: the dump and JSON paths are where this run kept things, not what it measured.
   shown = list(argv if argv is not None else sys.argv[1:])
   for flag in ("--work", "--json"):
@@ -315,7 +492,9 @@ def main(argv: Sequence[str] | None = None) -> None:
   from importlib.metadata import version
 
   versions = f"jax {jax.__version__}, libtpu {version('libtpu')}"
-  text = markdown(recs, command=command.strip(), versions=versions)
+  text = (markdown_points if a.points else markdown)(
+    recs, command=command.strip(), versions=versions
+  )
   print(text)
   if a.markdown:
     with open(a.markdown, "w") as fh:

@@ -382,8 +382,15 @@ def loop_tree(bundles: Sequence[Bundle]) -> Node:
       continue
     j = region_at[b.branch_region]
     if j <= i and bundles[j].label == "LB":
+      # NOTE: the loop's own exit test is at its own nesting level (its `LB:` bundle's, or its
+      # body's shallowest: the back edge prints one level up); a deeper one is an inner
+      # loop's, and would make a dynamic loop look static.
+      own = bundles[j].depth
+      if own < 0:
+        own = min((x.depth for x in bundles[j:i] if x.depth >= 0), default=-1)
       exit_bound = next(
-        (x.exit_bound for x in bundles[j : i + 1] if x.exit_bound is not None), None
+        (x.exit_bound for x in bundles[j : i + 1] if x.exit_bound is not None and x.depth == own),
+        None,
       )
       # NOTE: the back edge's delay slots still belong to the loop: bundles up to the next
       # label, or to the first non-empty bundle outside the loop's nesting level.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import decode, fused_vliw, llo
+from pallas_moe.generations import get_generation, tensorcore_rates
 from tests.bench.test_llo import _Schedule
 
 
@@ -55,3 +56,63 @@ def test_tpu7x_fp8_step_dequantizes_inside_its_products(tmp_path):
   assert rec["products_bundles_per_1024"] < 1.0
   base, per_row = decode.ISSUE_BUNDLES[("tpu7x", "astype")]
   assert abs(base + per_row * rec["window"] - rec["products_bundles_per_1024"]) < 0.1
+
+
+def test_every_plan_the_grid_runs_has_its_compiled_step():
+  """`bench.decode` stretches a step to its compiled issue (`issue_scale`) from
+  `python -m bench.fused_vliw --points`' records: every fused plan `moe_decode` runs in the grid
+  has one, so a plan changed without recompiling fails here instead of silently dropping back to
+  the model's figure."""
+  keys = decode.compiled_steps()
+  points = fused_vliw.grid_points()
+  assert points
+  missing = [
+    p for p in points if decode.plan_key(fused_vliw.point_plan(**p)[1], p["chip"]) not in keys
+  ]
+  assert not missing, f"rerun python -m bench.fused_vliw --points for {missing}"
+
+
+def test_compiled_issue_takes_the_longer_of_model_and_compiled(monkeypatch):
+  """Where a plan's compiled step issues less than the model's, the model's figure stays;
+  where its unconditional bundles issue longer, every step's compute is stretched to them; its
+  predicated bundles past the model's gathers and adds back are charged once per visited
+  expert, at its first and last steps."""
+  point = dict(model="qwen3-30b-a3b", weights="bf16", chip="v5e", ep=8, tokens=32)
+  layout, plan = fused_vliw.point_plan(**point)
+  assert layout == "gathered"
+  gen = get_generation("v5e")
+  model = decode.model_step_s(plan, gen) * 1e6
+  gathers = sum(decode.gather_macs(plan, gen)) * 2 / tensorcore_rates(gen)[0] * 1e6
+  products = model - gathers
+  sizes = decode.route(experts=128, top_k=8, ep=8, tokens=32)
+  local = sizes[decode.busiest_device(sizes)]
+
+  def modeled(issue_us: float, predicated_us: float) -> dict:
+    got = {decode.plan_key(plan, gen): (issue_us, predicated_us)}
+    monkeypatch.setattr(decode, "compiled_steps", lambda: got)
+    return decode._stream(plan, local, gen, visit_all=False)
+
+  base = modeled(0.5 * model, 0.0)
+  assert (base["issue_scale"], base["issue_extra_s"]) == (1.0, 0.0)
+  whole = modeled(2.0 * model, 0.0)
+  assert whole["issue_scale"] == pytest.approx((2.0 * model - gathers) / products)
+  assert whole["issue_extra_s"] == pytest.approx(0.0, abs=1e-12)
+  assert whole["mxu_s"] > base["mxu_s"] and whole["stream_s"] > base["stream_s"]
+  # NOTE: 3 µs of the step predicated, past the model's gathers: charged per visited expert.
+  split = modeled(model + 3.0, gathers + 3.0)
+  assert split["issue_scale"] == pytest.approx(1.0)
+  windows = decode.expert_windows(plan, local)[local > 0]
+  assert split["issue_extra_s"] == pytest.approx(windows.sum() * 3.0e-6)
+  assert split["stream_s"] > base["stream_s"]
+
+
+@pytest.mark.aot
+def test_compiled_point_matches_its_record(tmp_path):
+  """The committed record of a grid point's compiled step is what its plan compiles to now
+  (real libtpu): the gathered layout at Qwen3-30B-A3B dims on v5e, EP 8, 32 tokens."""
+  point = dict(model="qwen3-30b-a3b", weights="bf16", chip="v5e", ep=8, tokens=32)
+  (rec,) = fused_vliw.run_points([point], work=str(tmp_path), jobs=1)
+  issue, predicated = decode.compiled_steps()[rec["plan_key"]]
+  assert issue == pytest.approx(rec["issue_us"], rel=0.02)
+  assert predicated == pytest.approx(rec["predicated_us"], rel=0.05, abs=0.05)
+  assert rec["layout"] == "gathered" and rec["mxu_busy_us"] > 0
