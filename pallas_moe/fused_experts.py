@@ -1028,10 +1028,23 @@ def _stream_step(
   base = (lo // a) * a
   held = plan.visit_rows + a
   rows = visit % 2
+  # NOTE: the granules the visit finishes (copied out at its last chunk); the one after them is
+  # carried on to the next visit.
+  full = (hi - base) // a
+
+  def granule(g):
+    return pl.ds(pl.multiple_of(g * a, a), a)
 
   @pl.when(first)
   def _():
-    scratch.acc[...] = jnp.zeros_like(scratch.acc)
+    # NOTE: only the granules the visit's rows reach and the carried one are read back; the
+    # sums' other rows take masked (zero) products only, and a visit of a few rows need not
+    # clear all `visit_rows` of them.
+    def clear(g, carry):
+      scratch.acc[granule(g), :] = jnp.zeros((a, plan.d), jnp.float32)
+      return carry
+
+    lax.fori_loop(0, full + 1, clear, 0)
     scratch.acc[0:a, :] = scratch.carry[...]
 
   weights = scratch.row_weights.at[rows] if refs[1] is not None else None
@@ -1051,10 +1064,13 @@ def _stream_step(
     def _():
       _visit_rows_out(plan, refs, scratch, visit - 1, "wait")
 
-    full = (hi - base) // a
-    scratch.staging[...] = scratch.acc[...].astype(scratch.staging.dtype)
+    def cast(g, carry):
+      scratch.staging[granule(g), :] = scratch.acc[granule(g), :].astype(scratch.staging.dtype)
+      return carry
+
+    lax.fori_loop(0, full, cast, 0)
     _visit_rows_out(plan, refs, scratch, visit, "start")
-    scratch.carry[...] = scratch.acc[pl.ds(pl.multiple_of(full * a, a), a), :]
+    scratch.carry[...] = scratch.acc[granule(full), :]
 
 
 def _token_onehot(expert_tokens, expert, r0, window: int, tokens: int):
