@@ -563,13 +563,17 @@ def plan_key(plan: fe.FusedPlan, generation) -> str:
 
 
 @functools.cache
-def compiled_steps(path: str = str(COMPILED_STEPS)) -> dict[str, tuple[float, float]]:
-  """`plan_key` -> the compiled step's (issue, of it predicated) in µs, from `python -m
-  bench.fused_vliw --points`' records (empty where the file is absent)."""
+def compiled_steps(path: str = str(COMPILED_STEPS)) -> dict[str, tuple[float, float, float]]:
+  """`plan_key` -> the compiled step's (issue, of it predicated, of that in dynamic loops: one
+  iteration each) in µs, from `python -m bench.fused_vliw --points`' records (empty where the
+  file is absent)."""
   if not os.path.exists(path):
     return {}
   with open(path) as f:
-    return {r["plan_key"]: (r["issue_us"], r["predicated_us"]) for r in json.load(f)}
+    recs = json.load(f)
+  return {
+    r["plan_key"]: (r["issue_us"], r["predicated_us"], r["predicated_loops_us"]) for r in recs
+  }
 
 
 def compiled_issue(plan: fe.FusedPlan, generation) -> tuple[float, float]:
@@ -583,19 +587,21 @@ def compiled_issue(plan: fe.FusedPlan, generation) -> tuple[float, float]:
   (the extra: a gathered expert's one-hot builds and f32 adds, a streamed visit's row copies).
 
   Returns:
-    (scale >= 1 of every step's compute, extra seconds per visited expert of one window); (1,
+    (scale >= 1 of every step's compute, extra seconds per visited expert of one window, of
+    them the part in dynamic loops: one iteration each, a streamed visit's granules); (1, 0,
     0) where the plan was not compiled.
   """
   got = compiled_steps().get(plan_key(plan, generation))
   if got is None:
-    return 1.0, 0.0
-  issue, predicated = (x * 1e-6 for x in got)
+    return 1.0, 0.0, 0.0
+  issue, predicated, loops = (x * 1e-6 for x in got)
   gen = get_generation(generation)
   flops, _ = tensorcore_rates(gen)
   gathers = sum(gather_macs(plan, gen)) * 2 / flops
   products = model_step_s(plan, gen) - gathers
   scale = max(1.0, min(issue - predicated, issue - gathers) / products)
-  return scale, max(0.0, issue - products * scale - gathers)
+  extra = max(0.0, issue - products * scale - gathers)
+  return scale, extra, min(extra, loops)
 
 
 def gather_macs(plan: fe.FusedPlan, generation) -> tuple[float, float]:
@@ -742,7 +748,7 @@ def _stream(plan: fe.FusedPlan, sizes: np.ndarray, gen, *, visit_all: bool) -> d
   visits = np.arange(len(sizes)) if visit_all else np.flatnonzero(sizes)
   per_window = window_macs(plan, gen) * 2 / flops
   windows = expert_windows(plan, sizes)[visits]
-  scale, extra = compiled_issue(plan, gen)
+  scale, extra, _ = compiled_issue(plan, gen)
   compute = step_compute_s(plan, windows, per_window, gen) * scale
   vector = float((compute - windows * per_window).sum()) * plan.core_chunks
   mxu = np.repeat(compute, plan.core_chunks)
@@ -1001,7 +1007,11 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
   rows_in, rows_out = copied_in * row_in / bw, tiles_out * granule_out / bw
   dma = plan.step_weight_bytes / bw
 
-  scale, extra = compiled_issue(plan, gen)
+  scale, extra, per_granule = compiled_issue(plan, gen)
+  # NOTE: a visit's own work: its dynamic loops (clearing its sums, casting and copying its
+  # rows) once per granule it reaches, the rest once.
+  granules = (hi - lo // plan.align * plan.align) // plan.align + 1
+  visit_extra = extra - per_granule + per_granule * granules
 
   def core(v0: int, v1: int) -> dict:
     n = v1 - v0
@@ -1017,8 +1027,8 @@ def model_block_stream(plan: fe.FusedPlan, sizes: np.ndarray, chip: str) -> dict
       head[starts[:-1] + 1] += rows_in[v0 + 1 : v1]
       tail[starts[:-1] + chunks] += rows_out[v0 : v1 - 1]
       # NOTE: the compiled step's own work at a visit's first and last steps, half each.
-      before[starts] += extra / 2
-      after_down[starts + chunks - 1] += extra / 2
+      before[starts] += visit_extra[v0:v1] / 2
+      after_down[starts + chunks - 1] += visit_extra[v0:v1] / 2
     first, total, copies = pipeline(
       mxu, dma, pieces=plan.pieces, head=head, tail=tail, before=before, after_down=after_down
     )

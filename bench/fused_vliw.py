@@ -173,8 +173,10 @@ class StepCounts:
   mxu_cycles: float
   # NOTE: of products + dequant, the bundles in predicated regions (`pl.when` bodies Mosaic
   # branched around: an expert's first step's gathers, its last step's adds back, a visit's
-  # row copies), counted as taken.
+  # row copies), counted as taken; of those, the ones in dynamic loops (one iteration each: a
+  # gathered expert's windows, a streamed visit's granules).
   predicated: int = 0
+  predicated_loops: int = 0
 
 
 def step_counts(text: str, generation) -> StepCounts:
@@ -206,7 +208,20 @@ def step_counts(text: str, generation) -> StepCounts:
     dequant=dequant,
     mxu_cycles=mxu(step),
     predicated=_predicated(step),
+    predicated_loops=_predicated_loops(step),
   )
+
+
+def _predicated_loops(node: llo.Node, predicated: bool = False) -> int:
+  """Bundles of `_issued(node)` inside dynamic loops inside predicated regions."""
+  total = 0
+  for child in node.children:
+    trips = (child.exit_bound or 1) if child.kind == "loop" else 1
+    if predicated and child.kind == "loop" and child.exit_bound is None:
+      total += _issued(child)
+    else:
+      total += _predicated_loops(child, predicated or child.kind == "cond") * trips
+  return total
 
 
 def _predicated(node: llo.Node) -> int:
@@ -313,6 +328,7 @@ def point_record(counts: StepCounts, **point) -> dict:
     upcast=plan.upcast if plan.kind == "block" else "",
     issue_us=(counts.products + counts.dequant) * us,
     predicated_us=counts.predicated * us,
+    predicated_loops_us=counts.predicated_loops * us,
     mxu_busy_us=counts.mxu_cycles * us,
     model_step_us=bd.model_step_s(plan, gen) * 1e6,
     model_gather_us=sum(bd.gather_macs(plan, gen)) * 2 / flops * 1e6,

@@ -88,7 +88,7 @@ def test_compiled_issue_takes_the_longer_of_model_and_compiled(monkeypatch):
   local = sizes[decode.busiest_device(sizes)]
 
   def modeled(issue_us: float, predicated_us: float) -> dict:
-    got = {decode.plan_key(plan, gen): (issue_us, predicated_us)}
+    got = {decode.plan_key(plan, gen): (issue_us, predicated_us, 0.0)}
     monkeypatch.setattr(decode, "compiled_steps", lambda: got)
     return decode._stream(plan, local, gen, visit_all=False)
 
@@ -106,13 +106,40 @@ def test_compiled_issue_takes_the_longer_of_model_and_compiled(monkeypatch):
   assert split["stream_s"] > base["stream_s"]
 
 
+def test_streamed_visit_work_is_charged_per_granule(monkeypatch):
+  """A streamed visit's own work in dynamic loops (clearing its sums, casting its rows out) is
+  charged once per granule the visit reaches; the rest of its predicated work once."""
+  point = dict(model="deepseek-v3", weights="bf16", chip="v6e", ep=8, tokens=128)
+  layout, plan = fused_vliw.point_plan(**point)
+  assert layout == "streamed"
+  gen = get_generation("v6e")
+  model = decode.model_step_s(plan, gen) * 1e6
+  sizes = decode.route(experts=256, top_k=8, ep=8, tokens=128)
+  local = sizes[decode.busiest_device(sizes)]
+  _, lo, hi, _, _ = decode.stream_visits(plan, local)
+  granules = (hi - lo // plan.align * plan.align) // plan.align + 1
+
+  def extra_us(fixed: float, per_granule: float) -> float:
+    got = {
+      decode.plan_key(plan, gen): (model + fixed + per_granule, fixed + per_granule, per_granule)
+    }
+    monkeypatch.setattr(decode, "compiled_steps", lambda: got)
+    return decode.model_block_stream(plan, local, "v6e")["issue_extra_us"]
+
+  assert extra_us(0.0, 0.0) == 0.0
+  assert extra_us(2.0, 0.0) == pytest.approx(2.0 * len(lo))
+  assert extra_us(2.0, 0.5) == pytest.approx(2.0 * len(lo) + 0.5 * granules.sum())
+  assert granules.sum() > len(lo)  # visits reach more than one granule here
+
+
 @pytest.mark.aot
 def test_compiled_point_matches_its_record(tmp_path):
   """The committed record of a grid point's compiled step is what its plan compiles to now
   (real libtpu): the gathered layout at Qwen3-30B-A3B dims on v5e, EP 8, 32 tokens."""
   point = dict(model="qwen3-30b-a3b", weights="bf16", chip="v5e", ep=8, tokens=32)
   (rec,) = fused_vliw.run_points([point], work=str(tmp_path), jobs=1)
-  issue, predicated = decode.compiled_steps()[rec["plan_key"]]
+  issue, predicated, loops = decode.compiled_steps()[rec["plan_key"]]
   assert issue == pytest.approx(rec["issue_us"], rel=0.02)
   assert predicated == pytest.approx(rec["predicated_us"], rel=0.05, abs=0.05)
+  assert loops == pytest.approx(rec["predicated_loops_us"], rel=0.05, abs=0.05)
   assert rec["layout"] == "gathered" and rec["mxu_busy_us"] > 0
