@@ -141,6 +141,7 @@ def plan_block(
   tensor_parallelism: int = 1,
   buffer_rows: int | None = None,
   async_exchange: bool | None = None,
+  expert_tiles: bool = True,
 ) -> BlockPlan:
   """Resolves the block's defaults for T tokens per device into a `BlockPlan`.
 
@@ -152,6 +153,9 @@ def plan_block(
     buffer_rows: an explicit receive-buffer row count per chunk (e.g. `dropless_buffer_rows`).
     async_exchange: whether the exchange compiles async (decides the default batch split);
       None: the installed libtpu and `LIBTPU_INIT_ARGS` (`batch_split.async_exchange_enabled`).
+    expert_tiles: pick the gate/up and down gmms' tiles now (a search over the tilings, about
+      a second per plan); False for a caller that sets `fused` (the serving path's streamed
+      experts), whose plan leaves `wi` / `wo` None.
 
   Returns:
     The plan; `moe_block(..., plan=)` runs it.
@@ -182,9 +186,11 @@ def plan_block(
   expert_rows = rows if ep > 1 else max(1, tc * k)
   expected = tc * k if 0 < tc * k < expert_rows else None
   num_local = config.num_experts // ep
-  wi, wo = _expert_gmm_plans(
-    config, rows=expert_rows, num_local=num_local, expected=expected, tp=tensor_parallelism
-  )
+  wi, wo = None, None
+  if expert_tiles:
+    wi, wo = _expert_gmm_plans(
+      config, rows=expert_rows, num_local=num_local, expected=expected, tp=tensor_parallelism
+    )
   return BlockPlan(
     tokens_per_device=t,
     expert_parallelism=ep,

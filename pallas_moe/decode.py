@@ -177,7 +177,10 @@ def plan_decode(
     except ValueError as e:
       reason = str(e)
   with tiling_lib.use_generation(gen):
-    block = plan_block(config, tokens_per_device=t, expert_parallelism=ep, tensor_parallelism=1)
+    # NOTE: no gmm tiles: the experts are the fused kernel below.
+    block = plan_block(
+      config, tokens_per_device=t, expert_parallelism=ep, tensor_parallelism=1, expert_tiles=False
+    )
   # NOTE: the experts of moe_block's forward as one fused kernel streaming only the received
   # rows (no SwiGLU pass over the static buffer, no gmm metadata); a megacore device (v5p)
   # splits the visits between its two TensorCores.
