@@ -142,11 +142,20 @@ def compile_dump(
   Returns:
     dump_dir.
   """
-  done = os.path.join(dump_dir, "compiled.ok")
-  if os.path.exists(done):
+  spec = DIMS | dict(chip=chip, weights=weights, tokens=tokens, pieces=pieces, upcast=upcast)
+  return _dumped(spec, dump_dir, timeout_s=timeout_s)
+
+
+def _dumped(spec: dict[str, Any], dump_dir: str, *, timeout_s: float) -> str:
+  """`spec` compiled with the LLO dumps on into `dump_dir` (`_compile_in_this_process`, in a
+  fresh process), unless a finished compile is there already.
+
+  Returns:
+    dump_dir.
+  """
+  if os.path.exists(os.path.join(dump_dir, "compiled.ok")):
     return dump_dir
   os.makedirs(dump_dir, exist_ok=True)
-  spec = DIMS | dict(chip=chip, weights=weights, tokens=tokens, pieces=pieces, upcast=upcast)
   return llo.dump_compile("bench.fused_vliw", spec, dump_dir=dump_dir, timeout_s=timeout_s)
 
 
@@ -368,9 +377,7 @@ def run_points(points: Sequence[dict], *, work: str, jobs: int | None = None) ->
 
   def one(point: dict) -> dict:
     where = os.path.join(work, "{model}-{weights}-{chip}-ep{ep}-t{tokens}".format(**point))
-    if not os.path.exists(os.path.join(where, "compiled.ok")):
-      os.makedirs(where, exist_ok=True)
-      llo.dump_compile("bench.fused_vliw", point, dump_dir=where, timeout_s=1800)
+    _dumped(point, where, timeout_s=1800)
     with open(llo.find_dump(where, KERNEL)) as f:
       counts = step_counts(f.read(), get_generation(point["chip"]))
     return point_record(counts, **point)
